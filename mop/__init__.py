@@ -1,0 +1,1 @@
+"""mop: Mixture-of-Parallelisms training stack for Mixture-of-Experts language models."""

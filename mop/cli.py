@@ -1,0 +1,76 @@
+"""The `mop` command: `mop train [CONFIG.toml] [--section.key=value ...]`.
+
+User errors (a bad setting, missing data, an impossible layout, a feature that has not landed)
+print one line naming the setting and the fix, and exit with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import typing
+
+from mop.config import Config, field_docs, load_config, sections
+from mop.train import USER_ERRORS, launch, train, under_torchrun
+
+
+def config_reference() -> str:
+    """Every setting with its default and docstring, for `mop train --help`."""
+    lines, defaults = ["settings (override as --section.key=value):"], Config()
+    for section, cls in sections().items():
+        docs = field_docs(cls)
+        lines.append(f"  [{section}]")
+        for f in dataclasses.fields(cls):
+            default = getattr(getattr(defaults, section), f.name)
+            kind = typing.get_type_hints(cls)[f.name]
+            choices = "|".join(map(str, typing.get_args(kind))) if typing.get_origin(kind) is typing.Literal else ""
+            lines.append(f"    {section}.{f.name} = {default!r}{'  (' + choices + ')' if choices else ''}")
+            lines.append(f"        {docs.get(f.name, '')}")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mop", description="Mixture-of-Parallelisms training stack for MoE models.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    train_parser = commands.add_parser(
+        "train", help="train a model (no arguments: the tiny debug model on the shipped corpus)",
+        description="Train an MoE language model. With no arguments: the debug model on the shipped corpus, on CPU.",
+        epilog=config_reference(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    train_parser.add_argument("config", nargs="?", help="TOML config file (e.g. configs/debug.toml); defaults apply without one")
+    return parser
+
+
+def run_train(config_path: str | None, overrides: list[str]) -> None:
+    config = load_config(config_path, overrides)
+    if under_torchrun() or config.parallel.strategy == "reference":
+        train(config)
+    else:
+        launch(config)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    unknown = [arg for arg in rest if not (arg.startswith("--") and "." in arg.split("=", 1)[0])]
+    if unknown:
+        parser.error(f"unrecognised arguments: {' '.join(unknown)} (settings look like --section.key=value)")
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        run_train(args.config, rest)
+    except USER_ERRORS as err:
+        print(f"mop: error: {err}", file=sys.stderr)
+        return 2
+    except ChildFailedError as err:
+        codes = {failure.exitcode for failure in err.failures.values()}
+        if codes == {2}:
+            return 2  # a user error, already printed by rank 0
+        ranks = ", ".join(map(str, sorted(err.failures)))
+        print(f"mop: error: rank(s) {ranks} failed; their tracebacks are above", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,296 @@
+"""Training configuration: nested dataclasses, loaded from TOML, overridden as `--section.key=value`.
+
+Every field carries its docstring (the string literal under it); `mop train --help` prints them.
+The dataclass defaults are the embedded default run (the tiny debug model on the shipped corpus);
+`configs/debug.toml` spells the same values out.
+
+Loading is strict: an unknown section or key (with a did-you-mean), a value of the wrong type,
+an out-of-range value or an impossible combination raises `ConfigError`, whose one-line message
+names the key and the fix; the command line turns it into exit code 2.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from mop.models.config import ModelConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A bad setting; `str(err)` is one line that names the key and how to fix it."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(f"{key}: {message}")
+        self.key = key
+
+
+@dataclass
+class ParallelConfig:
+    strategy: Literal["reference", "mop", "fsdp2"] = "reference"
+    """"reference": one process, no sharding (the ground truth); "mop": the mixture of parallelisms;
+    "fsdp2": the FSDP2 baseline (not implemented yet)."""
+    nproc: int = 1
+    """Local ranks to launch when not started by torchrun (ignored under torchrun)."""
+    sequence: int = 1
+    """D: ranks that share one sequence (Ulysses sequence parallelism); divides the world size."""
+    expert: int = 1
+    """Ep: ranks the experts are partitioned over; divides the world size and model.experts."""
+    vocab: int = 1
+    """P: ranks the output projection's rows are sharded over; divides the world size."""
+    expert_balance: Literal["ep", "llep"] = "ep"
+    """Token placement for expert parallelism: "ep" (each expert on its owner) or "llep" (least-loaded)."""
+
+
+@dataclass
+class DataConfig:
+    source: str = "builtin"
+    """"builtin" (the shipped corpus) or a path to a .txt/.jsonl/.parquet/.bin file or a directory of them."""
+    tokenizer: str = "byte"
+    """"byte" (built-in byte-level) or a path to a Hugging Face tokenizer.json (or its directory)."""
+    seq_len: int = 256
+    """Tokens per packed training sequence."""
+    text_field: str = "text"
+    """Field of a .jsonl object / column of a .parquet file holding the document text."""
+    bin_dtype: Literal["uint16", "uint32"] = "uint16"
+    """Element type of pre-tokenised .bin token files."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 400
+    """Optimizer steps to run."""
+    seed: int = 0
+    """Seeds the initialisation and the data order; no other randomness is used."""
+    global_batch: int = 8
+    """Sequences per optimizer step, the same for every layout."""
+    micro_batch: int = 4
+    """Sequences per forward pass of one data-parallel group; gradients accumulate to global_batch."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Compute dtype: "bfloat16" runs forward/backward under autocast; weights and optimizer stay fp32."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0 disables clipping)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """"auto" picks CUDA when available (one GPU per local rank), else the CPU."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    """Peak learning rate of AdamW."""
+    min_lr_ratio: float = 0.1
+    """The cosine schedule decays to lr * min_lr_ratio at the last step."""
+    warmup_steps: int = 20
+    """Linear warm-up steps from 0 to lr."""
+    beta1: float = 0.9
+    """AdamW first-moment decay."""
+    beta2: float = 0.95
+    """AdamW second-moment decay."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay, applied to matrices only (not to norm weights)."""
+    offload: bool = False
+    """Keep fp32 master weights and moments in host memory and update them during the backward."""
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0
+    """Save a checkpoint every this many steps (0: never)."""
+    keep: int = 3
+    """Keep the newest this many checkpoints."""
+    dir: str = ""
+    """Checkpoint directory; empty means `<log.run_dir>/checkpoints`."""
+
+
+@dataclass
+class LogConfig:
+    run_dir: str = ""
+    """Where metrics.jsonl, TensorBoard events and plots go; empty means runs/<UTC timestamp>."""
+    overwrite: bool = False
+    """Allow writing into a run_dir that already holds a run's metrics (they are replaced)."""
+    tensorboard: bool = True
+    """Write TensorBoard event files into run_dir."""
+    plot: bool = True
+    """Write loss.png (loss and throughput curves) into run_dir at the end."""
+    progress: bool = True
+    """Show a progress bar on rank 0."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Architecture of the MoE transformer."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Rank layout and parallel strategy."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Corpus, tokenizer and packing."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Steps, batch and precision."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """AdamW and its schedule."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpointing."""
+    log: LogConfig = field(default_factory=LogConfig)
+    """Metrics and plots."""
+
+
+def field_docs(cls) -> dict[str, str]:
+    """The docstring under each field of a dataclass, read from its source."""
+    docs, previous = {}, None
+    for node in ast.parse(inspect.getsource(cls)).body[0].body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            previous = node.target.id
+        elif previous and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            docs[previous] = " ".join(str(node.value.value).split())
+            previous = None
+    return docs
+
+
+def sections() -> dict[str, type]:
+    return {f.name: typing.get_type_hints(Config)[f.name] for f in dataclasses.fields(Config)}
+
+
+def _did_you_mean(name: str, options) -> str:
+    close = difflib.get_close_matches(name, list(options), n=1)
+    return f"did you mean '{close[0]}'?" if close else f"valid: {', '.join(sorted(options))}"
+
+
+def _coerce(key: str, value: Any, kind) -> Any:
+    if typing.get_origin(kind) is Literal:
+        choices = typing.get_args(kind)
+        if value not in choices:
+            raise ConfigError(key, f"must be one of {', '.join(map(repr, choices))}, got {value!r}")
+        return value
+    is_integer = isinstance(value, int) and not isinstance(value, bool)
+    if kind is float and is_integer:
+        return float(value)
+    if kind is int and not is_integer or not isinstance(value, kind):
+        raise ConfigError(key, f"expects {kind.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def apply(config: Config, values: dict[str, Any]) -> Config:
+    """Set `{section: {key: value}}` onto `config`, type-checked; unknown names raise."""
+    known = sections()
+    for section, entries in values.items():
+        if section not in known:
+            raise ConfigError(section, f"unknown section; {_did_you_mean(section, known)}")
+        if not isinstance(entries, dict):
+            raise ConfigError(section, "is a section: set its keys, e.g. --train.steps=10")
+        target = getattr(config, section)
+        hints = typing.get_type_hints(type(target))
+        for key, value in entries.items():
+            name = f"{section}.{key}"
+            if key not in hints:
+                raise ConfigError(name, f"unknown key; {_did_you_mean(key, hints)}")
+            setattr(target, key, _coerce(name, value, hints[key]))
+    return config
+
+
+def parse_override(arg: str) -> tuple[str, str, str]:
+    """`--section.key=value` -> (section, key, value text)."""
+    name, sep, text = arg.removeprefix("--").partition("=")
+    section, dot, key = name.partition(".")
+    if not (arg.startswith("--") and sep and dot and section and key):
+        raise ConfigError(arg, "overrides look like --section.key=value, e.g. --train.steps=20")
+    return section, key, text
+
+
+def _override_value(config: Config, section: str, key: str, text: str) -> Any:
+    """Read the text as TOML (numbers, booleans); string-valued keys take it verbatim, quotes optional."""
+    kind = typing.get_type_hints(type(getattr(config, section, None))).get(key)
+    if kind is str or typing.get_origin(kind) is Literal:
+        return text[1:-1] if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"" else text
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Defaults, then the TOML file, then the command-line overrides; validated."""
+    config = Config()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(str(path), "config file not found; pass an existing .toml file, e.g. configs/debug.toml")
+        try:
+            apply(config, tomllib.loads(path.read_text()))
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(str(path), f"is not valid TOML ({err})") from None
+    for arg in overrides:
+        section, key, text = parse_override(arg)
+        apply(config, {section: {key: _override_value(config, section, key, text)}})
+    validate(config)
+    return config
+
+
+def validate(config: Config, world: int | None = None) -> None:
+    """Range and cross-field checks; `world` is the real world size once known (else parallel.nproc)."""
+    for key, message in config.model.validate():
+        raise ConfigError(f"model.{key}", message)
+    p, t, d = config.parallel, config.train, config.data
+    world = world or p.nproc
+    _positive(config, ["parallel.nproc", "parallel.sequence", "parallel.expert", "parallel.vocab", "data.seq_len",
+                       "train.steps", "train.global_batch", "train.micro_batch", "checkpoint.keep"])
+    _at_least_zero(config, ["train.seed", "train.grad_clip", "optim.lr", "optim.warmup_steps", "optim.weight_decay",
+                            "optim.eps", "checkpoint.every"])
+    if not 0 <= config.optim.min_lr_ratio <= 1:
+        raise ConfigError("optim.min_lr_ratio", f"must be in [0, 1], got {config.optim.min_lr_ratio}")
+    for key in ("beta1", "beta2"):
+        if not 0 <= getattr(config.optim, key) < 1:
+            raise ConfigError(f"optim.{key}", f"must be in [0, 1), got {getattr(config.optim, key)}")
+    if p.strategy == "reference" and world != 1:
+        raise ConfigError("parallel.strategy", f"'reference' runs one process but the world size is {world}; "
+                          "use --parallel.strategy=mop or --parallel.nproc=1")
+    for key, size in (("sequence", p.sequence), ("expert", p.expert), ("vocab", p.vocab)):
+        if world % size:
+            divisors = [n for n in range(1, world + 1) if world % n == 0]
+            raise ConfigError(f"parallel.{key}", f"{size} does not divide the world size {world}; "
+                              f"choose one of {divisors}")
+    if d.seq_len % p.sequence:
+        raise ConfigError("data.seq_len", f"{d.seq_len} is not divisible by parallel.sequence={p.sequence}")
+    if config.model.experts % p.expert:
+        raise ConfigError("parallel.expert", f"{p.expert} does not divide model.experts={config.model.experts}")
+    if config.model.tie_embeddings and p.vocab > 1:
+        raise ConfigError("model.tie_embeddings", "tied embeddings need parallel.vocab=1; untie them or set "
+                          "--parallel.vocab=1")
+    groups = world // p.sequence
+    if t.global_batch % (groups * t.micro_batch):
+        raise ConfigError("train.global_batch", f"{t.global_batch} must be a multiple of data groups ({groups}) x "
+                          f"train.micro_batch ({t.micro_batch}); e.g. {groups * t.micro_batch}")
+
+
+def _lookup(config: Config, dotted: str):
+    section, key = dotted.split(".")
+    return getattr(getattr(config, section), key)
+
+
+def _positive(config: Config, keys: list[str]) -> None:
+    for key in keys:
+        if _lookup(config, key) < 1:
+            raise ConfigError(key, f"must be >= 1, got {_lookup(config, key)}")
+
+
+def _at_least_zero(config: Config, keys: list[str]) -> None:
+    for key in keys:
+        if _lookup(config, key) < 0:
+            raise ConfigError(key, f"must be >= 0, got {_lookup(config, key)}")
+
+
+def to_dict(config: Config) -> dict[str, dict[str, Any]]:
+    return dataclasses.asdict(config)

@@ -1,0 +1,85 @@
+"""Model shape: the architecture hyper-parameters of a decoder-only MoE transformer.
+
+This dataclass is the `[model]` section of the training config and the single source of shapes
+for the model code, the HF converters and the memory planner. Presets for real models live in
+`configs/*.toml`; the defaults here are the tiny CPU debug model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 259
+    """Rows of the embedding and of the output projection (must cover the tokenizer's ids)."""
+    hidden: int = 128
+    """Model width H."""
+    layers: int = 4
+    """Number of transformer blocks L."""
+    heads: int = 4
+    """Query heads per attention layer."""
+    kv_heads: int = 2
+    """Key/value heads (grouped-query attention); must divide `heads`."""
+    head_dim: int = 32
+    """Width of one attention head (need not equal hidden / heads, as in Qwen3)."""
+    qk_norm: bool = True
+    """RMSNorm over head_dim on queries and keys before RoPE (Qwen3); false for Mixtral."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+    norm_eps: float = 1e-6
+    """Epsilon of every RMSNorm."""
+    experts: int = 8
+    """Routed experts per MoE layer E."""
+    top_k: int = 2
+    """Experts each token is routed to."""
+    expert_intermediate: int = 128
+    """Intermediate width I of one routed SwiGLU expert."""
+    norm_topk_prob: bool = True
+    """Renormalise the top-k router probabilities to sum to one (Qwen3 option; Mixtral always does)."""
+    shared_expert_intermediate: int = 0
+    """Intermediate width of an always-on shared SwiGLU expert (DeepSeek style); 0 means none."""
+    dense_layers: int = 0
+    """The first `dense_layers` blocks use a dense SwiGLU MLP instead of an MoE layer."""
+    dense_intermediate: int = 256
+    """Intermediate width of the dense MLP of the first `dense_layers` blocks."""
+    aux_loss_coef: float = 0.01
+    """Weight of the load-balancing loss added to the language-model loss (0 disables it)."""
+    tie_embeddings: bool = False
+    """Share the embedding matrix with the output projection."""
+    init_std: float = 0.02
+    """Standard deviation of the normal initialisation of every weight matrix."""
+
+    def validate(self) -> list[tuple[str, str]]:
+        """Problems as (key, message) pairs; empty when the shape is buildable."""
+        problems = []
+        for key in ("vocab_size", "hidden", "layers", "heads", "kv_heads", "head_dim", "experts", "top_k"):
+            if getattr(self, key) < 1:
+                problems.append((key, f"must be >= 1, got {getattr(self, key)}"))
+        if problems:
+            return problems
+        if self.heads % self.kv_heads:
+            problems.append(("kv_heads", f"{self.kv_heads} must divide model.heads={self.heads}"))
+        if self.head_dim % 2:
+            problems.append(("head_dim", f"{self.head_dim} must be even for RoPE"))
+        if self.top_k > self.experts:
+            problems.append(("top_k", f"{self.top_k} exceeds model.experts={self.experts}"))
+        if not 0 <= self.dense_layers <= self.layers:
+            problems.append(("dense_layers", f"must be in [0, model.layers={self.layers}]"))
+        if self.expert_intermediate < 1:
+            problems.append(("expert_intermediate", "must be >= 1"))
+        if self.dense_layers and self.dense_intermediate < 1:
+            problems.append(("dense_intermediate", "must be >= 1 when model.dense_layers > 0"))
+        if self.shared_expert_intermediate < 0:
+            problems.append(("shared_expert_intermediate", "must be >= 0 (0 disables the shared expert)"))
+        if self.aux_loss_coef < 0:
+            problems.append(("aux_loss_coef", "must be >= 0 (0 disables the load-balancing loss)"))
+        for key in ("init_std", "norm_eps", "rope_theta"):
+            if getattr(self, key) <= 0:
+                problems.append((key, f"must be > 0, got {getattr(self, key)}"))
+        return problems
+
+    @property
+    def moe_layers(self) -> int:
+        return self.layers - self.dense_layers

@@ -1,0 +1,52 @@
+"""Small building blocks shared by the attention and MoE layers: RMSNorm, RoPE, SwiGLU.
+
+RMSNorm and RoPE compute in fp32 whatever the activation dtype, as Hugging Face's Qwen3-MoE and
+Mixtral do, so that checkpoints converted from those models give the same numbers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos/sin tables `[..., head_dim]` for the given (global) positions, half-split convention."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float) / head_dim))
+    freqs = position_ids[..., None].float() * inv_freq
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x [B, S, heads, head_dim]` by the tables `cos, sin [B, S, head_dim]`."""
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class SwiGLU(nn.Module):
+    """Dense gated MLP `down(silu(gate(x)) * up(x))`, used for dense blocks and the shared expert."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,134 @@
+"""Mixture-of-Experts feed-forward: softmax top-k router, stacked SwiGLU experts, shared expert.
+
+Routing: `probs = softmax(x W_r^T)` in fp32, the top-k experts per token, their probabilities
+optionally renormalised to sum to one. Expert e computes `down_e(silu(gate_e x) * up_e x)`; a
+token's output is the routing-weighted sum over its k experts (plus the shared expert, if any).
+
+Experts are stored stacked along the expert dimension, `w_gate_up [E, 2I, H]` (gate rows first,
+then up rows) and `w_down [E, H, I]`, the layout of Hugging Face transformers v5, so that an
+expert partition is a slice along E and one GEMM per expert reads contiguous memory.
+
+`Experts.forward` is the seam expert parallelism replaces: it receives the tokens of this rank
+with their routing decisions and returns their combined expert outputs.
+
+The layer also returns `RouterStats`, the per-sequence sums the load-balancing loss is built
+from (see `load_balancing_loss`); keeping sums rather than means is what lets a parallel layout
+reduce them over exactly the tokens of a sequence and reproduce the single-device loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mop.models.config import ModelConfig
+from mop.models.layers import SwiGLU
+
+
+@dataclass
+class RouterStats:
+    """Per-sequence router sums, accumulated over the MoE layers of a forward pass.
+
+    `assignments[b, e]`: token-expert assignments of row b to expert e (top-k picks, no grad).
+    `prob_sum[b, e]`: sum over row b's tokens of the router probability of expert e (has grad).
+    `rows[b]`: token-layer pairs that contributed (tokens of row b x MoE layers).
+    """
+
+    assignments: torch.Tensor
+    prob_sum: torch.Tensor
+    rows: torch.Tensor
+
+    def __add__(self, other: "RouterStats") -> "RouterStats":
+        return RouterStats(self.assignments + other.assignments, self.prob_sum + other.prob_sum, self.rows + other.rows)
+
+
+def load_balancing_loss(stats: RouterStats) -> torch.Tensor:
+    """Switch-style loss `E * sum_e f_e P_e` per sequence, summed over the sequences of `stats`.
+
+    f_e = assignments / rows and P_e = prob_sum / rows, pooled over all MoE layers of a sequence:
+    for one sequence this is exactly Hugging Face's `load_balancing_loss_func`. The caller divides
+    the sum by the global number of sequences, so the loss is a per-sequence mean whatever the
+    micro-batching or layout.
+    """
+    experts = stats.assignments.shape[-1]
+    rows = stats.rows.unsqueeze(-1)
+    per_sequence = experts * ((stats.assignments / rows) * (stats.prob_sum / rows)).sum(-1)
+    return per_sequence.sum()
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.experts, cfg.hidden))
+        self.top_k = cfg.top_k
+        self.norm_topk_prob = cfg.norm_topk_prob
+
+    def forward(self, x: torch.Tensor):
+        """`x [T, H]` -> (fp32 probabilities [T, E], top-k weights [T, k], top-k expert ids [T, k])."""
+        probs = F.softmax(F.linear(x, self.weight).float(), dim=-1)
+        weights, expert_ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return probs, weights, expert_ids
+
+
+def expert_order(expert_ids: torch.Tensor, experts: int):
+    """Sort token-expert assignments by expert: (order into the flat [T*k] list, counts per expert)."""
+    flat = expert_ids.reshape(-1)
+    return torch.argsort(flat, stable=True), torch.bincount(flat, minlength=experts)
+
+
+def swiglu_experts(x_sorted: torch.Tensor, counts: list[int], w_gate_up: torch.Tensor, w_down: torch.Tensor):
+    """Apply expert e to its contiguous run of `counts[e]` rows of `x_sorted`; one GEMM pair per expert."""
+    outputs = []
+    for expert, rows in enumerate(x_sorted.split(counts)):
+        if rows.shape[0] == 0:
+            continue
+        gate, up = F.linear(rows, w_gate_up[expert]).chunk(2, dim=-1)
+        outputs.append(F.linear(F.silu(gate) * up, w_down[expert]))
+    return torch.cat(outputs) if outputs else x_sorted.new_zeros(0, w_down.shape[1])
+
+
+class Experts(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_experts = cfg.experts
+        self.w_gate_up = nn.Parameter(torch.empty(cfg.experts, 2 * cfg.expert_intermediate, cfg.hidden))
+        self.w_down = nn.Parameter(torch.empty(cfg.experts, cfg.hidden, cfg.expert_intermediate))
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """`x [T, H]`, `expert_ids, weights [T, k]` -> `sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`."""
+        top_k = expert_ids.shape[-1]
+        order, counts = expert_order(expert_ids, self.num_experts)
+        token_of = order // top_k
+        y = swiglu_experts(x[token_of], counts.tolist(), self.w_gate_up, self.w_down)
+        y = y * weights.reshape(-1)[order].unsqueeze(-1).to(y.dtype)
+        return torch.zeros_like(x).index_add_(0, token_of, y.to(x.dtype))
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.router = Router(cfg)
+        self.experts = Experts(cfg)
+        self.shared = SwiGLU(cfg.hidden, cfg.shared_expert_intermediate) if cfg.shared_expert_intermediate else None
+
+    def forward(self, x: torch.Tensor):
+        """`x [B, S, H]` -> (output [B, S, H], RouterStats for the B rows)."""
+        batch, seq, hidden = x.shape
+        flat = x.reshape(-1, hidden)
+        probs, weights, expert_ids = self.router(flat)
+        out = self.experts(flat, expert_ids, weights)
+        if self.shared is not None:
+            out = out + self.shared(flat)
+        return out.view(batch, seq, hidden), self._stats(probs, expert_ids, batch)
+
+    def _stats(self, probs: torch.Tensor, expert_ids: torch.Tensor, batch: int) -> RouterStats:
+        experts = probs.shape[-1]
+        ids = expert_ids.view(batch, -1)
+        picks = probs.new_zeros(batch, experts).scatter_add_(1, ids, torch.ones_like(ids, dtype=probs.dtype))
+        rows = torch.full((batch,), probs.shape[0] // batch, dtype=torch.float, device=probs.device)
+        return RouterStats(picks, probs.view(batch, -1, experts).sum(1), rows)

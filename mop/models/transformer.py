@@ -1,0 +1,162 @@
+"""The decoder-only MoE transformer: embedding, blocks of (attention, MoE or dense MLP), head.
+
+Pre-norm residual blocks, as in Qwen3-MoE and Mixtral:
+    h = h + attention(attn_norm(h));  h = h + mlp(mlp_norm(h))
+The first `dense_layers` blocks use a dense SwiGLU MLP, the rest an MoE layer.
+
+No collectives live here. A parallel layout changes what each module computes on by swapping
+three seams: `Attention.core` (sequence mixing), `Experts` (the routed FFN) and `LMHead`
+(the vocabulary projection and loss); everything else runs on the rank's own tokens unchanged.
+
+Losses are returned as sums with their counts (`LossTerms`), never as per-rank means: a step's
+objective is `ce_sum / global_targets + aux_coef * aux_sum / global_sequences`, which any layout
+and any micro-batching reproduces exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mop.models.attention import Attention
+from mop.models.config import ModelConfig
+from mop.models.layers import RMSNorm, SwiGLU
+from mop.models.moe import MoE, RouterStats, load_balancing_loss
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class LossTerms:
+    """Summed loss terms of a forward pass and the counts they are to be divided by."""
+
+    ce_sum: torch.Tensor
+    """Sum of token cross-entropies over the targets that are not IGNORE_INDEX."""
+    targets: int
+    """Number of such targets."""
+    router: RouterStats | None
+    """Per-sequence router sums (None for a model without MoE layers)."""
+    sequences: int
+    """Number of sequences (rows) in the forward pass."""
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.is_moe = layer >= cfg.dense_layers
+        self.mlp = MoE(cfg) if self.is_moe else SwiGLU(cfg.hidden, cfg.dense_intermediate)
+
+    def forward(self, h, position_ids, document_ids):
+        h = h + self.attention(self.attn_norm(h), position_ids, document_ids)
+        if not self.is_moe:
+            return h + self.mlp(self.mlp_norm(h)), None
+        out, stats = self.mlp(self.mlp_norm(h))
+        return h + out, stats
+
+
+class LMHead(nn.Module):
+    """Output projection `[V, H]` and the summed cross-entropy over a rank's own tokens."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.weight)
+
+    def loss_sum(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self(h).float()
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
+    """Positions that restart at 0 wherever `document_ids [B, S]` changes along the sequence."""
+    seq = document_ids.shape[-1]
+    index = torch.arange(seq, device=document_ids.device).expand_as(document_ids)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    start_index = torch.where(starts, index, torch.zeros_like(index)).cummax(-1).values
+    return index - start_index
+
+
+class MoETransformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.layers))
+        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.lm_head = LMHead(cfg)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    def hidden_states(self, input_ids, position_ids=None, document_ids=None):
+        """Final-norm hidden states `[B, S, H]` and the router sums of every MoE layer."""
+        if position_ids is None:
+            position_ids = document_positions(document_ids) if document_ids is not None else (
+                torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids))
+        h = self.embed(input_ids)
+        router = None
+        for block in self.layers:
+            h, stats = block(h, position_ids, document_ids)
+            if stats is not None:
+                router = stats if router is None else router + stats
+        return self.norm(h), router
+
+    def loss_terms(self, input_ids, labels, position_ids=None, document_ids=None) -> LossTerms:
+        """Summed losses; `labels [B, S]` are the already-shifted next-token targets (IGNORE_INDEX skips)."""
+        h, router = self.hidden_states(input_ids, position_ids, document_ids)
+        ce_sum = self.lm_head.loss_sum(h, labels)
+        targets = int((labels != IGNORE_INDEX).sum())
+        return LossTerms(ce_sum, targets, router, input_ids.shape[0])
+
+    def objective(self, terms: LossTerms, global_targets: int, global_sequences: int) -> torch.Tensor:
+        """This forward pass's share of the step loss normalised by the step's global counts."""
+        loss = terms.ce_sum / max(global_targets, 1)
+        if terms.router is not None and self.cfg.aux_loss_coef:
+            loss = loss + self.cfg.aux_loss_coef * load_balancing_loss(terms.router) / global_sequences
+        return loss
+
+    def forward(self, input_ids, labels=None, position_ids=None, document_ids=None):
+        """Logits `[B, S, V]` without labels; with labels, the mean loss over this batch's targets."""
+        if labels is None:
+            h, _ = self.hidden_states(input_ids, position_ids, document_ids)
+            return self.lm_head(h)
+        terms = self.loss_terms(input_ids, labels, position_ids, document_ids)
+        return self.objective(terms, terms.targets, terms.sequences)
+
+
+def parameter_seed(seed: int, name: str) -> int:
+    """A per-parameter seed from the run seed and the parameter's name, independent of layout and order."""
+    return int.from_bytes(hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest(), "little") >> 1
+
+
+@torch.no_grad()
+def init_weights(model: MoETransformer, seed: int) -> None:
+    """Initialise every parameter of the full (unsharded) model from `seed` alone.
+
+    Norm weights start at one; every matrix is N(0, init_std) drawn on the CPU from a generator
+    seeded by (seed, parameter name), so the values do not depend on the device, on construction
+    order, or on how the parameter is sharded afterwards.
+    """
+    std = model.cfg.init_std
+    for name, param in model.named_parameters():
+        if param.dim() == 1:
+            param.fill_(1.0)
+            continue
+        generator = torch.Generator().manual_seed(parameter_seed(seed, name))
+        values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
+        param.copy_(values)
+
+
+def build_model(cfg: ModelConfig, seed: int, device: torch.device | str = "cpu") -> MoETransformer:
+    model = MoETransformer(cfg)
+    init_weights(model, seed)
+    return model.to(device)

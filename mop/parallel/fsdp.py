@@ -1,0 +1,40 @@
+"""FSDP2 for the dense weights: one `fully_shard` unit per block, plus the root (embedding, final norm, head).
+
+Algorithm: every parameter of a unit is sharded along dim 0 over the W ranks of the world mesh;
+before the unit runs, FSDP2 all-gathers it (forward and again in backward, since parameters are
+resharded after forward), and after the backward it reduce-scatters the gradient.
+
+Invariant: the trainer's per-rank objective is already normalised by the global token count
+(`MoETransformer.objective`), so the global gradient is the SUM of the per-rank gradients, not
+their mean: every unit's gradient divide factor is set to 1.
+
+Until the expert (issue 4) and vocabulary (issue 5) techniques land, expert and output weights
+are sharded over the world like dense ones, which is lossless, only not memory-optimal.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+from mop.models.transformer import MoETransformer
+from mop.parallel.mesh import DistLayout
+
+
+def mixed_precision(compute_dtype: torch.dtype) -> MixedPrecisionPolicy:
+    """Parameters gathered in the compute dtype; gradients always reduced in fp32."""
+    return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+
+
+def shard_dense(model: MoETransformer, layout: DistLayout, compute_dtype: torch.dtype = torch.float32) -> None:
+    policy = mixed_precision(compute_dtype)
+    for block in model.layers:
+        fully_shard(block, mesh=layout.world_mesh, reshard_after_forward=True, mp_policy=policy)
+    fully_shard(model, mesh=layout.world_mesh, reshard_after_forward=True, mp_policy=policy)
+    # The trainer calls loss_terms, not forward; FSDP2 must gather the root's weights for it too.
+    register_fsdp_forward_method(model, "loss_terms")
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            # A plain SUM: the pre-multiplied sum FSDP2 would otherwise pick is NCCL-only.
+            module.set_force_sum_reduction_for_comms(True)

@@ -1,0 +1,245 @@
+"""The training loop, shared by every strategy.
+
+One optimizer step reads `train.global_batch` sequences (the same ones for every layout, see
+`mop.data.loader`). Each data-parallel group takes its contiguous share and runs it in
+micro-batches of `train.micro_batch`, accumulating gradients. Each micro-batch contributes
+`ce_sum / global_targets + aux_coef * aux_sum / global_batch`, where `global_targets` is the
+step's count of non-ignored labels summed over all ranks before the first forward; the step's
+gradient is therefore the gradient of one global objective, whatever the layout or micro-batching.
+
+Then: global gradient-norm clipping, a skipped update when the norm is not finite, AdamW with
+linear warm-up and cosine decay, and one metrics record per step (rank 0 writes it).
+
+Strategies: "reference" runs the plain model in one process; "mop" applies `parallelize` (each
+technique on its sub-group of ranks). Distributed runs start under torchrun or from
+`launch`, which starts `parallel.nproc` local ranks through torch's elastic launcher.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+import time
+import uuid
+from contextlib import nullcontext
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from tqdm import tqdm
+
+from mop.config import Config, ConfigError, validate
+from mop.data import DataError, build_data, group_slice, load_batch, micro_batches
+from mop.metrics import MetricsLogger, peak_memory_bytes, plot_run
+from mop.models.transformer import IGNORE_INDEX, MoETransformer, build_model
+from mop.parallel.mesh import DistLayout, Layout, LayoutError, TorchrunEnv, device_for, init_distributed, set_rank_threads
+from mop.parallel.parallelize import parallelize
+
+USER_ERRORS = (ConfigError, DataError, LayoutError, NotImplementedError)
+
+
+@dataclass
+class Runtime:
+    """Where this process sits: its rank, device and (for distributed runs) its layout."""
+
+    rank: int
+    world: int
+    device: torch.device
+    layout: DistLayout | None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def under_torchrun() -> bool:
+    """True when this process was started by torchrun / torch elastic (it sets these variables)."""
+    return all(key in os.environ for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"))
+
+
+def pick_device(config: Config, local_rank: int) -> torch.device:
+    if config.train.device == "cpu":
+        return torch.device("cpu")
+    if config.train.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device", "'cuda' was asked for but no GPU is visible; use --train.device=cpu or auto")
+    return device_for(local_rank)
+
+
+def setup_runtime(config: Config) -> Runtime:
+    if not under_torchrun():
+        validate(config, world=1)
+        return Runtime(0, 1, pick_device(config, 0), None)
+    env = TorchrunEnv.from_environ()
+    validate(config, world=env.world_size)
+    device = pick_device(config, env.local_rank)
+    if device.type == "cpu":
+        set_rank_threads(env.local_world_size)
+    init_distributed(device)
+    p = config.parallel
+    layout = DistLayout(Layout(env.world_size, p.sequence, p.expert, p.vocab), device)
+    return Runtime(env.rank, env.world_size, device, layout)
+
+
+def resolve_run_dir(config: Config) -> Path:
+    """The run directory, refusing to overwrite another run's metrics unless log.overwrite is set."""
+    run_dir = Path(config.log.run_dir or Path("runs") / datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S"))
+    if (run_dir / "metrics.jsonl").exists() and not config.log.overwrite:
+        raise ConfigError("log.run_dir", f"{run_dir} already holds a run; choose another directory or pass "
+                          "--log.overwrite=true")
+    return run_dir
+
+
+def lr_factor(step: int, warmup: int, steps: int, min_ratio: float) -> float:
+    """Linear warm-up to 1 over `warmup` steps, then cosine decay to `min_ratio` at the last step."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - 1 - warmup)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def build_optimizer(model: torch.nn.Module, config: Config):
+    """AdamW with weight decay on matrices only; norms (1-D) are not decayed."""
+    o = config.optim
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    vectors = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": matrices, "weight_decay": o.weight_decay}, {"params": vectors, "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, o.warmup_steps, config.train.steps, o.min_lr_ratio))
+    return optimizer, schedule
+
+
+def clip_gradients(model: torch.nn.Module, max_norm: float) -> float:
+    """The global gradient norm (over all ranks' shards); gradients are scaled down if it exceeds max_norm."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    return norm.item()
+
+
+def all_reduce_sum(values: list[float], runtime: Runtime) -> list[float]:
+    tensor = torch.tensor(values, dtype=torch.float64, device=runtime.device)
+    if runtime.layout is not None:
+        dist.all_reduce(tensor, group=runtime.layout.world_group)
+    return tensor.tolist()
+
+
+def train_step(model: MoETransformer, data, config: Config, runtime: Runtime, step: int, autocast) -> dict:
+    """Forward/backward over this rank's share of the step; returns the globally reduced losses."""
+    groups = runtime.world // config.parallel.sequence
+    group = runtime.rank // config.parallel.sequence
+    indices = group_slice(data.stream.batch(step, config.train.global_batch), group, groups)
+    batches = [load_batch(data.dataset, part) for part in micro_batches(indices, config.train.micro_batch)]
+    local_targets = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
+    global_targets = int(all_reduce_sum([local_targets], runtime)[0])
+    ce_total, aux_total = 0.0, 0.0
+    for batch in batches:
+        batch = {key: value.to(runtime.device) for key, value in batch.items()}
+        with autocast:
+            terms = model.loss_terms(batch["input_ids"], batch["labels"], batch["position_ids"], batch["document_ids"])
+            loss = model.objective(terms, global_targets, config.train.global_batch)
+        loss.backward()
+        ce_part = terms.ce_sum.item() / max(global_targets, 1)
+        ce_total += ce_part
+        aux_total += loss.item() - ce_part
+    ce_loss, aux_loss = all_reduce_sum([ce_total, aux_total], runtime)
+    return {"loss": ce_loss + aux_loss, "ce_loss": ce_loss, "aux_loss": aux_loss, "targets": global_targets}
+
+
+def train(config: Config) -> list[dict]:
+    """Run the configured training in this process (one rank); returns the per-step records."""
+    runtime = setup_runtime(config)
+    try:
+        return _train(config, runtime)
+    finally:
+        if runtime.layout is not None:
+            dist.destroy_process_group()
+
+
+def _train(config: Config, runtime: Runtime) -> list[dict]:
+    run_dir = resolve_run_dir(config) if runtime.is_main else None
+    d = config.data
+    data = build_data(d.source, d.tokenizer, d.seq_len, config.train.seed, text_field=d.text_field, bin_dtype=d.bin_dtype)
+    if data.tokenizer.vocab_size > config.model.vocab_size:
+        raise ConfigError("model.vocab_size", f"{config.model.vocab_size} is smaller than the tokenizer's "
+                          f"{data.tokenizer.vocab_size} ids; set --model.vocab_size={data.tokenizer.vocab_size} or more")
+    compute_dtype = torch.bfloat16 if config.train.dtype == "bfloat16" else torch.float32
+    model = build_model(config.model, config.train.seed, runtime.device)
+    if config.parallel.strategy == "mop":
+        model = parallelize(model, runtime.layout, compute_dtype)
+    elif config.parallel.strategy == "fsdp2":
+        raise NotImplementedError("parallel.strategy='fsdp2' (the FSDP2 baseline) lands with issue 7; "
+                                  "use 'reference' or 'mop'")
+    if config.optim.offload:
+        raise NotImplementedError("optim.offload=true (the host-offloaded optimizer) lands with issue 6; "
+                                  "set --optim.offload=false")
+    if config.checkpoint.every:
+        raise NotImplementedError("checkpointing lands with issue 7; set --checkpoint.every=0")
+    optimizer, schedule = build_optimizer(model, config)
+    autocast = torch.autocast(runtime.device.type, dtype=compute_dtype) if compute_dtype != torch.float32 else nullcontext()
+
+    logger = None
+    if runtime.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        logger = MetricsLogger(run_dir, config.log.tensorboard)
+    records = []
+    tokens_per_step = config.train.global_batch * config.data.seq_len
+    bar = tqdm(range(config.train.steps), disable=not (runtime.is_main and config.log.progress), unit="step",
+               dynamic_ncols=True, file=sys.stdout)
+    for step in bar:
+        start = time.perf_counter()
+        lr = schedule.get_last_lr()[0]
+        losses = train_step(model, data, config, runtime, step, autocast)
+        grad_norm = clip_gradients(model, config.train.grad_clip)
+        skipped = not math.isfinite(grad_norm)
+        if not skipped:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        schedule.step()
+        elapsed = time.perf_counter() - start
+        record = {"step": step, **losses, "lr": lr, "grad_norm": grad_norm, "skipped": skipped,
+                  "tokens_per_s": tokens_per_step / elapsed, "step_time_s": elapsed,
+                  "peak_mem_bytes": peak_memory_bytes(runtime.device)}
+        records.append(record)
+        bar.set_postfix(loss=f"{losses['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+        if logger is not None:
+            logger.log(record)
+    if logger is not None:
+        logger.close()
+        if config.log.plot:
+            plot_run(logger.path, run_dir / "loss.png")
+        print(f"mop: {config.train.steps} steps, loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f}; "
+              f"run directory {run_dir}")
+    return records
+
+
+def launch(config: Config) -> list[dict]:
+    """Start `parallel.nproc` local ranks with torch's elastic launcher; rank 0's records come back."""
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    launch_config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=config.parallel.nproc, run_id=f"mop-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1, start_method="spawn")
+    if not config.log.run_dir:
+        # Rank 0 writes the run directory; fixing it here keeps it the one the user is told about.
+        config = dataclasses.replace(config, log=dataclasses.replace(config.log, run_dir=str(resolve_run_dir(config))))
+    results = elastic_launch(launch_config, worker)(config)
+    return results[0]
+
+
+def worker(config: Config) -> list[dict]:
+    """Entry point of a launched rank: user errors print one line (rank 0) and exit with code 2."""
+    try:
+        return train(config)
+    except USER_ERRORS as err:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"mop: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
