@@ -1,0 +1,112 @@
+"""Config loading: TOML + overrides, strict validation with one-line errors, presets, and CLI exit codes."""
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mop.cli import main
+from mop.config import Config, ConfigError, field_docs, load_config, sections, validate
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_debug_toml_equals_the_embedded_default():
+    assert load_config(ROOT / "configs/debug.toml") == Config()
+
+
+@pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "mixtral-8x7b"])
+def test_real_shape_presets_load(preset):
+    config = load_config(ROOT / f"configs/{preset}.toml")
+    assert config.model.vocab_size > 30000 and config.model.hidden >= 2048
+
+
+def test_qwen3_preset_has_the_published_shape():
+    m = load_config(ROOT / "configs/qwen3-30b-a3b.toml").model
+    assert (m.hidden, m.layers, m.heads, m.kv_heads, m.head_dim, m.experts, m.top_k, m.expert_intermediate) == (
+        2048, 48, 32, 4, 128, 128, 8, 768)
+
+
+def test_overrides_are_typed_and_applied_after_the_file(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[train]\nsteps = 7\n[data]\nsource = 'a.txt'\n")
+    config = load_config(path, ["--train.steps=20", "--optim.lr=1e-4", "--optim.offload=true",
+                                "--log.run_dir=123", "--parallel.strategy=mop", "--parallel.nproc=2"])
+    assert config.train.steps == 20 and config.optim.lr == 1e-4 and config.optim.offload is True
+    assert config.log.run_dir == "123" and config.data.source == "a.txt" and config.parallel.strategy == "mop"
+
+
+def test_int_is_accepted_for_a_float():
+    assert load_config(None, ["--optim.lr=1"]).optim.lr == 1.0
+
+
+@pytest.mark.parametrize("args, key, hint", [
+    (["--train.stpes=3"], "train.stpes", "did you mean 'steps'"),
+    (["--trian.steps=3"], "trian", "did you mean 'train'"),
+    (["--train.steps=abc"], "train.steps", "expects int"),
+    (["--train.steps=2.5"], "train.steps", "expects int"),
+    (["--optim.offload=1"], "optim.offload", "expects bool"),
+    (["--parallel.strategy=ddp"], "parallel.strategy", "must be one of"),
+    (["--train.steps=0"], "train.steps", ">= 1"),
+    (["--optim.beta2=1.0"], "optim.beta2", "[0, 1)"),
+    (["--model.kv_heads=3"], "model.kv_heads", "must divide"),
+    (["--model.top_k=9"], "model.top_k", "exceeds"),
+    (["--parallel.nproc=2"], "parallel.strategy", "one process"),
+    (["--parallel.strategy=mop", "--parallel.nproc=4", "--parallel.sequence=3"], "parallel.sequence", "[1, 2, 4]"),
+    (["--parallel.strategy=mop", "--parallel.nproc=2", "--parallel.sequence=2", "--data.seq_len=255"],
+     "data.seq_len", "not divisible"),
+    (["--parallel.strategy=mop", "--parallel.nproc=4", "--parallel.expert=4", "--model.experts=6", "--model.top_k=2"],
+     "parallel.expert", "model.experts"),
+    (["--train.global_batch=6"], "train.global_batch", "multiple"),
+    (["--model.tie_embeddings=true", "--parallel.strategy=mop", "--parallel.nproc=2", "--parallel.vocab=2"],
+     "model.tie_embeddings", "parallel.vocab=1"),
+    (["train.steps=3"], "train.steps=3", "--section.key=value"),
+])
+def test_bad_settings_name_the_key_and_the_fix(args, key, hint):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, args)
+    assert err.value.key == key
+    assert hint in str(err.value) and "\n" not in str(err.value)
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train\nsteps=")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+
+
+def test_validation_uses_the_real_world_size():
+    config = load_config(None, ["--parallel.strategy=mop", "--parallel.nproc=2", "--parallel.sequence=2"])
+    with pytest.raises(ConfigError, match="parallel.sequence"):
+        validate(config, world=3)
+
+
+def test_every_field_has_a_docstring():
+    for cls in sections().values():
+        docs = field_docs(cls)
+        missing = [f.name for f in dataclasses.fields(cls) if not docs.get(f.name)]
+        assert not missing, f"{cls.__name__} fields without a docstring: {missing}"
+
+
+def test_cli_exits_2_with_one_line_on_a_bad_setting(capsys):
+    assert main(["train", "--train.stpes=3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "train.stpes" in err and "steps" in err
+
+
+def test_cli_rejects_stray_arguments():
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "configs/debug.toml", "--verbose"])
+    assert exit_info.value.code == 2
+
+
+def test_cli_help_lists_every_setting():
+    out = subprocess.run([sys.executable, "-m", "mop.cli", "train", "--help"], capture_output=True, text=True, check=True).stdout
+    for section, cls in sections().items():
+        for f in dataclasses.fields(cls):
+            assert f"{section}.{f.name} =" in out

@@ -1,0 +1,91 @@
+"""End to end: `mop train` on a tiny model, reference against the distributed `mop` strategy.
+
+Runs go through the real command line (in-process `main`, or torchrun in a subprocess), so the
+launcher, the config validation, the data split, metrics and plots are all exercised.
+"""
+
+import subprocess
+import sys
+
+import pytest
+
+from mop.cli import main
+from mop.metrics import read_metrics
+
+TINY = ["--model.hidden=32", "--model.layers=2", "--model.heads=2", "--model.kv_heads=1", "--model.head_dim=16",
+        "--model.experts=4", "--model.expert_intermediate=32", "--data.seq_len=32", "--train.global_batch=4",
+        "--train.micro_batch=2", "--train.steps=5", "--log.progress=false", "--log.tensorboard=false", "--log.plot=false"]
+REQUIRED = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "peak_mem_bytes"}
+
+
+def run(tmp_path, name, *extra):
+    run_dir = tmp_path / name
+    assert main(["train", *TINY, f"--log.run_dir={run_dir}", *extra]) == 0
+    return read_metrics(run_dir / "metrics.jsonl")
+
+
+def losses(records):
+    return [r["loss"] for r in records]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return run(tmp_path_factory.mktemp("ref"), "reference")
+
+
+def test_reference_writes_metrics_tensorboard_and_plot(tmp_path):
+    records = run(tmp_path, "full", "--log.tensorboard=true", "--log.plot=true")
+    assert [r["step"] for r in records] == list(range(5))
+    assert all(REQUIRED <= r.keys() for r in records)
+    assert list((tmp_path / "full/tensorboard").glob("events.out.tfevents.*"))
+    assert (tmp_path / "full/loss.png").stat().st_size > 1000
+
+
+def test_micro_batching_does_not_change_the_losses(tmp_path, reference):
+    one_pass = run(tmp_path, "m4", "--train.micro_batch=4")
+    assert losses(one_pass) == pytest.approx(losses(reference), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_mop_on_two_ranks_matches_the_reference(tmp_path, reference):
+    records = run(tmp_path, "mop2", "--parallel.strategy=mop", "--parallel.nproc=2")
+    assert losses(records) == pytest.approx(losses(reference), rel=1e-5)
+    assert [r["grad_norm"] for r in records] == pytest.approx([r["grad_norm"] for r in reference], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_the_same_command_runs_under_torchrun(tmp_path, reference):
+    run_dir = tmp_path / "torchrun"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "mop.cli",
+           "train", *TINY, "--parallel.strategy=mop", f"--log.run_dir={run_dir}"]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    assert losses(read_metrics(run_dir / "metrics.jsonl")) == pytest.approx(losses(reference), rel=1e-5)
+
+
+def test_loss_falls(tmp_path):
+    records = run(tmp_path, "long", "--train.steps=30", "--optim.warmup_steps=5")
+    assert records[-1]["loss"] < records[0]["loss"] - 1.0
+
+
+def test_an_existing_run_is_not_overwritten(tmp_path, capsys):
+    run(tmp_path, "once")
+    before = (tmp_path / "once/metrics.jsonl").read_text()
+    assert main(["train", *TINY, f"--log.run_dir={tmp_path / 'once'}"]) == 2
+    assert "log.overwrite" in capsys.readouterr().err
+    assert (tmp_path / "once/metrics.jsonl").read_text() == before
+
+
+@pytest.mark.slow
+def test_a_user_error_inside_launched_ranks_exits_2_with_one_line(tmp_path, capfd):
+    code = main(["train", *TINY, "--parallel.strategy=mop", "--parallel.nproc=2",
+                 f"--data.source={tmp_path / 'missing.txt'}", f"--log.run_dir={tmp_path / 'r'}"])
+    assert code == 2
+    errors = [line for line in capfd.readouterr().err.splitlines() if line.startswith("mop: error:")]
+    assert len(errors) == 1 and "missing.txt" in errors[0]
+
+
+def test_layouts_that_have_not_landed_say_so(tmp_path, capsys):
+    code = main(["train", *TINY, "--optim.offload=true", f"--log.run_dir={tmp_path / 'r'}"])
+    assert code == 2
+    assert "optim.offload" in capsys.readouterr().err
+
