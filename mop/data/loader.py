@@ -1,0 +1,147 @@
+"""Deterministic, layout-independent order of packed sequences, and batching for training.
+
+Order. Position ``p`` of the infinite stream (``p = e*N + o`` over ``N`` sequences) is sequence
+``randperm(N, generator=manual_seed(epoch_seed(seed, e)))[o]``: epoch ``e`` is a fresh permutation and epochs
+follow one another forever. The order is a pure function of ``(seed, N, p)``; no rank count,
+group size or micro-batch size enters it, which is what makes every layout see the same data.
+
+Batches. Optimizer step ``s`` with global batch ``G`` covers positions ``[s*G, (s+1)*G)``.
+Data-parallel group ``g`` of ``n`` takes the contiguous slice ``[g*G/n, (g+1)*G/n)`` of that
+step, then splits it into micro-batches of ``m`` sequences in order; concatenating the groups'
+parts in group order gives back the step. Ranks that share sequences (a sequence-parallel
+group, each holding a chunk of the same sequences) count as one group here.
+
+Resume. The stream's only state is its position (sequences consumed). ``state_dict`` also
+records the seed, ``seq_len``, sequence count and a corpus fingerprint, and ``load_state_dict``
+refuses a state written for other data instead of silently continuing on a different order.
+"""
+
+import hashlib
+from typing import NamedTuple
+
+import torch
+
+from mop.data.errors import DataError
+from mop.data.packing import PackedDataset, fingerprint
+from mop.data.sources import load_token_stream
+from mop.data.tokenizer import AnyTokenizer, load_tokenizer
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """A generator seed per (seed, epoch) pair; hashing keeps seed s, epoch 1 apart from seed s+1, epoch 0."""
+    digest = hashlib.blake2b(f"data/{seed}/{epoch}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+class SequenceStream:
+    """Maps positions of the infinite permuted stream to sequence indices; see module docstring."""
+
+    def __init__(self, num_sequences: int, seed: int, seq_len: int, fingerprint: str):
+        if num_sequences < 1:
+            raise DataError("the dataset holds no sequences; lower data.seq_len or add data")
+        self.num_sequences = num_sequences
+        self.seed = seed
+        self.seq_len = seq_len
+        self.fingerprint = fingerprint
+        self.position = 0
+        self._perms: dict[int, torch.Tensor] = {}
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        if epoch not in self._perms:
+            # A batch straddles at most two epochs, so two cached permutations are enough.
+            while len(self._perms) >= 2:
+                del self._perms[min(self._perms)]
+            g = torch.Generator().manual_seed(epoch_seed(self.seed, epoch))
+            self._perms[epoch] = torch.randperm(self.num_sequences, generator=g)
+        return self._perms[epoch]
+
+    def indices(self, start: int, count: int) -> list[int]:
+        """Sequence indices at positions ``[start, start + count)`` of the stream."""
+        if start < 0 or count < 0:
+            raise ValueError(f"positions must be non-negative, got start={start} count={count}")
+        out, p, end = [], start, start + count
+        while p < end:
+            epoch, offset = divmod(p, self.num_sequences)
+            take = min(end - p, self.num_sequences - offset)
+            out += self._permutation(epoch)[offset : offset + take].tolist()
+            p += take
+        return out
+
+    def batch(self, step: int, global_batch: int) -> list[int]:
+        """The global batch of optimizer step ``step``: positions ``[step*G, (step+1)*G)``."""
+        return self.indices(step * global_batch, global_batch)
+
+    def next_batch(self, global_batch: int) -> list[int]:
+        """The next ``global_batch`` sequences from the current position, advancing it."""
+        out = self.indices(self.position, global_batch)
+        self.position += global_batch
+        return out
+
+    def state_dict(self) -> dict:
+        return {"position": self.position, "seed": self.seed, "seq_len": self.seq_len,
+                "num_sequences": self.num_sequences, "fingerprint": self.fingerprint}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in ("seed", "seq_len", "num_sequences", "fingerprint"):
+            if state[key] != getattr(self, key):
+                raise DataError(
+                    f"cannot resume: the checkpoint's data stream has {key} = {state[key]!r} but "
+                    f"this run has {getattr(self, key)!r}; resume with the same seed, data.source, "
+                    "data.tokenizer and data.seq_len, or start a new run"
+                )
+        self.position = int(state["position"])
+
+
+def group_slice(indices: list[int], group: int, num_groups: int) -> list[int]:
+    """Data-parallel group ``group``'s contiguous share of a step's indices."""
+    if not 0 <= group < num_groups:
+        raise ValueError(f"group {group} out of range [0, {num_groups})")
+    if len(indices) % num_groups:
+        raise DataError(f"global batch {len(indices)} is not divisible by the {num_groups} "
+                        "data-parallel groups; make the global batch a multiple of it")
+    share = len(indices) // num_groups
+    return indices[group * share : (group + 1) * share]
+
+
+def micro_batches(indices: list[int], micro_batch: int) -> list[list[int]]:
+    """Split a group's indices, in order, into micro-batches of ``micro_batch`` sequences."""
+    if micro_batch < 1 or len(indices) % micro_batch:
+        raise DataError(f"{len(indices)} sequences per data-parallel group cannot be split into "
+                        f"micro-batches of {micro_batch}; choose a micro-batch size dividing it")
+    return [indices[i : i + micro_batch] for i in range(0, len(indices), micro_batch)]
+
+
+def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Stack per-sequence tensors into ``[B, seq_len]`` batches."""
+    return {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
+
+
+def load_batch(dataset: PackedDataset, indices: list[int]) -> dict[str, torch.Tensor]:
+    """The collated micro-batch of the given sequence indices."""
+    return collate([dataset[i] for i in indices])
+
+
+class Data(NamedTuple):
+    """What ``build_data`` returns; unpacks as ``tokenizer, dataset, stream``."""
+
+    tokenizer: AnyTokenizer
+    dataset: PackedDataset
+    stream: SequenceStream
+
+
+def build_data(source: str, tokenizer: str, seq_len: int, seed: int, *,
+               text_field: str = "text", bin_dtype: str = "uint16",
+               eos_token: str | None = None) -> Data:
+    """Tokenizer, packed dataset and sequence stream from plain settings.
+
+    ``source``: ``"builtin"`` or a local file/directory (see ``sources``); ``tokenizer``:
+    ``"byte"`` or a local ``tokenizer.json`` (file or directory); ``seq_len``: tokens per
+    training sequence; ``seed``: the data-order seed; ``text_field``: the JSONL field or parquet
+    column holding text; ``bin_dtype``: ``"uint16"`` or ``"uint32"`` for ``.bin`` files;
+    ``eos_token``: overrides the tokenizer's document separator.
+    """
+    tok = load_tokenizer(tokenizer, eos_token)
+    tokens, doc_starts = load_token_stream(source, tok, text_field, bin_dtype)
+    dataset = PackedDataset(tokens, doc_starts, seq_len)
+    stream = SequenceStream(len(dataset), seed, seq_len, fingerprint(tokens, doc_starts))
+    return Data(tok, dataset, stream)

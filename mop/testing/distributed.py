@@ -1,0 +1,185 @@
+"""Run a function on W spawned gloo ranks and collect what each returns; never hang.
+
+Algorithm. The parent picks a free localhost port, pickles ``(fn, args, kwargs)`` once, and
+starts one process per rank as a fork of a fork server that has already imported torch. As with
+'spawn', children share no state with the parent and get its sys.path and working directory;
+their environment is the fork server's (the parent's at the first call). Each child sets the
+torchrun variables for itself and joins through ``mop.parallel.init_distributed`` (the trainer's
+own path, on CPU so gloo), with one intra-op thread and seed 0 on every rank (tests build full
+tensors from one seed, then shard, as the stack does). It calls ``fn(rank, world_size, *args,
+**kwargs)``, meets the others in a barrier, destroys the group, and writes ``("ok", value)`` or
+``("error", traceback)`` to its own result file. The parent waits on the process sentinels until
+every rank has exited, a rank has failed, or ``timeout`` expires.
+
+Invariants:
+- The call returns only when every child is gone: stragglers are killed before it returns or
+  raises, and the temporary directory is removed.
+- A failure is reported with each failing rank's number and full traceback, in the order the
+  parent saw the ranks exit: the root cause comes first, as the ranks that fail later usually
+  fail only because it closed its sockets.
+- A timeout names the ranks still running and the ranks that finished, so a collective that some
+  rank never entered is identifiable.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import pickle
+import random
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+# After one rank fails, the others get this long to fail or finish on their own before they are
+# killed: peers of the failed rank error out at once (closed sockets), but ranks blocked in a
+# collective that does not involve it would otherwise wait for the whole timeout.
+_GRACE_S = 3.0
+
+
+class DistributedError(RuntimeError):
+    """One or more ranks raised, or died without reporting a result."""
+
+
+def run_distributed(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, **kwargs: Any
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks.
+
+    ``fn`` must be a module-level function and its arguments and return value picklable.
+    Returns the per-rank return values in rank order. Raises ``DistributedError`` when a rank
+    fails and ``TimeoutError`` when the ranks do not all finish within ``timeout`` seconds.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    # Pickle here so an unpicklable fn (a lambda, a closure) fails in the caller, not in W children.
+    payload = pickle.dumps((fn, args, kwargs))
+    ctx = mp.get_context("forkserver")
+    # The fork server imports torch once per test session; each rank is then a fork of it
+    # (~0.1 s) instead of a fresh interpreter importing torch (~2-4 s). Forking is safe there
+    # because that process has run no torch ops, so no thread pools exist yet.
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "mop.parallel.mesh"])
+    with tempfile.TemporaryDirectory(prefix="mop-dist-") as tmp:
+        paths = [Path(tmp) / f"rank{rank}.pkl" for rank in range(world_size)]
+        port = _free_port()
+        procs = [
+            ctx.Process(target=_child, args=(rank, world_size, port, payload, str(paths[rank])), daemon=True)
+            for rank in range(world_size)
+        ]
+        try:
+            for p in procs:
+                p.start()
+            exit_order = _wait(procs, timeout)
+        finally:
+            for p in procs:
+                if p.exitcode is None:
+                    p.kill()
+            for p in procs:
+                p.join()
+        outcomes = {rank: _read(paths[rank]) for rank in exit_order}
+
+    running = [rank for rank in range(world_size) if rank not in exit_order]
+    failures = []
+    for rank, outcome in outcomes.items():
+        code = procs[rank].exitcode
+        if outcome is None:
+            failures.append(f"rank {rank} exited with code {code} without reporting a result")
+        elif outcome[0] != "ok":
+            failures.append(f"rank {rank} raised:\n{outcome[1]}")
+        elif code != 0:
+            failures.append(f"rank {rank} returned but then exited with code {code}")
+    if failures:
+        parts = list(failures)
+        if running:
+            parts.append(f"ranks {running} were still running and were killed")
+        raise DistributedError(f"{len(failures)} of {world_size} ranks failed\n\n" + "\n".join(parts))
+    if running:
+        finished = sorted(exit_order)
+        raise TimeoutError(
+            f"distributed run timed out after {timeout:g}s: ranks {running} were still running "
+            f"(finished: {finished}); likely a collective that some rank never entered"
+        )
+    return [outcomes[rank][1] for rank in range(world_size)]
+
+
+def _wait(procs: list[mp.process.BaseProcess], timeout: float) -> list[int]:
+    """Wait for the ranks; returns the ranks that exited, in exit order."""
+    deadline = time.monotonic() + timeout
+    exit_order: list[int] = []
+    failed_at: float | None = None
+    while len(exit_order) < len(procs):
+        limit = deadline if failed_at is None else min(deadline, failed_at + _GRACE_S)
+        remaining = limit - time.monotonic()
+        if remaining <= 0:
+            break
+        alive = [p.sentinel for rank, p in enumerate(procs) if rank not in exit_order]
+        multiprocessing.connection.wait(alive, timeout=remaining)
+        for rank, p in enumerate(procs):
+            if rank not in exit_order and p.exitcode is not None:
+                exit_order.append(rank)
+                if p.exitcode != 0 and failed_at is None:
+                    failed_at = time.monotonic()
+    return exit_order
+
+
+def _free_port() -> int:
+    # Port 0 lets the OS pick; the window before rank 0's store binds it is tiny.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _read(path: Path) -> tuple[str, Any] | None:
+    if not path.exists():
+        return None
+    with open(path, "rb") as f:
+        return pickle.load(f)
+
+
+def _write(path: str, outcome: tuple[str, Any]) -> None:
+    # Write then rename, so the parent never reads a half-written file from a rank killed mid-write.
+    with open(path + ".tmp", "wb") as f:
+        pickle.dump(outcome, f)
+    os.replace(path + ".tmp", path)
+
+
+def _child(rank: int, world_size: int, port: int, payload: bytes, path: str) -> None:
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from mop.parallel.mesh import init_distributed
+
+    torch.set_num_threads(1)  # W ranks share a few cores; tiny test tensors gain nothing from more
+    torch.manual_seed(0)
+    random.seed(0)
+    np.random.seed(0)
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    try:
+        # Unpickled inside the try so an import error in fn's module is reported like any other.
+        fn, args, kwargs = pickle.loads(payload)
+        init_distributed(torch.device("cpu"))
+        value = fn(rank, world_size, *args, **kwargs)
+        # No rank tears its sockets down while a peer still waits on fn's last message.
+        dist.barrier()
+        dist.destroy_process_group()
+        _write(path, ("ok", value))
+    except BaseException:
+        _write(path, ("error", traceback.format_exc()))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Skip interpreter shutdown: it can block on gloo threads still waiting on peers.
+        os._exit(1)
