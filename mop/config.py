@@ -5,8 +5,9 @@ The dataclass defaults are the embedded default run (the tiny debug model on the
 `configs/debug.toml` spells the same values out.
 
 Loading is strict: an unknown section or key (with a did-you-mean), a value of the wrong type,
-an out-of-range value or an impossible combination raises `ConfigError`, whose one-line message
-names the key and the fix; the command line turns it into exit code 2.
+an out-of-range value or an impossible combination raises `ConfigError` (an impossible rank
+layout: `LayoutError`), whose one-line message names the key and the fix; the command line turns
+it into exit code 2.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from mop.models.config import ModelConfig
+from mop.parallel.mesh import Layout
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -245,7 +247,7 @@ def validate(config: Config, world: int | None = None) -> None:
         raise ConfigError(f"model.{key}", message)
     p, t, d = config.parallel, config.train, config.data
     world = world or p.nproc
-    _positive(config, ["parallel.nproc", "parallel.sequence", "parallel.expert", "parallel.vocab", "data.seq_len",
+    _positive(config, ["parallel.nproc", "data.seq_len",
                        "train.steps", "train.global_batch", "train.micro_batch", "checkpoint.keep"])
     _at_least_zero(config, ["train.seed", "train.grad_clip", "optim.lr", "optim.warmup_steps", "optim.weight_decay",
                             "optim.eps", "checkpoint.every"])
@@ -257,11 +259,7 @@ def validate(config: Config, world: int | None = None) -> None:
     if p.strategy == "reference" and world != 1:
         raise ConfigError("parallel.strategy", f"'reference' runs one process but the world size is {world}; "
                           "use --parallel.strategy=mop or --parallel.nproc=1")
-    for key, size in (("sequence", p.sequence), ("expert", p.expert), ("vocab", p.vocab)):
-        if world % size:
-            divisors = [n for n in range(1, world + 1) if world % n == 0]
-            raise ConfigError(f"parallel.{key}", f"{size} does not divide the world size {world}; "
-                              f"choose one of {divisors}")
+    Layout(world, p.sequence, p.expert, p.vocab)  # raises LayoutError naming the setting
     if d.seq_len % p.sequence:
         raise ConfigError("data.seq_len", f"{d.seq_len} is not divisible by parallel.sequence={p.sequence}")
     if config.model.experts % p.expert:

@@ -9,6 +9,7 @@ import pytest
 
 from mop.cli import main
 from mop.config import Config, ConfigError, field_docs, load_config, sections, validate
+from mop.parallel import LayoutError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -54,7 +55,6 @@ def test_int_is_accepted_for_a_float():
     (["--model.kv_heads=3"], "model.kv_heads", "must divide"),
     (["--model.top_k=9"], "model.top_k", "exceeds"),
     (["--parallel.nproc=2"], "parallel.strategy", "one process"),
-    (["--parallel.strategy=mop", "--parallel.nproc=4", "--parallel.sequence=3"], "parallel.sequence", "[1, 2, 4]"),
     (["--parallel.strategy=mop", "--parallel.nproc=2", "--parallel.sequence=2", "--data.seq_len=255"],
      "data.seq_len", "not divisible"),
     (["--parallel.strategy=mop", "--parallel.nproc=4", "--parallel.expert=4", "--model.experts=6", "--model.top_k=2"],
@@ -71,6 +71,13 @@ def test_bad_settings_name_the_key_and_the_fix(args, key, hint):
     assert hint in str(err.value) and "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("setting", ["--parallel.sequence=3", "--parallel.vocab=0", "--parallel.expert=-2"])
+def test_impossible_layouts_name_the_setting_and_the_divisors(setting):
+    with pytest.raises(LayoutError) as err:
+        load_config(None, ["--parallel.strategy=mop", "--parallel.nproc=4", setting])
+    assert setting.removeprefix("--").split("=")[0] in str(err.value) and "1, 2, 4" in str(err.value)
+
+
 def test_missing_and_malformed_files(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "nope.toml")
@@ -82,7 +89,7 @@ def test_missing_and_malformed_files(tmp_path):
 
 def test_validation_uses_the_real_world_size():
     config = load_config(None, ["--parallel.strategy=mop", "--parallel.nproc=2", "--parallel.sequence=2"])
-    with pytest.raises(ConfigError, match="parallel.sequence"):
+    with pytest.raises(LayoutError, match="parallel.sequence"):
         validate(config, world=3)
 
 

@@ -89,3 +89,9 @@ def test_layouts_that_have_not_landed_say_so(tmp_path, capsys):
     assert code == 2
     assert "optim.offload" in capsys.readouterr().err
 
+
+
+def test_bfloat16_autocast_trains_close_to_fp32(tmp_path, reference):
+    low = run(tmp_path, "bf16", "--train.dtype=bfloat16")
+    assert losses(low)[0] == pytest.approx(losses(reference)[0], abs=0.05)
+    assert losses(low)[-1] < losses(low)[0]
