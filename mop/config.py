@@ -54,6 +54,9 @@ class ParallelConfig:
     """P: ranks the output projection's rows are sharded over; divides the world size."""
     expert_balance: Literal["ep", "llep"] = "ep"
     """Token placement for expert parallelism: "ep" (each expert on its owner) or "llep" (least-loaded)."""
+    attention_head_chunks: int = 1
+    """With parallel.sequence > 1: exchange and attend the heads of a rank in this many chunks, so that
+    only one chunk's head-sharded Q/K/V/output is live at a time (recomputed per chunk in backward)."""
 
 
 @dataclass
@@ -86,6 +89,10 @@ class TrainConfig:
     """Clip the global gradient norm to this value (0 disables clipping)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """"auto" picks CUDA when available (one GPU per local rank), else the CPU."""
+    activation_checkpointing: Literal["none", "full"] = "none"
+    """"full": keep only each block's input for the backward and recompute the block's activations there."""
+    offload_activations: bool = False
+    """With full activation checkpointing: keep the saved block inputs in host memory until the backward."""
 
 
 @dataclass
@@ -247,7 +254,7 @@ def validate(config: Config, world: int | None = None) -> None:
         raise ConfigError(f"model.{key}", message)
     p, t, d = config.parallel, config.train, config.data
     world = world or p.nproc
-    _positive(config, ["parallel.nproc", "data.seq_len",
+    _positive(config, ["parallel.nproc", "parallel.attention_head_chunks", "data.seq_len",
                        "train.steps", "train.global_batch", "train.micro_batch", "checkpoint.keep"])
     _at_least_zero(config, ["train.seed", "train.grad_clip", "optim.lr", "optim.warmup_steps", "optim.weight_decay",
                             "optim.eps", "checkpoint.every"])
@@ -262,6 +269,16 @@ def validate(config: Config, world: int | None = None) -> None:
     Layout(world, p.sequence, p.expert, p.vocab)  # raises LayoutError naming the setting
     if d.seq_len % p.sequence:
         raise ConfigError("data.seq_len", f"{d.seq_len} is not divisible by parallel.sequence={p.sequence}")
+    heads = config.model.heads
+    if heads % p.sequence:
+        raise ConfigError("parallel.sequence", f"{p.sequence} does not divide model.heads={heads}; Ulysses gives "
+                          "each rank of a sequence group whole heads")
+    if (heads // p.sequence) % p.attention_head_chunks:
+        raise ConfigError("parallel.attention_head_chunks", f"{p.attention_head_chunks} does not divide the "
+                          f"{heads // p.sequence} heads per rank (model.heads / parallel.sequence)")
+    if t.offload_activations and t.activation_checkpointing == "none":
+        raise ConfigError("train.offload_activations", "offloads the checkpointed block inputs; also set "
+                          "--train.activation_checkpointing=full")
     if config.model.experts % p.expert:
         raise ConfigError("parallel.expert", f"{p.expert} does not divide model.experts={config.model.experts}")
     if config.model.tie_embeddings and p.vocab > 1:

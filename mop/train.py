@@ -34,11 +34,12 @@ from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 from mop.config import Config, ConfigError, validate
-from mop.data import DataError, build_data, group_slice, load_batch, micro_batches
+from mop.data import DataError, build_data, group_slice, load_batch, micro_batches, sequence_shard
 from mop.metrics import MetricsLogger, peak_memory_bytes, plot_run
 from mop.models.transformer import IGNORE_INDEX, MoETransformer, build_model
 from mop.parallel.mesh import DistLayout, Layout, LayoutError, TorchrunEnv, device_for, init_distributed, set_rank_threads
-from mop.parallel.parallelize import parallelize
+from mop.parallel.parallelize import apply_memory_options, compute_dtype, parallelize
+from mop.parallel.ulysses import reduce_router_stats
 
 USER_ERRORS = (ConfigError, DataError, LayoutError, NotImplementedError)
 
@@ -132,20 +133,38 @@ def all_reduce_sum(values: list[float], runtime: Runtime) -> list[float]:
     return tensor.tolist()
 
 
+def local_batches(data, config: Config, runtime: Runtime, step: int) -> list[dict]:
+    """This rank's micro-batches of the step: its data group's sequences, its slice of each."""
+    d = config.parallel.sequence
+    indices = group_slice(data.stream.batch(step, config.train.global_batch), runtime.rank // d, runtime.world // d)
+    batches = [load_batch(data.dataset, part) for part in micro_batches(indices, config.train.micro_batch)]
+    return [sequence_shard(batch, runtime.rank % d, d) for batch in batches]
+
+
+def micro_batch_objective(model: MoETransformer, batch: dict, global_targets: int, global_batch: int,
+                          layout: DistLayout | None):
+    """Loss terms of one micro-batch and its share of the step objective.
+
+    Under sequence parallelism the D ranks of a group each hold a slice of the same sequences: each
+    reduces the router sums over the group and contributes 1/D of the per-sequence aux loss.
+    """
+    terms = model.loss_terms(batch["input_ids"], batch["labels"], batch["position_ids"], batch["document_ids"])
+    copies = layout.layout.sequence if layout is not None else 1
+    if copies > 1 and terms.router is not None:
+        terms.router = reduce_router_stats(terms.router, layout.sequence_group)
+    return terms, model.objective(terms, global_targets, global_batch * copies)
+
+
 def train_step(model: MoETransformer, data, config: Config, runtime: Runtime, step: int, autocast) -> dict:
     """Forward/backward over this rank's share of the step; returns the globally reduced losses."""
-    groups = runtime.world // config.parallel.sequence
-    group = runtime.rank // config.parallel.sequence
-    indices = group_slice(data.stream.batch(step, config.train.global_batch), group, groups)
-    batches = [load_batch(data.dataset, part) for part in micro_batches(indices, config.train.micro_batch)]
+    batches = local_batches(data, config, runtime, step)
     local_targets = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
     global_targets = int(all_reduce_sum([local_targets], runtime)[0])
     ce_total, aux_total = 0.0, 0.0
     for batch in batches:
         batch = {key: value.to(runtime.device) for key, value in batch.items()}
         with autocast:
-            terms = model.loss_terms(batch["input_ids"], batch["labels"], batch["position_ids"], batch["document_ids"])
-            loss = model.objective(terms, global_targets, config.train.global_batch)
+            terms, loss = micro_batch_objective(model, batch, global_targets, config.train.global_batch, runtime.layout)
         loss.backward()
         ce_part = terms.ce_sum.item() / max(global_targets, 1)
         ce_total += ce_part
@@ -171,20 +190,22 @@ def _train(config: Config, runtime: Runtime) -> list[dict]:
     if data.tokenizer.vocab_size > config.model.vocab_size:
         raise ConfigError("model.vocab_size", f"{config.model.vocab_size} is smaller than the tokenizer's "
                           f"{data.tokenizer.vocab_size} ids; set --model.vocab_size={data.tokenizer.vocab_size} or more")
-    compute_dtype = torch.bfloat16 if config.train.dtype == "bfloat16" else torch.float32
     model = build_model(config.model, config.train.seed, runtime.device)
     if config.parallel.strategy == "mop":
-        model = parallelize(model, runtime.layout, compute_dtype)
+        model = parallelize(model, runtime.layout, config)
     elif config.parallel.strategy == "fsdp2":
         raise NotImplementedError("parallel.strategy='fsdp2' (the FSDP2 baseline) lands with issue 7; "
                                   "use 'reference' or 'mop'")
+    else:
+        apply_memory_options(model, config, runtime.device)
     if config.optim.offload:
         raise NotImplementedError("optim.offload=true (the host-offloaded optimizer) lands with issue 6; "
                                   "set --optim.offload=false")
     if config.checkpoint.every:
         raise NotImplementedError("checkpointing lands with issue 7; set --checkpoint.every=0")
     optimizer, schedule = build_optimizer(model, config)
-    autocast = torch.autocast(runtime.device.type, dtype=compute_dtype) if compute_dtype != torch.float32 else nullcontext()
+    dtype = compute_dtype(config)
+    autocast = torch.autocast(runtime.device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
 
     logger = None
     if runtime.is_main:

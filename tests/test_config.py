@@ -63,6 +63,12 @@ def test_int_is_accepted_for_a_float():
     (["--model.tie_embeddings=true", "--parallel.strategy=mop", "--parallel.nproc=2", "--parallel.vocab=2"],
      "model.tie_embeddings", "parallel.vocab=1"),
     (["train.steps=3"], "train.steps=3", "--section.key=value"),
+    (["--parallel.strategy=mop", "--parallel.nproc=4", "--parallel.sequence=4", "--model.heads=6", "--model.kv_heads=2"],
+     "parallel.sequence", "model.heads=6"),
+    (["--parallel.strategy=mop", "--parallel.nproc=2", "--parallel.sequence=2", "--parallel.attention_head_chunks=4"],
+     "parallel.attention_head_chunks", "heads per rank"),
+    (["--parallel.attention_head_chunks=0"], "parallel.attention_head_chunks", ">= 1"),
+    (["--train.offload_activations=true"], "train.offload_activations", "activation_checkpointing=full"),
 ])
 def test_bad_settings_name_the_key_and_the_fix(args, key, hint):
     with pytest.raises(ConfigError) as err:

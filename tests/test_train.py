@@ -54,6 +54,13 @@ def test_mop_on_two_ranks_matches_the_reference(tmp_path, reference):
 
 
 @pytest.mark.slow
+def test_sequence_parallel_training_matches_the_reference(tmp_path, reference):
+    records = run(tmp_path, "ulysses", "--parallel.strategy=mop", "--parallel.nproc=2", "--parallel.sequence=2",
+                  "--train.activation_checkpointing=full", "--train.offload_activations=true")
+    assert losses(records) == pytest.approx(losses(reference), rel=1e-5)
+
+
+@pytest.mark.slow
 def test_the_same_command_runs_under_torchrun(tmp_path, reference):
     run_dir = tmp_path / "torchrun"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "mop.cli",

@@ -15,6 +15,7 @@ from mop.data.loader import (
     group_slice,
     load_batch,
     micro_batches,
+    sequence_shard,
 )
 from mop.data.packing import IGNORE_INDEX, ConcatTokens, PackedDataset, fingerprint, pack_documents
 from mop.data.sources import iter_documents, load_token_stream, read_bin, read_texts, source_files
@@ -42,5 +43,6 @@ __all__ = [
     "pack_documents",
     "read_bin",
     "read_texts",
+    "sequence_shard",
     "source_files",
 ]

@@ -111,6 +111,14 @@ def micro_batches(indices: list[int], micro_batch: int) -> list[list[int]]:
     return [indices[i : i + micro_batch] for i in range(0, len(indices), micro_batch)]
 
 
+def sequence_shard(batch: dict[str, torch.Tensor], index: int, parts: int) -> dict[str, torch.Tensor]:
+    """Rank ``index`` of a sequence group's slice ``[index*N, (index+1)*N)`` of every row, N = seq_len/parts.
+
+    Positions and document ids are sliced with the tokens, so they stay global (per document).
+    """
+    return {key: value.chunk(parts, dim=-1)[index].contiguous() for key, value in batch.items()}
+
+
 def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Stack per-sequence tensors into ``[B, seq_len]`` batches."""
     return {key: torch.stack([s[key] for s in samples]) for key in samples[0]}

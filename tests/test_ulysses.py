@@ -1,0 +1,93 @@
+"""Ulysses attention on D gloo ranks against the single-process attention: outputs and gradients.
+
+Every rank builds the same weights and the same full input from one seed, keeps its slice of the
+sequence, and runs the attention block with the Ulysses core; the parent compares each rank's
+output slice and input-gradient slice with the reference, and the sum of the ranks' weight
+gradients with the reference weight gradients.
+"""
+
+import itertools
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from mop.models.attention import Attention
+from mop.models.config import ModelConfig
+from mop.models.transformer import document_positions, init_weights
+from mop.parallel import DistLayout, Layout
+from mop.parallel.ulysses import UlyssesAttention, head_plan, kv_index
+from mop.testing import run_distributed
+
+BATCH, SEQ = 2, 16
+
+
+def cases(world):
+    """(heads, kv_heads, head chunks, packed documents); 12 heads over 3 KV heads on 2 ranks splits a
+    KV group between ranks (the index_select path)."""
+    aligned = [(8, *case) for case in itertools.product([1, 2, 4], [1, 2], [False, True])]
+    return aligned + ([(12, 3, 1, True), (12, 3, 2, False)] if world == 2 else [])
+
+
+def attention_case(heads, kv_heads, packed):
+    cfg = ModelConfig(hidden=32, heads=heads, kv_heads=kv_heads, head_dim=8)
+    attention = Attention(cfg)
+    torch.manual_seed(kv_heads)
+    for name, param in attention.named_parameters():
+        torch.nn.init.normal_(param, mean=1.0 if param.dim() == 1 else 0.0, std=0.2)
+    g = torch.Generator().manual_seed(100 + kv_heads)
+    x = torch.randn(BATCH, SEQ, cfg.hidden, generator=g)
+    upstream = torch.randn(BATCH, SEQ, cfg.hidden, generator=g)
+    documents = None
+    if packed:
+        documents = torch.tensor([[0] * 3 + [1] * 6 + [2] * 7, [0] * 11 + [1] * 5])
+    positions = document_positions(documents) if packed else torch.arange(SEQ).expand(BATCH, SEQ)
+    return attention, x, upstream, documents, positions
+
+
+def run_case(attention, x, upstream, documents, positions, rows=slice(None)):
+    x = x[:, rows].clone().requires_grad_()
+    out = attention(x, positions[:, rows], None if documents is None else documents[:, rows])
+    (out * upstream[:, rows]).sum().backward()
+    return out.detach(), x.grad, {n: p.grad for n, p in attention.named_parameters()}
+
+
+def ulysses_cases(rank, world):
+    layout = DistLayout(Layout(world, sequence=world), torch.device("cpu"))
+    results = []
+    for heads, kv_heads, chunks, packed in cases(world):
+        attention, x, upstream, documents, positions = attention_case(heads, kv_heads, packed)
+        attention.core = UlyssesAttention(layout.sequence_group, heads, kv_heads, chunks)
+        tokens = SEQ // world
+        results.append(run_case(attention, x, upstream, documents, positions, slice(rank * tokens, (rank + 1) * tokens)))
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ulysses_matches_single_process_attention(world):
+    per_rank = run_distributed(ulysses_cases, world)
+    tokens = SEQ // world
+    for case, (heads, kv_heads, chunks, packed) in enumerate(cases(world)):
+        out, x_grad, weight_grads = run_case(*attention_case(heads, kv_heads, packed))
+        label = f"D={world} heads={heads} kv_heads={kv_heads} chunks={chunks} packed={packed}"
+        for rank, results in enumerate(per_rank):
+            rows = slice(rank * tokens, (rank + 1) * tokens)
+            assert_close(results[case][0], out[:, rows], atol=1e-5, rtol=1e-5, msg=f"output {label}")
+            assert_close(results[case][1], x_grad[:, rows], atol=1e-5, rtol=1e-5, msg=f"input grad {label}")
+        for name, grad in weight_grads.items():
+            summed = sum(results[case][2][name] for results in per_rank)
+            assert_close(summed, grad, atol=1e-5, rtol=1e-5, msg=f"{name} grad {label}")
+
+
+def test_each_kv_head_is_sent_only_where_it_is_read():
+    # kv_heads >= D: each rank receives its own KV heads, once.
+    (plan,) = head_plan(heads=8, kv_heads=4, ranks=2, chunks=1)
+    assert plan.query == [(0, 4), (4, 8)] and plan.kv == [(0, 2), (2, 4)]
+    # kv_heads < D: the one KV head a rank reads, replicated to the D / kv_heads ranks sharing it.
+    (plan,) = head_plan(heads=8, kv_heads=2, ranks=4, chunks=1)
+    assert plan.kv == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    # Misaligned groups (12 heads, 3 KV heads, D=2): rank 0 reads KV 0-1, rank 1 reads KV 1-2.
+    (plan,) = head_plan(heads=12, kv_heads=3, ranks=2, chunks=1)
+    assert plan.kv == [(0, 2), (1, 3)]
+    assert kv_index(plan.query[0], plan.kv[0], group=4).tolist() == [0, 0, 0, 0, 1, 1]
+    assert kv_index((0, 4), (0, 2), group=2) is None
