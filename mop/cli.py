@@ -1,4 +1,4 @@
-"""The `mop` command: `mop train [CONFIG.toml] [--section.key=value ...]`.
+"""The `mop` command: `mop train [CONFIG.toml] [--section.key=value ...]`, `mop bench NAME [...]`.
 
 User errors (a bad setting, missing data, an impossible layout, a feature that has not landed)
 print one line naming the setting and the fix, and exit with code 2.
@@ -11,6 +11,7 @@ import dataclasses
 import sys
 import typing
 
+from mop.bench import BENCHMARKS
 from mop.config import Config, field_docs, load_config, sections
 from mop.train import USER_ERRORS, launch, train, under_torchrun
 
@@ -38,6 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train an MoE language model. With no arguments: the debug model on the shipped corpus, on CPU.",
         epilog=config_reference(), formatter_class=argparse.RawDescriptionHelpFormatter)
     train_parser.add_argument("config", nargs="?", help="TOML config file (e.g. configs/debug.toml); defaults apply without one")
+    bench_parser = commands.add_parser("bench", help="run a benchmark: prints a table and writes JSON")
+    benchmarks = bench_parser.add_subparsers(dest="benchmark", required=True, metavar="NAME")
+    for name, module in BENCHMARKS.items():
+        module.add_arguments(benchmarks.add_parser(name, help=module.__doc__.splitlines()[0].split(": ", 1)[-1],
+                                                   description=module.__doc__,
+                                                   formatter_class=argparse.RawDescriptionHelpFormatter))
     return parser
 
 
@@ -49,9 +56,19 @@ def run_train(config_path: str | None, overrides: list[str]) -> None:
         launch(config)
 
 
+def run_bench(args) -> None:
+    module = BENCHMARKS[args.benchmark]
+    module.report(args, module.run(args))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
+    if args.command == "bench":
+        if rest:
+            parser.error(f"unrecognised arguments: {' '.join(rest)}")
+        run_bench(args)
+        return 0
     unknown = [arg for arg in rest if not (arg.startswith("--") and "." in arg.split("=", 1)[0])]
     if unknown:
         parser.error(f"unrecognised arguments: {' '.join(unknown)} (settings look like --section.key=value)")

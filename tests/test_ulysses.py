@@ -14,7 +14,7 @@ from torch.testing import assert_close
 
 from mop.models.attention import Attention
 from mop.models.config import ModelConfig
-from mop.models.transformer import document_positions, init_weights
+from mop.models.transformer import document_positions
 from mop.parallel import DistLayout, Layout
 from mop.parallel.ulysses import UlyssesAttention, head_plan, kv_index
 from mop.testing import run_distributed

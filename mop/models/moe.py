@@ -84,11 +84,13 @@ def expert_order(expert_ids: torch.Tensor, experts: int):
 def swiglu_experts(x_sorted: torch.Tensor, counts: list[int], w_gate_up: torch.Tensor, w_down: torch.Tensor):
     """Apply expert e to its contiguous run of `counts[e]` rows of `x_sorted`; one GEMM pair per expert."""
     outputs = []
-    for expert, rows in enumerate(x_sorted.split(counts)):
+    # unbind once: its backward stacks the per-expert gradients in one tensor, where indexing
+    # w[expert] per expert would allocate a full-size zero gradient for every expert.
+    for rows, gate_up_weight, down_weight in zip(x_sorted.split(counts), w_gate_up.unbind(0), w_down.unbind(0)):
         if rows.shape[0] == 0:
             continue
-        gate, up = F.linear(rows, w_gate_up[expert]).chunk(2, dim=-1)
-        outputs.append(F.linear(F.silu(gate) * up, w_down[expert]))
+        gate, up = F.linear(rows, gate_up_weight).chunk(2, dim=-1)
+        outputs.append(F.linear(F.silu(gate) * up, down_weight))
     return torch.cat(outputs) if outputs else x_sorted.new_zeros(0, w_down.shape[1])
 
 

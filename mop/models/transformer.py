@@ -139,15 +139,14 @@ def parameter_seed(seed: int, name: str) -> int:
 
 
 @torch.no_grad()
-def init_weights(model: MoETransformer, seed: int) -> None:
-    """Initialise every parameter of the full (unsharded) model from `seed` alone.
+def init_weights(module: nn.Module, seed: int, std: float) -> None:
+    """Initialise every parameter of a full (unsharded) module from `seed` alone.
 
-    Norm weights start at one; every matrix is N(0, init_std) drawn on the CPU from a generator
-    seeded by (seed, parameter name), so the values do not depend on the device, on construction
-    order, or on how the parameter is sharded afterwards.
+    Norm weights start at one; every matrix is N(0, std) drawn on the CPU from a generator seeded
+    by (seed, parameter name), so the values do not depend on the device, on construction order,
+    or on how the parameter is sharded afterwards.
     """
-    std = model.cfg.init_std
-    for name, param in model.named_parameters():
+    for name, param in module.named_parameters():
         if param.dim() == 1:
             param.fill_(1.0)
             continue
@@ -158,5 +157,5 @@ def init_weights(model: MoETransformer, seed: int) -> None:
 
 def build_model(cfg: ModelConfig, seed: int, device: torch.device | str = "cpu") -> MoETransformer:
     model = MoETransformer(cfg)
-    init_weights(model, seed)
+    init_weights(model, seed, cfg.init_std)
     return model.to(device)

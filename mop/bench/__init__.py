@@ -1,0 +1,9 @@
+"""Benchmark programs, run as `mop bench NAME`: each prints a table and writes JSON.
+
+A benchmark module provides `add_arguments(parser)`, `run(args) -> dict` and
+`report(args, results)`; every comparison is against a baseline measured in the same run.
+"""
+
+from mop.bench import attention
+
+BENCHMARKS = {"attention": attention}

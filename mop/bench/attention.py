@@ -1,0 +1,155 @@
+"""`mop bench attention`: per-rank activation memory and time of the dense path against sequence length.
+
+Part 1, one transformer block (attention + MoE), forward + backward, for
+    D=1 (one rank, the reference attention), D=2 plain Ulysses, D=2 Ulysses in head chunks.
+Part 2, the whole model (embedding, blocks, loss), forward + backward, at one sequence length, for
+    no activation checkpointing, full checkpointing, and full checkpointing with host offload,
+    at D=1 and D=2.
+
+Memory is the peak of the tensors created during forward + backward on each rank (parameters,
+inputs and pre-allocated gradients excluded; see `mop.bench.memory`), reported per rank (the max
+over ranks). With offload, the host copies are reported separately and not counted in the
+per-rank peak: on a GPU they live in host memory. Time is the mean wall time of forward +
+backward after one warm-up, max over ranks. Ranks get one intra-op thread each, so D=1 and D=2
+compare per-rank work on equal cores. Ratios are against D=1 (part 1) and against no
+checkpointing at the same D (part 2) in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from mop.bench.memory import PeakMemory
+from mop.bench.report import MIB, table, write_json
+from mop.models.config import ModelConfig
+from mop.models.transformer import Block, IGNORE_INDEX, build_model, init_weights
+from mop.parallel import DistLayout, Layout
+from mop.parallel.checkpointing import apply_activation_checkpointing
+from mop.parallel.ulysses import UlyssesAttention, apply_sequence_parallel
+from mop.testing import run_distributed
+from mop.train import micro_batch_objective
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--seq-lens", default="1024,2048,4096,8192", help="block sequence lengths, comma-separated")
+    parser.add_argument("--model-seq-len", type=int, default=4096, help="sequence length of the whole-model part")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=32)
+    parser.add_argument("--layers", type=int, default=4, help="blocks of the whole-model part")
+    parser.add_argument("--head-chunks", type=int, default=4, help="head chunks of the chunked Ulysses variant")
+    parser.add_argument("--repeats", type=int, default=2, help="timed forward+backward passes after a warm-up")
+    parser.add_argument("--out", type=Path, default=Path("runs/bench/attention.json"))
+
+
+def model_config(args) -> ModelConfig:
+    return ModelConfig(vocab_size=259, hidden=args.hidden, layers=args.layers, heads=args.heads,
+                       kv_heads=args.kv_heads, head_dim=args.head_dim, experts=8, top_k=2, expert_intermediate=args.hidden)
+
+
+def _zero_grads(module: torch.nn.Module) -> None:
+    # Existing gradients are accumulated into in place, so the measurement sees activations only.
+    for param in module.parameters():
+        param.grad = torch.zeros_like(param)
+
+
+def _measure(step, repeats: int, exclude=lambda: 0) -> dict:
+    step()  # warm-up
+    with PeakMemory(torch.device("cpu"), exclude) as memory:
+        step()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        step()
+    return {"peak_bytes": memory.peak_bytes, "seconds": (time.perf_counter() - start) / repeats}
+
+
+def block_rank(rank, world, cfg: ModelConfig, seq_len: int, chunks: int, repeats: int) -> dict:
+    block = Block(cfg, layer=0)
+    init_weights(block, seed=0, std=cfg.init_std)  # per-name seeds: the same weights on every rank
+    if world > 1:
+        layout = DistLayout(Layout(world, sequence=world), torch.device("cpu"))
+        block.attention.core = UlyssesAttention(layout.sequence_group, cfg.heads, cfg.kv_heads, chunks)
+    _zero_grads(block)
+    tokens = seq_len // world
+    x = torch.randn(1, tokens, cfg.hidden, requires_grad=True)
+    positions = torch.arange(rank * tokens, (rank + 1) * tokens).unsqueeze(0)
+
+    def step():
+        out, _ = block(x, positions, None)
+        out.sum().backward()
+
+    return _measure(step, repeats)
+
+
+def model_rank(rank, world, cfg: ModelConfig, seq_len: int, checkpointing: bool, offload: bool, repeats: int) -> dict:
+    model = build_model(cfg, seed=0)
+    layout = None
+    if world > 1:
+        layout = DistLayout(Layout(world, sequence=world), torch.device("cpu"))
+        apply_sequence_parallel(model, layout.sequence_group, 1)
+    store = apply_activation_checkpointing(model, offload, pin_memory=False) if checkpointing else None
+    _zero_grads(model)
+    tokens = seq_len // world
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (1, seq_len + 1), generator=g)
+    rows = slice(rank * tokens, (rank + 1) * tokens)
+    batch = {"input_ids": ids[:, :-1][:, rows], "labels": ids[:, 1:][:, rows],
+             "position_ids": torch.arange(seq_len)[rows].unsqueeze(0), "document_ids": None}
+    targets = seq_len - int((ids[:, 1:] == IGNORE_INDEX).sum())
+
+    def step():
+        _, loss = micro_batch_objective(model, batch, targets, 1, layout)
+        loss.backward()
+
+    result = _measure(step, repeats, exclude=(lambda: store.live_bytes) if store else (lambda: 0))
+    result["host_bytes"] = store.peak_bytes if store else 0
+    return result
+
+
+def _worst(per_rank: list[dict]) -> dict:
+    return {key: max(r[key] for r in per_rank) for key in per_rank[0]}
+
+
+def run(args) -> dict:
+    cfg = model_config(args)
+    seq_lens = [int(s) for s in args.seq_lens.split(",")]
+    variants = [("D=1", 1, 1), ("D=2", 2, 1), (f"D=2 chunks={args.head_chunks}", 2, args.head_chunks)]
+    block_rows = []
+    for seq_len in seq_lens:
+        base = None
+        for name, world, chunks in variants:
+            result = _worst(run_distributed(block_rank, world, cfg, seq_len, chunks, args.repeats, timeout=1800))
+            base = base or result
+            block_rows.append({"seq_len": seq_len, "variant": name, **result,
+                               "peak_vs_d1": result["peak_bytes"] / base["peak_bytes"],
+                               "time_vs_d1": result["seconds"] / base["seconds"]})
+    model_rows = []
+    for world in (1, 2):
+        base = None
+        for name, checkpointing, offload in (("none", False, False), ("full", True, False), ("full+offload", True, True)):
+            result = _worst(run_distributed(model_rank, world, cfg, args.model_seq_len, checkpointing, offload,
+                                            args.repeats, timeout=1800))
+            base = base or result
+            model_rows.append({"D": world, "checkpointing": name, **result,
+                               "peak_vs_none": result["peak_bytes"] / base["peak_bytes"],
+                               "time_vs_none": result["seconds"] / base["seconds"]})
+    return {"block": block_rows, "model": model_rows}
+
+
+def report(args, results: dict) -> None:
+    print(table("one block (attention + MoE), forward + backward, per rank",
+                ["seq_len", "variant", "peak MiB", "vs D=1", "time s", "vs D=1"],
+                [[r["seq_len"], r["variant"], r["peak_bytes"] / MIB, r["peak_vs_d1"], r["seconds"], r["time_vs_d1"]]
+                 for r in results["block"]]))
+    print()
+    print(table(f"whole model ({args.layers} blocks, seq_len {args.model_seq_len}), forward + backward, per rank",
+                ["D", "checkpointing", "peak MiB", "vs none", "host MiB", "time s", "vs none"],
+                [[r["D"], r["checkpointing"], r["peak_bytes"] / MIB, r["peak_vs_none"], r["host_bytes"] / MIB,
+                  r["seconds"], r["time_vs_none"]] for r in results["model"]]))
+    path = write_json(args.out, "attention", {k: str(v) for k, v in vars(args).items() if k != "func"}, results)
+    print(f"\nresults written to {path}")
