@@ -1,7 +1,9 @@
 """`mop bench attention`: per-rank activation memory and time of the dense path against sequence length.
 
-Part 1, one transformer block (attention + MoE), forward + backward, for
-    D=1 (one rank, the reference attention), D=2 plain Ulysses, D=2 Ulysses in head chunks.
+Part 1, forward + backward of three nested pieces: the attention core alone (the sequence-mixing
+step Ulysses replaces: exchange, SDPA, exchange back), the attention layer (projections, norms,
+RoPE and the core) and one transformer block (attention + MoE); for D=1 (one rank, the reference
+core), D=2 plain Ulysses, D=2 Ulysses in head chunks.
 Part 2, the whole model (embedding, blocks, loss), forward + backward, at one sequence length, for
     no activation checkpointing, full checkpointing, and full checkpointing with host offload,
     at D=1 and D=2.
@@ -68,7 +70,7 @@ def _measure(step, repeats: int, exclude=lambda: 0) -> dict:
     return {"peak_bytes": memory.peak_bytes, "seconds": (time.perf_counter() - start) / repeats}
 
 
-def block_rank(rank, world, cfg: ModelConfig, seq_len: int, chunks: int, repeats: int) -> dict:
+def layer_rank(rank, world, cfg: ModelConfig, seq_len: int, chunks: int, repeats: int, piece: str) -> dict:
     block = Block(cfg, layer=0)
     init_weights(block, seed=0, std=cfg.init_std)  # per-name seeds: the same weights on every rank
     if world > 1:
@@ -76,12 +78,19 @@ def block_rank(rank, world, cfg: ModelConfig, seq_len: int, chunks: int, repeats
         block.attention.core = UlyssesAttention(layout.sequence_group, cfg.heads, cfg.kv_heads, chunks)
     _zero_grads(block)
     tokens = seq_len // world
-    x = torch.randn(1, tokens, cfg.hidden, requires_grad=True)
     positions = torch.arange(rank * tokens, (rank + 1) * tokens).unsqueeze(0)
+    if piece == "core":
+        inputs = [torch.randn(1, tokens, heads, cfg.head_dim, requires_grad=True)
+                  for heads in (cfg.heads, cfg.kv_heads, cfg.kv_heads)]
+        forward = lambda: block.attention.core(*inputs, None)  # noqa: E731
+    else:
+        x = torch.randn(1, tokens, cfg.hidden, requires_grad=True)
+        layer = block if piece == "block" else block.attention
+        forward = lambda: layer(x, positions, None)  # noqa: E731
 
     def step():
-        out, _ = block(x, positions, None)
-        out.sum().backward()
+        out = forward()
+        (out[0] if piece == "block" else out).sum().backward()
 
     return _measure(step, repeats)
 
@@ -119,15 +128,17 @@ def run(args) -> dict:
     cfg = model_config(args)
     seq_lens = [int(s) for s in args.seq_lens.split(",")]
     variants = [("D=1", 1, 1), ("D=2", 2, 1), (f"D=2 chunks={args.head_chunks}", 2, args.head_chunks)]
-    block_rows = []
-    for seq_len in seq_lens:
-        base = None
-        for name, world, chunks in variants:
-            result = _worst(run_distributed(block_rank, world, cfg, seq_len, chunks, args.repeats, timeout=1800))
-            base = base or result
-            block_rows.append({"seq_len": seq_len, "variant": name, **result,
-                               "peak_vs_d1": result["peak_bytes"] / base["peak_bytes"],
-                               "time_vs_d1": result["seconds"] / base["seconds"]})
+    layer_rows = []
+    for piece in ("core", "attention", "block"):
+        for seq_len in seq_lens:
+            base = None
+            for name, world, chunks in variants:
+                result = _worst(run_distributed(layer_rank, world, cfg, seq_len, chunks, args.repeats, piece,
+                                                timeout=1800))
+                base = base or result
+                layer_rows.append({"layer": piece, "seq_len": seq_len,
+                                   "variant": name, **result, "peak_vs_d1": result["peak_bytes"] / base["peak_bytes"],
+                                   "time_vs_d1": result["seconds"] / base["seconds"]})
     model_rows = []
     for world in (1, 2):
         base = None
@@ -138,14 +149,14 @@ def run(args) -> dict:
             model_rows.append({"D": world, "checkpointing": name, **result,
                                "peak_vs_none": result["peak_bytes"] / base["peak_bytes"],
                                "time_vs_none": result["seconds"] / base["seconds"]})
-    return {"block": block_rows, "model": model_rows}
+    return {"layers": layer_rows, "model": model_rows}
 
 
 def report(args, results: dict) -> None:
-    print(table("one block (attention + MoE), forward + backward, per rank",
-                ["seq_len", "variant", "peak MiB", "vs D=1", "time s", "vs D=1"],
-                [[r["seq_len"], r["variant"], r["peak_bytes"] / MIB, r["peak_vs_d1"], r["seconds"], r["time_vs_d1"]]
-                 for r in results["block"]]))
+    print(table("attention core / attention layer / one block (attention + MoE), forward + backward, per rank",
+                ["layer", "seq_len", "variant", "peak MiB", "vs D=1", "time s", "vs D=1"],
+                [[r["layer"], r["seq_len"], r["variant"], r["peak_bytes"] / MIB, r["peak_vs_d1"], r["seconds"],
+                  r["time_vs_d1"]] for r in results["layers"]]))
     print()
     print(table(f"whole model ({args.layers} blocks, seq_len {args.model_seq_len}), forward + backward, per rank",
                 ["D", "checkpointing", "peak MiB", "vs none", "host MiB", "time s", "vs none"],

@@ -39,9 +39,11 @@ class HostOffload(saved_tensors_hooks):
         self.peak_bytes = 0
 
         def pack(tensor: torch.Tensor):
+            # Counted before the copy exists, so a tracker never sees host bytes as device bytes.
+            self._account(tensor.numel() * tensor.element_size())
             host = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=pin_memory)
             host.copy_(tensor)
-            self._account(host.untyped_storage())
+            weakref.finalize(host.untyped_storage(), self._release, host.untyped_storage().nbytes())
             return tensor.device, host
 
         def unpack(packed):
@@ -50,10 +52,9 @@ class HostOffload(saved_tensors_hooks):
 
         super().__init__(pack, unpack)
 
-    def _account(self, storage) -> None:
-        self.live_bytes += storage.nbytes()
+    def _account(self, nbytes: int) -> None:
+        self.live_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        weakref.finalize(storage, self._release, storage.nbytes())
 
     def _release(self, nbytes: int) -> None:
         self.live_bytes -= nbytes

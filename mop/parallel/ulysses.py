@@ -99,10 +99,8 @@ class UlyssesAttention(nn.Module):
                 outputs.append(self._chunk(plan, q, k, v, full_documents))
             else:
                 outputs.append(checkpoint(self._chunk, plan, q, k, v, full_documents, use_reentrant=False))
-        batch, tokens = q.shape[:2]
-        # outputs[c]: [D, B, N, heads per chunk, d] from rank j; global head = j*H/D + c*H/(DC) + i.
-        stacked = torch.stack(outputs)
-        return stacked.permute(2, 3, 1, 0, 4, 5).reshape(batch, tokens, -1, q.shape[-1])
+        # outputs[c]: [B, N, D, heads per chunk, d]; global head = j*H/D + c*H/(DC) + i.
+        return torch.stack(outputs, dim=3).flatten(2, 4)
 
     def _gather_sequence(self, document_ids: torch.Tensor) -> torch.Tensor:
         gathered = all_gather_rows(document_ids, self.group)  # [D*B, N], rank-major
@@ -111,24 +109,31 @@ class UlyssesAttention(nn.Module):
 
     def _chunk(self, plan: ChunkPlan, q, k, v, full_documents):
         batch, tokens, _, dim = q.shape
-        pieces = [torch.cat([q[:, :, qa:qb], k[:, :, ka:kb], v[:, :, ka:kb]], dim=2)
-                  for (qa, qb), (ka, kb) in zip(plan.query, plan.kv)]
-        in_splits = [piece.numel() for piece in pieces]
-        mine_q, mine_kv = plan.query[self.rank], plan.kv[self.rank]
-        queries, kvs = mine_q[1] - mine_q[0], mine_kv[1] - mine_kv[0]
-        out_splits = [batch * tokens * (queries + 2 * kvs) * dim] * self.ranks
-        received = all_to_all(torch.cat([p.reshape(-1) for p in pieces]), out_splits, in_splits, self.group)
-        received = received.view(self.ranks, batch, tokens, queries + 2 * kvs, dim)
-        received = received.permute(1, 0, 2, 3, 4).reshape(batch, self.ranks * tokens, queries + 2 * kvs, dim)
-        q_heads, k_heads, v_heads = received.split([queries, kvs, kvs], dim=2)
-        index = kv_index(mine_q, mine_kv, self.group_size)
+        # Send buffer, per destination rank: its query heads, then its K heads, then its V heads,
+        # each [B, N, heads, d]; filled in place, so the buffer is the only copy.
+        parts = [(t, a, b) for (qa, qb), (ka, kb) in zip(plan.query, plan.kv) for t, a, b in
+                 ((q, qa, qb), (k, ka, kb), (v, ka, kb))]
+        sizes = [batch * tokens * (b - a) * dim for _, a, b in parts]
+        send = q.new_empty(sum(sizes))
+        offset = 0
+        for (tensor, a, b), size in zip(parts, sizes):
+            send.narrow(0, offset, size).view(batch, tokens, b - a, dim).copy_(tensor[:, :, a:b])
+            offset += size
+        in_splits = [sum(sizes[3 * j:3 * j + 3]) for j in range(self.ranks)]
+        (qa, qb), (ka, kb) = plan.query[self.rank], plan.kv[self.rank]
+        mine = [qb - qa, kb - ka, kb - ka]
+        received = all_to_all(send, [in_splits[self.rank]] * self.ranks, in_splits, self.group)
+        q_heads, k_heads, v_heads = (
+            part.reshape(self.ranks, batch, tokens, heads, dim).transpose(0, 1).reshape(batch, -1, heads, dim)
+            for part, heads in zip(received.view(self.ranks, -1).split([batch * tokens * h * dim for h in mine], 1), mine))
+        index = kv_index(plan.query[self.rank], plan.kv[self.rank], self.group_size)
         if index is not None:
             k_heads, v_heads = k_heads.index_select(2, index), v_heads.index_select(2, index)
         out = self.core(q_heads, k_heads, v_heads, full_documents)  # [B, S, queries, d]
-        send = out.view(batch, self.ranks, tokens, queries, dim).transpose(0, 1).reshape(-1)
-        returned = all_to_all(send, [send.numel() // self.ranks] * self.ranks, [send.numel() // self.ranks] * self.ranks,
-                              self.group)
-        return returned.view(self.ranks, batch, tokens, queries, dim)
+        send_back = out.reshape(batch, self.ranks, tokens, mine[0], dim).transpose(0, 1).reshape(-1)
+        splits = [send_back.numel() // self.ranks] * self.ranks
+        returned = all_to_all(send_back, splits, splits, self.group)
+        return returned.view(self.ranks, batch, tokens, mine[0], dim).permute(1, 2, 0, 3, 4)
 
 
 def apply_sequence_parallel(model: MoETransformer, group: dist.ProcessGroup, head_chunks: int) -> None:
