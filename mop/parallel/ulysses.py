@@ -93,12 +93,17 @@ class UlyssesAttention(nn.Module):
 
     def forward(self, q, k, v, document_ids):
         full_documents = None if document_ids is None else self._gather_sequence(document_ids)
+        batch, tokens, heads, dim = q.shape
+        chunks = len(self.plans)
+        # Query heads grouped [chunk][destination rank] as views, split once: the backward then
+        # assembles q's gradient in one tensor instead of zero-padding one per chunk.
+        q_chunks = q.unflatten(2, (self.ranks, chunks, heads // (self.ranks * chunks))).permute(3, 2, 0, 1, 4, 5)
         outputs = []
-        for plan in self.plans:
-            if len(self.plans) == 1:
-                outputs.append(self._chunk(plan, q, k, v, full_documents))
+        for plan, q_chunk in zip(self.plans, q_chunks.unbind(0)):
+            if chunks == 1:
+                outputs.append(self._chunk(plan, q_chunk, k, v, full_documents))
             else:
-                outputs.append(checkpoint(self._chunk, plan, q, k, v, full_documents, use_reentrant=False))
+                outputs.append(checkpoint(self._chunk, plan, q_chunk, k, v, full_documents, use_reentrant=False))
         # outputs[c]: [B, N, D, heads per chunk, d]; global head = j*H/D + c*H/(DC) + i.
         return torch.stack(outputs, dim=3).flatten(2, 4)
 
@@ -107,17 +112,17 @@ class UlyssesAttention(nn.Module):
         batch, tokens = document_ids.shape
         return gathered.view(self.ranks, batch, tokens).permute(1, 0, 2).reshape(batch, self.ranks * tokens)
 
-    def _chunk(self, plan: ChunkPlan, q, k, v, full_documents):
-        batch, tokens, _, dim = q.shape
+    def _chunk(self, plan: ChunkPlan, q_chunk, k, v, full_documents):
+        """One head chunk: `q_chunk [D, B, N, heads per chunk, d]` holds each destination's query heads."""
+        batch, tokens, _, dim = k.shape
         # Send buffer, per destination rank: its query heads, then its K heads, then its V heads,
         # each [B, N, heads, d]; filled in place, so the buffer is the only copy.
-        parts = [(t, a, b) for (qa, qb), (ka, kb) in zip(plan.query, plan.kv) for t, a, b in
-                 ((q, qa, qb), (k, ka, kb), (v, ka, kb))]
-        sizes = [batch * tokens * (b - a) * dim for _, a, b in parts]
-        send = q.new_empty(sum(sizes))
+        parts = [piece for j, (ka, kb) in enumerate(plan.kv) for piece in (q_chunk[j], k[:, :, ka:kb], v[:, :, ka:kb])]
+        sizes = [part.numel() for part in parts]
+        send = k.new_empty(sum(sizes))
         offset = 0
-        for (tensor, a, b), size in zip(parts, sizes):
-            send.narrow(0, offset, size).view(batch, tokens, b - a, dim).copy_(tensor[:, :, a:b])
+        for part, size in zip(parts, sizes):
+            send.narrow(0, offset, size).view(part.shape).copy_(part)
             offset += size
         in_splits = [sum(sizes[3 * j:3 * j + 3]) for j in range(self.ranks)]
         (qa, qb), (ka, kb) = plan.query[self.rank], plan.kv[self.rank]
