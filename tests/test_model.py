@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from mop.models.config import ModelConfig
-from mop.models.moe import Experts, RouterStats, load_balancing_loss
+from mop.models.moe import Experts, RouterStats, grouped_gemm_applies, load_balancing_loss, swiglu_experts
 from mop.models.transformer import IGNORE_INDEX, build_model, document_positions, parameter_seed
 
 TINY = ModelConfig(vocab_size=97, hidden=32, layers=2, heads=4, kv_heads=2, head_dim=8, experts=4, top_k=2,
@@ -137,3 +137,19 @@ def test_bfloat16_autocast_runs_close_to_fp32():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         low = model(ids, labels)
     assert abs(low.item() - model(ids, labels).item()) < 0.05
+
+
+def test_grouped_gemm_and_the_expert_loop_are_identical():
+    torch.manual_seed(3)
+    x = torch.randn(13, 16, requires_grad=True)
+    w_gate_up = torch.randn(4, 2 * 8, 16, requires_grad=True)
+    w_down = torch.randn(4, 16, 8, requires_grad=True)
+    counts = [5, 0, 6, 2]  # an expert with no rows
+    assert grouped_gemm_applies(x, w_gate_up, w_down)
+    grouped = swiglu_experts(x, counts, w_gate_up, w_down, grouped=True)
+    looped = swiglu_experts(x, counts, w_gate_up, w_down, grouped=False)
+    assert torch.equal(grouped, looped)
+    for a, b in zip(torch.autograd.grad(grouped.square().sum(), [x, w_gate_up, w_down]),
+                    torch.autograd.grad(looped.square().sum(), [x, w_gate_up, w_down])):
+        assert torch.equal(a, b)
+    assert not grouped_gemm_applies(x[:, :15], w_gate_up[:, :, :15], w_down[:, :15])

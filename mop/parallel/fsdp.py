@@ -8,8 +8,9 @@ Invariant: the trainer's per-rank objective is already normalised by the global 
 (`MoETransformer.objective`), so the global gradient is the SUM of the per-rank gradients, not
 their mean: every unit's gradient divide factor is set to 1.
 
-Until the expert (issue 4) and vocabulary (issue 5) techniques land, expert and output weights
-are sharded over the world like dense ones, which is lossless, only not memory-optimal.
+Expert weights under expert parallelism are sharded by `mop.parallel.experts` (its own units,
+on the expert-replica mesh), which `fully_shard` here then leaves alone. Until the vocabulary
+technique (issue 5) lands, the output weight is sharded over the world like dense ones.
 """
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ def shard_dense(model: MoETransformer, layout: DistLayout, compute_dtype: torch.
     register_fsdp_forward_method(model, "loss_terms")
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(1.0)
-            # A plain SUM: the pre-multiplied sum FSDP2 would otherwise pick is NCCL-only.
-            module.set_force_sum_reduction_for_comms(True)
+            sum_gradients(module)
+
+
+def sum_gradients(module: FSDPModule) -> None:
+    """Reduce this unit's gradients by a plain sum over its mesh (see the module docstring)."""
+    module.set_gradient_divide_factor(1.0)
+    # A plain SUM: the pre-multiplied sum FSDP2 would otherwise pick is NCCL-only.
+    module.set_force_sum_reduction_for_comms(True)

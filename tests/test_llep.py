@@ -1,0 +1,129 @@
+"""Expert parallelism (EP and LLEP) on gloo ranks against the single-process expert layer.
+
+Each rank routes its own tokens with a given routing (balanced, 95% into one expert, or with
+empty experts); the parent checks each rank's output and input/routing-weight gradients against
+the single-process layer on the concatenated tokens, and every expert weight's gradient (the
+partitions gathered from their FSDP2 shards) against the single-process weight gradient.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from mop.models.config import ModelConfig
+from mop.models.moe import Experts
+from mop.models.transformer import init_weights
+from mop.parallel import DistLayout, Layout
+from mop.parallel.experts import shard_experts
+from mop.parallel.llep import BalanceOptions, build_routing, drain_records
+from mop.parallel.llep_plan import plan_ep, plan_llep
+from mop.testing import run_distributed
+
+CFG = ModelConfig(hidden=16, experts=8, expert_intermediate=8)
+TOKENS = 24  # per rank
+
+
+def routing(kind: str, world: int, top_k: int, seed: int):
+    """Expert ids and weights for every rank's tokens, `[world, TOKENS, k]`."""
+    g = torch.Generator().manual_seed(seed)
+    choices = {"balanced": list(range(8)), "skewed": list(range(8)), "empty": [1, 2, 5]}[kind]
+    ids = torch.zeros(world, TOKENS, top_k, dtype=torch.long)
+    for r in range(world):
+        for t in range(TOKENS):
+            pool = choices[:] if len(choices) >= top_k else list(range(8))
+            order = [pool[i] for i in torch.randperm(len(pool), generator=g)]
+            if kind == "skewed" and torch.rand((), generator=g) < 0.95:
+                order = [0] + [e for e in order if e != 0]
+            ids[r, t] = torch.tensor(order[:top_k])
+    weights = torch.rand(world, TOKENS, top_k, generator=g)
+    return ids, weights
+
+
+class _Holder(torch.nn.Module):
+    """A minimal model shape for shard_experts: layers with an MoE mlp holding `experts`."""
+
+    def __init__(self, experts):
+        super().__init__()
+        block = torch.nn.Module()
+        block.is_moe = True
+        block.mlp = torch.nn.Module()
+        block.mlp.experts = experts
+        self.layers = torch.nn.ModuleList([block])
+
+
+def reference_experts():
+    experts = Experts(CFG)
+    init_weights(experts, seed=1, std=0.3)
+    return experts
+
+
+def expert_rank(rank, world, ep, top_k, kind, mode):
+    layout = DistLayout(Layout(world, expert=ep), torch.device("cpu"))
+    holder = _Holder(reference_experts())
+    shard_experts(holder, layout, BalanceOptions(mode, gate=1.3, alpha=1.0, min_chunk=2), torch.float32)
+    module = holder.layers[0].mlp.experts
+    ids, weights = routing(kind, world, top_k, seed=top_k)
+    g = torch.Generator().manual_seed(7)
+    x_all = torch.randn(world, TOKENS, CFG.hidden, generator=g)
+    upstream = torch.randn(world, TOKENS, CFG.hidden, generator=g)
+    x = x_all[rank].clone().requires_grad_()
+    w = weights[rank].clone().requires_grad_()
+    out = module(x, ids[rank], w)
+    (out * upstream[rank]).sum().backward()
+    partition = layout.layout.expert_partition(rank)
+    grads = {name: p.grad.full_tensor() for name, p in module.named_parameters()}
+    return out.detach(), x.grad, w.grad, partition, grads, drain_records(holder)
+
+
+CASES = [(world, ep, top_k, kind, mode) for world, ep in [(2, 2), (4, 2), (4, 4)] for top_k in (1, 2, 4)
+         for kind in ("balanced", "skewed", "empty") for mode in ("ep", "llep")]
+
+
+@pytest.mark.parametrize("world, ep", [(2, 2), (4, 2), (4, 4)])
+def test_expert_parallel_matches_the_single_process_layer(world, ep):
+    cases = [c for c in CASES if c[:2] == (world, ep)]
+    results = run_distributed(_all_cases, world, ep, [c[2:] for c in cases])
+    for index, (_, _, top_k, kind, mode) in enumerate(cases):
+        label = f"W={world} Ep={ep} k={top_k} {kind} {mode}"
+        experts = reference_experts()
+        ids, weights = routing(kind, world, top_k, seed=top_k)
+        g = torch.Generator().manual_seed(7)
+        x_all = torch.randn(world, TOKENS, CFG.hidden, generator=g)
+        upstream = torch.randn(world, TOKENS, CFG.hidden, generator=g)
+        x = x_all.reshape(-1, CFG.hidden).clone().requires_grad_()
+        w = weights.reshape(-1, top_k).clone().requires_grad_()
+        out = experts(x, ids.reshape(-1, top_k), w)
+        (out * upstream.reshape(-1, CFG.hidden)).sum().backward()
+        per = CFG.experts // ep
+        for rank, (r_out, r_x, r_w, partition, grads, records) in enumerate(r[index] for r in results):
+            rows = slice(rank * TOKENS, (rank + 1) * TOKENS)
+            assert_close(r_out, out.detach()[rows], atol=1e-5, rtol=1e-5, msg=f"output {label}")
+            assert_close(r_x, x.grad[rows], atol=1e-5, rtol=1e-5, msg=f"input grad {label}")
+            assert_close(r_w, w.grad[rows], atol=1e-5, rtol=1e-5, msg=f"routing weight grad {label}")
+            owned = slice(partition * per, (partition + 1) * per)
+            assert_close(grads["w_gate_up"], experts.w_gate_up.grad[owned], atol=1e-5, rtol=1e-5, msg=f"w_gate_up {label}")
+            assert_close(grads["w_down"], experts.w_down.grad[owned], atol=1e-5, rtol=1e-5, msg=f"w_down {label}")
+            if mode == "llep" and kind == "skewed":
+                assert records[0]["llep_active"] and records[0]["tokens_moved"] > 0, label
+            if mode == "ep":
+                assert records[0]["tokens_moved"] == 0, label
+
+
+def _all_cases(rank, world, ep, cases):
+    return [expert_rank(rank, world, ep, *case) for case in cases]
+
+
+def test_routing_sends_every_row_once_and_groups_received_rows_by_expert():
+    counts = [[5, 0, 3, 1], [2, 4, 0, 0]]  # [ranks, experts]
+    loads = [sum(c) for c in zip(*counts)]
+    for plan in (plan_ep(loads, 2), plan_llep(loads, 2, gate=1.0, alpha=1.0, min_chunk=1)):
+        routes = [build_routing(plan, counts, r) for r in range(2)]
+        for r, route in enumerate(routes):
+            assert sorted(route.send_rows) == list(range(sum(counts[r])))
+            assert route.recv_splits == [routes[s].send_splits[r] for s in range(2)]
+            assert sorted(route.compute_rows) == list(range(sum(route.recv_splits)))
+            assert sum(route.native_counts) + sum(route.foreign_counts) == sum(route.recv_splits)
+        assert sum(rt.native_counts[i] for rt in routes for i in range(2)) + sum(
+            sum(rt.foreign_counts) for rt in routes) == sum(loads)
