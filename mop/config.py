@@ -53,7 +53,15 @@ class ParallelConfig:
     vocab: int = 1
     """P: ranks the output projection's rows are sharded over; divides the world size."""
     expert_balance: Literal["ep", "llep"] = "ep"
-    """Token placement for expert parallelism: "ep" (each expert on its owner) or "llep" (least-loaded)."""
+    """Token placement for expert parallelism (parallel.expert > 1): "ep" computes every expert on its
+    owner; "llep" spills an overloaded owner's tokens (and ships the expert's weights) to the least-loaded ranks."""
+    llep_gate: float = 1.3
+    """LLEP's λ: when max/mean expert load is below it the step uses plain EP (the paper's default 1.3)."""
+    llep_alpha: float = 1.0
+    """LLEP's α: a rank is full at α x (routed tokens / parallel.expert) tokens (the paper's default 1.0)."""
+    llep_min_chunk: int = 1024
+    """LLEP's m: the smallest token chunk worth spilling to a helper rank (one efficient GEMM); the paper
+    uses 1024 at 16-32K tokens per GPU, lower it for small batches."""
     attention_head_chunks: int = 1
     """With parallel.sequence > 1: exchange and attend the heads of a rank in this many chunks, so that
     only one chunk's head-sharded Q/K/V/output is live at a time (recomputed per chunk in backward)."""
@@ -254,7 +262,7 @@ def validate(config: Config, world: int | None = None) -> None:
         raise ConfigError(f"model.{key}", message)
     p, t, d = config.parallel, config.train, config.data
     world = world or p.nproc
-    _positive(config, ["parallel.nproc", "parallel.attention_head_chunks", "data.seq_len",
+    _positive(config, ["parallel.nproc", "parallel.attention_head_chunks", "parallel.llep_min_chunk", "data.seq_len",
                        "train.steps", "train.global_batch", "train.micro_batch", "checkpoint.keep"])
     _at_least_zero(config, ["train.seed", "train.grad_clip", "optim.lr", "optim.warmup_steps", "optim.weight_decay",
                             "optim.eps", "checkpoint.every"])
@@ -276,6 +284,9 @@ def validate(config: Config, world: int | None = None) -> None:
     if (heads // p.sequence) % p.attention_head_chunks:
         raise ConfigError("parallel.attention_head_chunks", f"{p.attention_head_chunks} does not divide the "
                           f"{heads // p.sequence} heads per rank (model.heads / parallel.sequence)")
+    for key in ("llep_gate", "llep_alpha"):
+        if getattr(p, key) <= 0:
+            raise ConfigError(f"parallel.{key}", f"must be > 0, got {getattr(p, key)}")
     if t.offload_activations and t.activation_checkpointing == "none":
         raise ConfigError("train.offload_activations", "offloads the checkpointed block inputs; also set "
                           "--train.activation_checkpointing=full")

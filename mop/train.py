@@ -38,6 +38,7 @@ from mop.data import DataError, build_data, group_slice, load_batch, micro_batch
 from mop.metrics import MetricsLogger, peak_memory_bytes, plot_run
 from mop.models.transformer import IGNORE_INDEX, MoETransformer, build_model
 from mop.parallel.mesh import DistLayout, Layout, LayoutError, TorchrunEnv, device_for, init_distributed, set_rank_threads
+from mop.parallel.llep import drain_records
 from mop.parallel.parallelize import apply_memory_options, compute_dtype, parallelize
 from mop.parallel.ulysses import reduce_router_stats
 
@@ -115,15 +116,39 @@ def build_optimizer(model: torch.nn.Module, config: Config):
     return optimizer, schedule
 
 
-def clip_gradients(model: torch.nn.Module, max_norm: float) -> float:
-    """The global gradient norm (over all ranks' shards); gradients are scaled down if it exceeds max_norm."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+def clip_gradients(model: torch.nn.Module, max_norm: float, runtime: Runtime) -> float:
+    """The global gradient norm; gradients are scaled by max_norm / norm when it exceeds max_norm.
+
+    Every gradient element lives on exactly one rank under the `mop` layout (dense weights sharded
+    over the world, each expert partition over its replica group), so the squared norm is the sum
+    over ranks of the local shards' squared norms. Same formula as torch's `clip_grad_norm_`.
+    """
+    local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+             for p in model.parameters() if p.grad is not None]
+    squared = torch.stack([n.float().square() for n in torch._foreach_norm(local)]).sum()
+    if runtime.layout is not None:
+        dist.all_reduce(squared, group=runtime.layout.world_group)
+    norm = squared.sqrt()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
+        torch._foreach_mul_(local, torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(local[0].dtype))
     return norm.item()
+
+
+def expert_metrics(model: torch.nn.Module, runtime: Runtime, expert_ranks: int) -> dict:
+    """The step's expert-parallel routing summary over all expert groups (worst case / totals)."""
+    if expert_ranks == 1:
+        return {}
+    records = drain_records(model)
+    worst = torch.tensor([max((r[k] for r in records), default=0.0) for k in _WORST_KEYS], dtype=torch.float64)
+    total = torch.tensor([sum(r[k] for r in records) for k in _SUM_KEYS], dtype=torch.float64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=runtime.layout.world_group)
+    dist.all_reduce(total, group=runtime.layout.world_group)
+    # Every rank of an expert group records the same plan: divide the sums by the group size.
+    return {**dict(zip(_WORST_KEYS, worst.tolist())), **dict(zip(_SUM_KEYS, (total / expert_ranks).tolist()))}
+
+
+_WORST_KEYS = ("expert_load_imbalance", "rank_load_imbalance_before", "rank_load_imbalance_after")
+_SUM_KEYS = ("tokens_moved", "weight_bytes_moved", "llep_active")  # llep_active: layer passes that spilled
 
 
 def all_reduce_sum(values: list[float], runtime: Runtime) -> list[float]:
@@ -219,7 +244,7 @@ def _train(config: Config, runtime: Runtime) -> list[dict]:
         start = time.perf_counter()
         lr = schedule.get_last_lr()[0]
         losses = train_step(model, data, config, runtime, step, autocast)
-        grad_norm = clip_gradients(model, config.train.grad_clip)
+        grad_norm = clip_gradients(model, config.train.grad_clip, runtime)
         skipped = not math.isfinite(grad_norm)
         if not skipped:
             optimizer.step()
@@ -228,7 +253,8 @@ def _train(config: Config, runtime: Runtime) -> list[dict]:
         elapsed = time.perf_counter() - start
         record = {"step": step, **losses, "lr": lr, "grad_norm": grad_norm, "skipped": skipped,
                   "tokens_per_s": tokens_per_step / elapsed, "step_time_s": elapsed,
-                  "peak_mem_bytes": peak_memory_bytes(runtime.device)}
+                  "peak_mem_bytes": peak_memory_bytes(runtime.device),
+                  **expert_metrics(model, runtime, config.parallel.expert)}
         records.append(record)
         bar.set_postfix(loss=f"{losses['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
         if logger is not None:

@@ -61,6 +61,17 @@ def test_sequence_parallel_training_matches_the_reference(tmp_path, reference):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("balance", ["ep", "llep"])
+def test_expert_parallel_training_matches_the_reference(tmp_path, reference, balance):
+    records = run(tmp_path, balance, "--parallel.strategy=mop", "--parallel.nproc=2", "--parallel.expert=2",
+                  f"--parallel.expert_balance={balance}", "--parallel.llep_min_chunk=4", "--parallel.llep_gate=1.0")
+    assert losses(records) == pytest.approx(losses(reference), rel=1e-5)
+    assert all(r["rank_load_imbalance_before"] >= 1.0 for r in records)
+    if balance == "llep":
+        assert sum(r["llep_active"] for r in records) > 0
+
+
+@pytest.mark.slow
 def test_the_same_command_runs_under_torchrun(tmp_path, reference):
     run_dir = tmp_path / "torchrun"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "mop.cli",

@@ -2,8 +2,8 @@
 
 Order (each step touches only the modules it owns; later steps wrap what earlier ones built):
 1. Ulysses sequence parallelism swaps every `Attention.core` (when parallel.sequence > 1);
-2. expert parallelism swaps `Experts` and shards expert weights over the expert-replica groups
-   (not yet: issue 4);
+2. expert parallelism swaps `Experts` for `ExpertParallel` (EP or LLEP over the expert group) and
+   FSDP2-shards each expert partition over its expert-replica group (when parallel.expert > 1);
 3. the vocabulary-parallel loss swaps `LMHead` (not yet: issue 5);
 4. activation checkpointing (and offload) wraps each block, so the recomputation includes the
    swapped modules and their collectives;
@@ -21,15 +21,11 @@ import torch
 from mop.config import Config
 from mop.models.transformer import MoETransformer
 from mop.parallel.checkpointing import apply_activation_checkpointing
+from mop.parallel.experts import shard_experts
 from mop.parallel.fsdp import shard_dense
+from mop.parallel.llep import BalanceOptions
 from mop.parallel.mesh import DistLayout
 from mop.parallel.ulysses import apply_sequence_parallel
-
-_PENDING = {
-    "expert": "expert parallelism / LLEP (issue 4)",
-    "vocab": "the vocabulary-parallel loss (issue 5)",
-}
-
 
 def compute_dtype(config: Config) -> torch.dtype:
     return torch.bfloat16 if config.train.dtype == "bfloat16" else torch.float32
@@ -42,12 +38,15 @@ def apply_memory_options(model: MoETransformer, config: Config, device: torch.de
 
 
 def parallelize(model: MoETransformer, layout: DistLayout, config: Config) -> MoETransformer:
-    for name, size in (("expert", layout.layout.expert), ("vocab", layout.layout.vocab)):
-        if size > 1:
-            raise NotImplementedError(f"parallel.{name}={size} needs {_PENDING[name]}, which has not landed yet; "
-                                      f"run with --parallel.{name}=1")
+    if layout.layout.vocab > 1:
+        raise NotImplementedError(f"parallel.vocab={layout.layout.vocab} needs the vocabulary-parallel loss "
+                                  "(issue 5), which has not landed yet; run with --parallel.vocab=1")
+    p = config.parallel
     if layout.layout.sequence > 1:
-        apply_sequence_parallel(model, layout.sequence_group, config.parallel.attention_head_chunks)
+        apply_sequence_parallel(model, layout.sequence_group, p.attention_head_chunks)
+    if layout.layout.expert > 1:
+        options = BalanceOptions(p.expert_balance, p.llep_gate, p.llep_alpha, p.llep_min_chunk)
+        shard_experts(model, layout, options, compute_dtype(config))
     apply_memory_options(model, config, layout.device)
     shard_dense(model, layout, compute_dtype(config))
     return model
