@@ -62,6 +62,9 @@ class ParallelConfig:
     llep_min_chunk: int = 1024
     """LLEP's m: the smallest token chunk worth spilling to a helper rank (one efficient GEMM); the paper
     uses 1024 at 16-32K tokens per GPU, lower it for small batches."""
+    llep_chunks: int = 1
+    """> 1: route each MoE layer's tokens in this many pipelined chunks and recompute the expert
+    intermediate in backward (memory-efficient EP/LLEP: about one chunk's buffers live at a time)."""
     attention_head_chunks: int = 1
     """With parallel.sequence > 1: exchange and attend the heads of a rank in this many chunks, so that
     only one chunk's head-sharded Q/K/V/output is live at a time (recomputed per chunk in backward)."""
@@ -262,7 +265,8 @@ def validate(config: Config, world: int | None = None) -> None:
         raise ConfigError(f"model.{key}", message)
     p, t, d = config.parallel, config.train, config.data
     world = world or p.nproc
-    _positive(config, ["parallel.nproc", "parallel.attention_head_chunks", "parallel.llep_min_chunk", "data.seq_len",
+    _positive(config, ["parallel.nproc", "parallel.attention_head_chunks", "parallel.llep_min_chunk",
+                       "parallel.llep_chunks", "data.seq_len",
                        "train.steps", "train.global_batch", "train.micro_batch", "checkpoint.keep"])
     _at_least_zero(config, ["train.seed", "train.grad_clip", "optim.lr", "optim.warmup_steps", "optim.weight_decay",
                             "optim.eps", "checkpoint.every"])

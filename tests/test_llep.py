@@ -17,7 +17,8 @@ from mop.models.moe import Experts
 from mop.models.transformer import init_weights
 from mop.parallel import DistLayout, Layout
 from mop.parallel.experts import shard_experts
-from mop.parallel.llep import BalanceOptions, build_routing, drain_records
+from mop.parallel.llep import BalanceOptions, drain_records
+from mop.parallel.llep_routing import build_routing
 from mop.parallel.llep_plan import plan_ep, plan_llep
 from mop.testing import run_distributed
 
@@ -59,10 +60,10 @@ def reference_experts():
     return experts
 
 
-def expert_rank(rank, world, ep, top_k, kind, mode):
+def expert_rank(rank, world, ep, top_k, kind, mode, chunks=1):
     layout = DistLayout(Layout(world, expert=ep), torch.device("cpu"))
     holder = _Holder(reference_experts())
-    shard_experts(holder, layout, BalanceOptions(mode, gate=1.3, alpha=1.0, min_chunk=2), torch.float32)
+    shard_experts(holder, layout, BalanceOptions(mode, gate=1.3, alpha=1.0, min_chunk=2, chunks=chunks), torch.float32)
     module = holder.layers[0].mlp.experts
     ids, weights = routing(kind, world, top_k, seed=top_k)
     g = torch.Generator().manual_seed(7)
@@ -77,16 +78,16 @@ def expert_rank(rank, world, ep, top_k, kind, mode):
     return out.detach(), x.grad, w.grad, partition, grads, drain_records(holder)
 
 
-CASES = [(world, ep, top_k, kind, mode) for world, ep in [(2, 2), (4, 2), (4, 4)] for top_k in (1, 2, 4)
-         for kind in ("balanced", "skewed", "empty") for mode in ("ep", "llep")]
+CASES = [(world, ep, top_k, kind, mode, chunks) for world, ep in [(2, 2), (4, 2), (4, 4)] for top_k in (1, 2, 4)
+         for kind in ("balanced", "skewed", "empty") for mode in ("ep", "llep") for chunks in (1, 3)]
 
 
 @pytest.mark.parametrize("world, ep", [(2, 2), (4, 2), (4, 4)])
 def test_expert_parallel_matches_the_single_process_layer(world, ep):
     cases = [c for c in CASES if c[:2] == (world, ep)]
     results = run_distributed(_all_cases, world, ep, [c[2:] for c in cases])
-    for index, (_, _, top_k, kind, mode) in enumerate(cases):
-        label = f"W={world} Ep={ep} k={top_k} {kind} {mode}"
+    for index, (_, _, top_k, kind, mode, chunks) in enumerate(cases):
+        label = f"W={world} Ep={ep} k={top_k} {kind} {mode} chunks={chunks}"
         experts = reference_experts()
         ids, weights = routing(kind, world, top_k, seed=top_k)
         g = torch.Generator().manual_seed(7)

@@ -61,10 +61,11 @@ def test_sequence_parallel_training_matches_the_reference(tmp_path, reference):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("balance", ["ep", "llep"])
-def test_expert_parallel_training_matches_the_reference(tmp_path, reference, balance):
+@pytest.mark.parametrize("balance, chunks", [("ep", 1), ("llep", 1), ("llep", 3)])
+def test_expert_parallel_training_matches_the_reference(tmp_path, reference, balance, chunks):
     records = run(tmp_path, balance, "--parallel.strategy=mop", "--parallel.nproc=2", "--parallel.expert=2",
-                  f"--parallel.expert_balance={balance}", "--parallel.llep_min_chunk=4", "--parallel.llep_gate=1.0")
+                  f"--parallel.expert_balance={balance}", "--parallel.llep_min_chunk=4", "--parallel.llep_gate=1.0",
+                  f"--parallel.llep_chunks={chunks}")
     assert losses(records) == pytest.approx(losses(reference), rel=1e-5)
     assert all(r["rank_load_imbalance_before"] >= 1.0 for r in records)
     if balance == "llep":

@@ -32,7 +32,7 @@ or compute no tokens.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -40,7 +40,9 @@ from torch import nn
 
 from mop.models.moe import Experts, expert_order, swiglu_experts
 from mop.parallel.comms import all_gather_rows, all_to_all
+from mop.parallel.llep_chunked import ChunkedExperts, chunk_job
 from mop.parallel.llep_plan import Plan, imbalance, plan_ep, plan_llep
+from mop.parallel.llep_routing import Exchange, Routing, build_routing, point_to_point
 from mop.parallel.mesh import DistLayout
 
 
@@ -52,90 +54,12 @@ class BalanceOptions:
     gate: float = 1.3
     alpha: float = 1.0
     min_chunk: int = 1024
+    chunks: int = 1  # > 1: the memory-efficient chunked variant (`llep_chunked`)
 
     def plan(self, loads: list[int], ranks: int) -> Plan:
         if self.mode == "llep":
             return plan_llep(loads, ranks, gate=self.gate, alpha=self.alpha, min_chunk=self.min_chunk)
         return plan_ep(loads, ranks)
-
-
-@dataclass
-class Routing:
-    """Where this rank's rows go and how the rows it receives are grouped for the GEMMs."""
-
-    send_rows: list[int]  # positions in this rank's expert-sorted assignments, grouped by destination
-    send_splits: list[int]
-    recv_splits: list[int]
-    compute_rows: list[int]  # positions in the received rows: owned experts ascending, then foreign ones
-    native_counts: list[int]  # rows per owned expert (all E/Ep of them, zeros included)
-    foreign_experts: list[int]  # shipped experts this rank computes, ascending
-    foreign_counts: list[int]
-
-
-def _segments(plan: Plan, counts: list[int], before: list[int]) -> list[tuple[int, int, int, int]]:
-    """(destination, expert, first local position, rows) of one source rank, in its local sorted order.
-
-    `counts[e]`: the source's rows for e; `before[e]`: rows of e on lower source ranks (its offset
-    in e's global numbering).
-    """
-    segments, position = [], 0
-    for expert, rows in enumerate(counts):
-        for piece in plan.slices_of(expert):
-            lo, hi = max(piece.start, before[expert]), min(piece.stop, before[expert] + rows)
-            if hi > lo:
-                segments.append((piece.rank, expert, position + lo - before[expert], hi - lo))
-        position += rows
-    return segments
-
-
-def build_routing(plan: Plan, counts: list[list[int]], rank: int) -> Routing:
-    """The routing of group rank `rank` from the plan and the `[Ep, E]` count matrix."""
-    ranks, experts = len(counts), len(counts[0])
-    before = [[sum(counts[s][e] for s in range(source)) for e in range(experts)] for source in range(ranks)]
-    per_source = [_segments(plan, counts[s], before[s]) for s in range(ranks)]
-    mine = per_source[rank]
-    send_rows, send_splits = [], []
-    for destination in range(ranks):
-        chosen = [seg for seg in mine if seg[0] == destination]
-        send_rows += [p for _, _, first, rows in chosen for p in range(first, first + rows)]
-        send_splits.append(sum(seg[3] for seg in chosen))
-    # Received rows arrive source by source, each source's segments in its local order.
-    arriving = [(expert, rows) for s in range(ranks) for dest, expert, _, rows in per_source[s] if dest == rank]
-    recv_splits = [sum(rows for dest, _, _, rows in per_source[s] if dest == rank) for s in range(ranks)]
-    by_expert: dict[int, list[int]] = {}
-    position = 0
-    for expert, rows in arriving:
-        by_expert.setdefault(expert, []).extend(range(position, position + rows))
-        position += rows
-    per_rank = experts // ranks
-    owned = range(rank * per_rank, (rank + 1) * per_rank)
-    foreign = sorted(e for e in by_expert if e not in owned)
-    compute_rows = [p for e in [*owned, *foreign] for p in by_expert.get(e, [])]
-    return Routing(send_rows, send_splits, recv_splits, compute_rows, [len(by_expert.get(e, [])) for e in owned],
-                   foreign, [len(by_expert[e]) for e in foreign])
-
-
-@dataclass
-class Exchange:
-    """The collectives of one dispatch: token splits and the weight transfers of the plan."""
-
-    send_splits: list[int]
-    recv_splits: list[int]
-    group: dist.ProcessGroup
-    p2p_group: dist.ProcessGroup
-    ship: list[tuple[int, int]] = field(default_factory=list)  # (owned local expert index, helper group rank)
-    receive: list[tuple[int, int]] = field(default_factory=list)  # (expert, owner group rank)
-
-
-def _point_to_point(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group):
-    """Start `(tensor, group rank)` sends and receives on `group`; returns the works to wait on.
-
-    Owner and helper enumerate the plan's transfers in the same sorted order, so the k-th message
-    between two ranks is the same tensor on both sides.
-    """
-    ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(group, peer), group) for t, peer in sends]
-    ops += [dist.P2POp(dist.irecv, t, dist.get_global_rank(group, peer), group) for t, peer in recvs]
-    return dist.batch_isend_irecv(ops) if ops else []
 
 
 class _Dispatch(torch.autograd.Function):
@@ -146,7 +70,7 @@ class _Dispatch(torch.autograd.Function):
         ctx.exchange = exchange
         foreign = [w.new_empty((len(exchange.receive), *w.shape[1:])) for w in (w_gate_up, w_down)]
         owned = (w_gate_up.detach(), w_down.detach())
-        works = _point_to_point([(w[local], helper) for local, helper in exchange.ship for w in owned],
+        works = point_to_point([(w[local], helper) for local, helper in exchange.ship for w in owned],
                                 [(w[i], owner) for i, (_, owner) in enumerate(exchange.receive) for w in foreign],
                                 exchange.p2p_group)
         received = x_send.new_empty((sum(exchange.recv_splits), x_send.shape[1]))
@@ -163,7 +87,7 @@ class _Dispatch(torch.autograd.Function):
         returned = [grad_received.new_empty((len(exchange.ship), *shape[1:])) for shape in ctx.weight_shapes]
         foreign_grads = [g if g is not None else grad_received.new_zeros((len(exchange.receive), *shape[1:]))
                          for g, shape in zip((grad_foreign_gate_up, grad_foreign_down), ctx.weight_shapes)]
-        works = _point_to_point([(g[i], owner) for i, (_, owner) in enumerate(exchange.receive) for g in foreign_grads],
+        works = point_to_point([(g[i], owner) for i, (_, owner) in enumerate(exchange.receive) for g in foreign_grads],
                                 [(g[j], helper) for j, (_, helper) in enumerate(exchange.ship) for g in returned],
                                 exchange.p2p_group)
         grad_x = grad_received.new_empty((sum(exchange.send_splits), grad_received.shape[1]))
@@ -202,14 +126,17 @@ class ExpertParallel(nn.Module):
         loads = [sum(column) for column in zip(*count_matrix)]
         plan = self.options.plan(loads, self.ranks)
         routing = build_routing(plan, count_matrix, self.rank)
-        assignment = order[torch.tensor(routing.send_rows, dtype=torch.long, device=x.device)]
         exchange = self._exchange(plan, routing)
+        self._record(plan, loads, x)
+        if self.options.chunks > 1:
+            job = chunk_job(plan, self.options.chunks, count_matrix, self.rank, order, exchange, top_k)
+            return ChunkedExperts.apply(x, weights.reshape(-1), self.w_gate_up, self.w_down, job)
+        assignment = order[torch.tensor(routing.send_rows, dtype=torch.long, device=x.device)]
         received, foreign_gate_up, foreign_down = _Dispatch.apply(
             x[assignment // top_k], self.w_gate_up, self.w_down, exchange)
         y = self._compute(received, routing, foreign_gate_up, foreign_down)
         back = all_to_all(y, exchange.send_splits, exchange.recv_splits, self.group)
         y = back * weights.reshape(-1)[assignment].unsqueeze(-1).to(back.dtype)
-        self._record(plan, loads, x)
         return torch.zeros_like(x).index_add_(0, assignment // top_k, y.to(x.dtype))
 
     def _exchange(self, plan: Plan, routing: Routing) -> Exchange:

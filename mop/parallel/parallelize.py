@@ -45,7 +45,7 @@ def parallelize(model: MoETransformer, layout: DistLayout, config: Config) -> Mo
     if layout.layout.sequence > 1:
         apply_sequence_parallel(model, layout.sequence_group, p.attention_head_chunks)
     if layout.layout.expert > 1:
-        options = BalanceOptions(p.expert_balance, p.llep_gate, p.llep_alpha, p.llep_min_chunk)
+        options = BalanceOptions(p.expert_balance, p.llep_gate, p.llep_alpha, p.llep_min_chunk, p.llep_chunks)
         shard_experts(model, layout, options, compute_dtype(config))
     apply_memory_options(model, config, layout.device)
     shard_dense(model, layout, compute_dtype(config))

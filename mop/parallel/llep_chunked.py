@@ -1,0 +1,156 @@
+"""Memory-efficient expert parallelism: the routed tokens in C chunks, pipelined, recomputed in backward.
+
+The plan (EP or LLEP, `llep`) is made once per layer from the full loads; every plan slice is then
+cut into C consecutive sub-slices and chunk c is the c-th sub-slice of every slice, so each chunk
+is a smaller plan with the same placement (same helpers, same shipped weights).
+
+Forward, one autograd node for the whole expert computation of the layer:
+- the shipped expert weights move once (p2p, overlapped with the first token exchange);
+- chunk c: its token rows are gathered from the input and dispatched by an async all-to-all,
+  chunk c+1's dispatch is started before chunk c's experts run, chunk c's outputs go back by the
+  combine all-to-all and are weighted and summed into the output. Only about one chunk's
+  dispatch buffers and expert intermediate exist at a time; nothing per chunk is saved.
+Backward, per chunk: the source sends [token rows | their output gradients] in one all-to-all;
+the computing rank recomputes the expert forward, takes its gradients, and returns [row
+gradients | outputs] in one all-to-all (the outputs give the routing weights' gradients at the
+source). The foreign experts' weight gradients accumulate over the chunks and return to their
+owners once, at the end, as in the unchunked path.
+
+Invariant: the same rows meet the same weights as in `ExpertParallel`, only in C groups, so the
+result matches it (and the single-device layer) up to summation order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mop.models.moe import swiglu_experts
+from mop.parallel.llep_routing import Exchange, Routing, build_routing, point_to_point
+from mop.parallel.llep_plan import Plan, Slice
+
+
+def chunk_plans(plan: Plan, chunks: int) -> list[Plan]:
+    """`plan` with every slice cut into `chunks` consecutive parts; part c of each forms plan c."""
+    plans = []
+    for c in range(chunks):
+        parts = []
+        for s in plan.slices:
+            size = s.stop - s.start
+            lo, hi = s.start + size * c // chunks, s.start + size * (c + 1) // chunks
+            if hi > lo:
+                parts.append(Slice(s.expert, s.rank, lo, hi, s.forced))
+        plans.append(Plan(plan.experts, plan.ranks, tuple(parts), plan.balanced, plan.capacity))
+    return plans
+
+
+@dataclass
+class ChunkJob:
+    """Everything one layer's chunked dispatch needs: per chunk, its rows and routing; once, the weights."""
+
+    assignments: list[torch.Tensor]  # per chunk: flat assignment ids (token * k + j) in send order
+    routings: list[Routing]
+    exchange: Exchange  # the layer's weight transfers and groups (token splits unused)
+    top_k: int
+
+
+def chunk_job(plan: Plan, chunks: int, counts: list[list[int]], rank: int, order: torch.Tensor,
+              exchange: Exchange, top_k: int) -> ChunkJob:
+    routings, assignments = [], []
+    for sub in chunk_plans(plan, chunks):
+        routing = build_routing(sub, counts, rank)
+        routings.append(routing)
+        assignments.append(order[torch.tensor(routing.send_rows, dtype=torch.long, device=order.device)])
+    return ChunkJob(assignments, routings, exchange, top_k)
+
+
+def _rows_tensor(rows: list[int], device) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.long, device=device)
+
+
+def _experts(received, routing: Routing, weights) -> torch.Tensor:
+    """Expert outputs of the received rows, returned in arrival order."""
+    w_gate_up, w_down, foreign_gate_up, foreign_down = weights
+    compute = _rows_tensor(routing.compute_rows, received.device)
+    rows = received[compute]
+    native = sum(routing.native_counts)
+    y = swiglu_experts(rows[:native], routing.native_counts, w_gate_up, w_down)
+    if routing.foreign_experts:
+        y = torch.cat([y, swiglu_experts(rows[native:], routing.foreign_counts, foreign_gate_up, foreign_down)])
+    return y[torch.argsort(compute)]
+
+
+def _exchange_rows(rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group, async_op=False):
+    out = rows.new_empty((sum(out_splits), rows.shape[1]))
+    work = dist.all_to_all_single(out, rows.contiguous(), out_splits, in_splits, group=group, async_op=async_op)
+    return out, work
+
+
+class ChunkedExperts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weights_flat, w_gate_up, w_down, job: ChunkJob):
+        ex = job.exchange
+        foreign = [w.new_empty((len(ex.receive), *w.shape[1:])) for w in (w_gate_up, w_down)]
+        weight_works = point_to_point([(w[local], helper) for local, helper in ex.ship for w in (w_gate_up, w_down)],
+                                       [(w[i], owner) for i, (_, owner) in enumerate(ex.receive) for w in foreign],
+                                       ex.p2p_group)
+        out = torch.zeros_like(x)
+        pending = _dispatch(x, job, 0)
+        for work in weight_works:
+            work.wait()
+        for c, routing in enumerate(job.routings):
+            received, work = pending
+            work.wait()
+            if c + 1 < len(job.routings):
+                pending = _dispatch(x, job, c + 1)
+            y = _experts(received, routing, (w_gate_up, w_down, *foreign))
+            back, _ = _exchange_rows(y, routing.send_splits, routing.recv_splits, ex.group)
+            assignment = job.assignments[c]
+            out.index_add_(0, assignment // job.top_k, back * weights_flat[assignment].unsqueeze(-1).to(back.dtype))
+        ctx.save_for_backward(x, weights_flat, w_gate_up, w_down, *foreign)
+        ctx.job = job
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weights_flat, w_gate_up, w_down, *foreign = ctx.saved_tensors
+        job, ex = ctx.job, ctx.job.exchange
+        hidden = x.shape[1]
+        leaves = [w.detach().requires_grad_() for w in (w_gate_up, w_down, *foreign)]
+        weight_grads = [torch.zeros_like(w) for w in leaves]
+        grad_x, grad_weights = torch.zeros_like(x), torch.zeros_like(weights_flat)
+        for assignment, routing in zip(job.assignments, job.routings):
+            tokens = assignment // job.top_k
+            grad_rows = grad_out[tokens] * weights_flat[assignment].unsqueeze(-1).to(grad_out.dtype)
+            received, _ = _exchange_rows(torch.cat([x[tokens], grad_rows], dim=1), routing.recv_splits,
+                                         routing.send_splits, ex.group)
+            rows = received[:, :hidden].detach().requires_grad_()
+            with torch.enable_grad():
+                y = _experts(rows, routing, leaves)
+                grads = torch.autograd.grad(y, [rows, *leaves], received[:, hidden:], allow_unused=True)
+            for total, grad in zip(weight_grads, grads[1:]):
+                if grad is not None:
+                    total += grad
+            back, _ = _exchange_rows(torch.cat([grads[0], y.detach()], dim=1), routing.send_splits,
+                                     routing.recv_splits, ex.group)
+            grad_x.index_add_(0, tokens, back[:, :hidden])
+            grad_weights[assignment] = (grad_out[tokens] * back[:, hidden:]).sum(-1).to(grad_weights.dtype)
+        returned = [w.new_empty((len(ex.ship), *w.shape[1:])) for w in (w_gate_up, w_down)]
+        works = point_to_point([(g[i], owner) for i, (_, owner) in enumerate(ex.receive) for g in weight_grads[2:]],
+                                [(g[j], helper) for j, (_, helper) in enumerate(ex.ship) for g in returned],
+                                ex.p2p_group)
+        for work in works:
+            work.wait()
+        if ex.ship:
+            local = torch.tensor([index for index, _ in ex.ship], device=x.device)
+            for total, got in zip(weight_grads[:2], returned):
+                total.index_add_(0, local, got)
+        return grad_x, grad_weights, weight_grads[0], weight_grads[1], None
+
+
+def _dispatch(x: torch.Tensor, job: ChunkJob, c: int):
+    routing = job.routings[c]
+    return _exchange_rows(x[job.assignments[c] // job.top_k], routing.recv_splits, routing.send_splits,
+                          job.exchange.group, async_op=True)

@@ -1,0 +1,97 @@
+"""Routing tables of expert parallelism: which rows go where, and the transfers that move them.
+
+Tokens of expert e are numbered globally in (source rank, local expert-sorted order). A plan
+slice `[start, stop)` of that numbering (`llep_plan`) names the rank that computes those rows, so
+every rank derives, from the plan and the all-gathered `[Ep, E]` count matrix alone, what it
+sends to each rank, what it receives from each, and how the received rows group by expert.
+Owners and helpers enumerate weight transfers in the plan's sorted order, so point-to-point
+messages between two ranks pair up without any handshake.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from mop.parallel.llep_plan import Plan
+
+
+@dataclass
+class Routing:
+    """Where this rank's rows go and how the rows it receives are grouped for the GEMMs."""
+
+    send_rows: list[int]  # positions in this rank's expert-sorted assignments, grouped by destination
+    send_splits: list[int]
+    recv_splits: list[int]
+    compute_rows: list[int]  # positions in the received rows: owned experts ascending, then foreign ones
+    native_counts: list[int]  # rows per owned expert (all E/Ep of them, zeros included)
+    foreign_experts: list[int]  # shipped experts this rank computes, ascending
+    foreign_counts: list[int]
+
+
+def _segments(plan: Plan, counts: list[int], before: list[int]) -> list[tuple[int, int, int, int]]:
+    """(destination, expert, first local position, rows) of one source rank, in its local sorted order.
+
+    `counts[e]`: the source's rows for e; `before[e]`: rows of e on lower source ranks (its offset
+    in e's global numbering).
+    """
+    segments, position = [], 0
+    for expert, rows in enumerate(counts):
+        for piece in plan.slices_of(expert):
+            lo, hi = max(piece.start, before[expert]), min(piece.stop, before[expert] + rows)
+            if hi > lo:
+                segments.append((piece.rank, expert, position + lo - before[expert], hi - lo))
+        position += rows
+    return segments
+
+
+def build_routing(plan: Plan, counts: list[list[int]], rank: int) -> Routing:
+    """The routing of group rank `rank` from the plan and the `[Ep, E]` count matrix."""
+    ranks, experts = len(counts), len(counts[0])
+    before = [[sum(counts[s][e] for s in range(source)) for e in range(experts)] for source in range(ranks)]
+    per_source = [_segments(plan, counts[s], before[s]) for s in range(ranks)]
+    mine = per_source[rank]
+    send_rows, send_splits = [], []
+    for destination in range(ranks):
+        chosen = [seg for seg in mine if seg[0] == destination]
+        send_rows += [p for _, _, first, rows in chosen for p in range(first, first + rows)]
+        send_splits.append(sum(seg[3] for seg in chosen))
+    # Received rows arrive source by source, each source's segments in its local order.
+    arriving = [(expert, rows) for s in range(ranks) for dest, expert, _, rows in per_source[s] if dest == rank]
+    recv_splits = [sum(rows for dest, _, _, rows in per_source[s] if dest == rank) for s in range(ranks)]
+    by_expert: dict[int, list[int]] = {}
+    position = 0
+    for expert, rows in arriving:
+        by_expert.setdefault(expert, []).extend(range(position, position + rows))
+        position += rows
+    per_rank = experts // ranks
+    owned = range(rank * per_rank, (rank + 1) * per_rank)
+    foreign = sorted(e for e in by_expert if e not in owned)
+    compute_rows = [p for e in [*owned, *foreign] for p in by_expert.get(e, [])]
+    return Routing(send_rows, send_splits, recv_splits, compute_rows, [len(by_expert.get(e, [])) for e in owned],
+                   foreign, [len(by_expert[e]) for e in foreign])
+
+
+@dataclass
+class Exchange:
+    """The collectives of one dispatch: token splits and the weight transfers of the plan."""
+
+    send_splits: list[int]
+    recv_splits: list[int]
+    group: dist.ProcessGroup
+    p2p_group: dist.ProcessGroup
+    ship: list[tuple[int, int]] = field(default_factory=list)  # (owned local expert index, helper group rank)
+    receive: list[tuple[int, int]] = field(default_factory=list)  # (expert, owner group rank)
+
+
+def point_to_point(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group):
+    """Start `(tensor, group rank)` sends and receives on `group`; returns the works to wait on.
+
+    Owner and helper enumerate the plan's transfers in the same sorted order, so the k-th message
+    between two ranks is the same tensor on both sides.
+    """
+    ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(group, peer), group) for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, t, dist.get_global_rank(group, peer), group) for t, peer in recvs]
+    return dist.batch_isend_irecv(ops) if ops else []
