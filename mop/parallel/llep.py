@@ -42,7 +42,7 @@ from mop.models.moe import Experts, expert_order, swiglu_experts
 from mop.parallel.comms import all_gather_rows, all_to_all
 from mop.parallel.llep_chunked import ChunkedExperts, chunk_job
 from mop.parallel.llep_plan import Plan, imbalance, plan_ep, plan_llep
-from mop.parallel.llep_routing import Exchange, Routing, build_routing, point_to_point
+from mop.parallel.llep_routing import Exchange, Routing, add_to_grad, build_routing, point_to_point
 from mop.parallel.mesh import DistLayout
 
 
@@ -63,44 +63,45 @@ class BalanceOptions:
 
 
 class _Dispatch(torch.autograd.Function):
-    """Token all-to-all plus weight shipping in forward; their inverses together in backward."""
+    """Token all-to-all plus weight shipping in forward; their inverses together in backward.
+
+    The owned weights are context, not inputs: the gradients helpers return for them are added to
+    their `.grad` directly (`add_to_grad`); the native GEMMs' gradients reach them through autograd.
+    """
 
     @staticmethod
-    def forward(ctx, x_send, w_gate_up, w_down, exchange: Exchange):
-        ctx.exchange = exchange
-        foreign = [w.new_empty((len(exchange.receive), *w.shape[1:])) for w in (w_gate_up, w_down)]
-        owned = (w_gate_up.detach(), w_down.detach())
-        works = point_to_point([(w[local], helper) for local, helper in exchange.ship for w in owned],
-                                [(w[i], owner) for i, (_, owner) in enumerate(exchange.receive) for w in foreign],
-                                exchange.p2p_group)
+    def forward(ctx, x_send, owned: tuple[torch.Tensor, torch.Tensor], exchange: Exchange):
+        ctx.exchange, ctx.owned = exchange, owned
+        foreign = [w.new_empty((len(exchange.receive), *w.shape[1:])) for w in owned]
+        works = point_to_point([(w.detach()[local], helper) for local, helper in exchange.ship for w in owned],
+                               [(w[i], owner) for i, (_, owner) in enumerate(exchange.receive) for w in foreign],
+                               exchange.p2p_group)
         received = x_send.new_empty((sum(exchange.recv_splits), x_send.shape[1]))
         dist.all_to_all_single(received, x_send.contiguous(), exchange.recv_splits, exchange.send_splits,
                                group=exchange.group)
         for work in works:
             work.wait()
-        ctx.weight_shapes = (w_gate_up.shape, w_down.shape)
         return received, *foreign
 
     @staticmethod
     def backward(ctx, grad_received, grad_foreign_gate_up, grad_foreign_down):
-        exchange = ctx.exchange
-        returned = [grad_received.new_empty((len(exchange.ship), *shape[1:])) for shape in ctx.weight_shapes]
-        foreign_grads = [g if g is not None else grad_received.new_zeros((len(exchange.receive), *shape[1:]))
-                         for g, shape in zip((grad_foreign_gate_up, grad_foreign_down), ctx.weight_shapes)]
+        exchange, owned = ctx.exchange, ctx.owned
+        returned = [grad_received.new_empty((len(exchange.ship), *w.shape[1:])) for w in owned]
+        foreign_grads = [g if g is not None else grad_received.new_zeros((len(exchange.receive), *w.shape[1:]))
+                         for g, w in zip((grad_foreign_gate_up, grad_foreign_down), owned)]
         works = point_to_point([(g[i], owner) for i, (_, owner) in enumerate(exchange.receive) for g in foreign_grads],
-                                [(g[j], helper) for j, (_, helper) in enumerate(exchange.ship) for g in returned],
-                                exchange.p2p_group)
+                               [(g[j], helper) for j, (_, helper) in enumerate(exchange.ship) for g in returned],
+                               exchange.p2p_group)
         grad_x = grad_received.new_empty((sum(exchange.send_splits), grad_received.shape[1]))
         dist.all_to_all_single(grad_x, grad_received.contiguous(), exchange.send_splits, exchange.recv_splits,
                                group=exchange.group)
         for work in works:
             work.wait()
-        grad_weights = [None, None]
         if exchange.ship:
             local = torch.tensor([index for index, _ in exchange.ship], device=grad_received.device)
-            grad_weights = [grad_received.new_zeros(shape).index_add_(0, local, g)
-                            for shape, g in zip(ctx.weight_shapes, returned)]
-        return grad_x, *grad_weights, None
+            for param, grad in zip(owned, returned):
+                add_to_grad(param, local, grad)
+        return grad_x, None, None
 
 
 class ExpertParallel(nn.Module):
@@ -130,10 +131,10 @@ class ExpertParallel(nn.Module):
         self._record(plan, loads, x)
         if self.options.chunks > 1:
             job = chunk_job(plan, self.options.chunks, count_matrix, self.rank, order, exchange, top_k)
-            return ChunkedExperts.apply(x, weights.reshape(-1), self.w_gate_up, self.w_down, job)
+            return ChunkedExperts.apply(x, weights.reshape(-1), (self.w_gate_up, self.w_down), job)
         assignment = order[torch.tensor(routing.send_rows, dtype=torch.long, device=x.device)]
         received, foreign_gate_up, foreign_down = _Dispatch.apply(
-            x[assignment // top_k], self.w_gate_up, self.w_down, exchange)
+            x[assignment // top_k], (self.w_gate_up, self.w_down), exchange)
         y = self._compute(received, routing, foreign_gate_up, foreign_down)
         back = all_to_all(y, exchange.send_splits, exchange.recv_splits, self.group)
         y = back * weights.reshape(-1)[assignment].unsqueeze(-1).to(back.dtype)

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from mop.models.moe import swiglu_experts
-from mop.parallel.llep_routing import Exchange, Routing, build_routing, point_to_point
+from mop.parallel.llep_routing import Exchange, Routing, add_to_grad, build_routing, point_to_point
 from mop.parallel.llep_plan import Plan, Slice
 
 
@@ -89,37 +89,41 @@ def _exchange_rows(rows: torch.Tensor, out_splits: list[int], in_splits: list[in
 
 
 class ChunkedExperts(torch.autograd.Function):
+    """The whole chunked expert computation of a layer as one node; weight gradients are added to
+    the owned parameters' `.grad` directly (`add_to_grad`), chunk by chunk."""
+
     @staticmethod
-    def forward(ctx, x, weights_flat, w_gate_up, w_down, job: ChunkJob):
+    def forward(ctx, x, weights_flat, owned: tuple[torch.Tensor, torch.Tensor], job: ChunkJob):
         ex = job.exchange
-        foreign = [w.new_empty((len(ex.receive), *w.shape[1:])) for w in (w_gate_up, w_down)]
-        weight_works = point_to_point([(w[local], helper) for local, helper in ex.ship for w in (w_gate_up, w_down)],
-                                       [(w[i], owner) for i, (_, owner) in enumerate(ex.receive) for w in foreign],
-                                       ex.p2p_group)
+        foreign = [w.new_empty((len(ex.receive), *w.shape[1:])) for w in owned]
+        weight_works = point_to_point([(w.detach()[local], helper) for local, helper in ex.ship for w in owned],
+                                      [(w[i], owner) for i, (_, owner) in enumerate(ex.receive) for w in foreign],
+                                      ex.p2p_group)
         out = torch.zeros_like(x)
         pending = _dispatch(x, job, 0)
         for work in weight_works:
             work.wait()
+        weights = (*(w.detach() for w in owned), *foreign)
         for c, routing in enumerate(job.routings):
             received, work = pending
             work.wait()
             if c + 1 < len(job.routings):
                 pending = _dispatch(x, job, c + 1)
-            y = _experts(received, routing, (w_gate_up, w_down, *foreign))
+            y = _experts(received, routing, weights)
             back, _ = _exchange_rows(y, routing.send_splits, routing.recv_splits, ex.group)
             assignment = job.assignments[c]
             out.index_add_(0, assignment // job.top_k, back * weights_flat[assignment].unsqueeze(-1).to(back.dtype))
-        ctx.save_for_backward(x, weights_flat, w_gate_up, w_down, *foreign)
-        ctx.job = job
+        ctx.save_for_backward(x, weights_flat, *foreign)
+        ctx.job, ctx.owned = job, owned
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weights_flat, w_gate_up, w_down, *foreign = ctx.saved_tensors
-        job, ex = ctx.job, ctx.job.exchange
+        x, weights_flat, *foreign = ctx.saved_tensors
+        job, ex, owned = ctx.job, ctx.job.exchange, ctx.owned
         hidden = x.shape[1]
-        leaves = [w.detach().requires_grad_() for w in (w_gate_up, w_down, *foreign)]
-        weight_grads = [torch.zeros_like(w) for w in leaves]
+        leaves = [w.detach().requires_grad_() for w in (*owned, *foreign)]
+        foreign_grads = [torch.zeros_like(w) for w in foreign]
         grad_x, grad_weights = torch.zeros_like(x), torch.zeros_like(weights_flat)
         for assignment, routing in zip(job.assignments, job.routings):
             tokens = assignment // job.top_k
@@ -130,24 +134,27 @@ class ChunkedExperts(torch.autograd.Function):
             with torch.enable_grad():
                 y = _experts(rows, routing, leaves)
                 grads = torch.autograd.grad(y, [rows, *leaves], received[:, hidden:], allow_unused=True)
-            for total, grad in zip(weight_grads, grads[1:]):
+            for param, grad in zip(owned, grads[1:3]):
+                if grad is not None:
+                    add_to_grad(param, None, grad)
+            for total, grad in zip(foreign_grads, grads[3:]):
                 if grad is not None:
                     total += grad
             back, _ = _exchange_rows(torch.cat([grads[0], y.detach()], dim=1), routing.send_splits,
                                      routing.recv_splits, ex.group)
             grad_x.index_add_(0, tokens, back[:, :hidden])
             grad_weights[assignment] = (grad_out[tokens] * back[:, hidden:]).sum(-1).to(grad_weights.dtype)
-        returned = [w.new_empty((len(ex.ship), *w.shape[1:])) for w in (w_gate_up, w_down)]
-        works = point_to_point([(g[i], owner) for i, (_, owner) in enumerate(ex.receive) for g in weight_grads[2:]],
-                                [(g[j], helper) for j, (_, helper) in enumerate(ex.ship) for g in returned],
-                                ex.p2p_group)
+        returned = [w.new_empty((len(ex.ship), *w.shape[1:])) for w in owned]
+        works = point_to_point([(g[i], owner) for i, (_, owner) in enumerate(ex.receive) for g in foreign_grads],
+                               [(g[j], helper) for j, (_, helper) in enumerate(ex.ship) for g in returned],
+                               ex.p2p_group)
         for work in works:
             work.wait()
         if ex.ship:
             local = torch.tensor([index for index, _ in ex.ship], device=x.device)
-            for total, got in zip(weight_grads[:2], returned):
-                total.index_add_(0, local, got)
-        return grad_x, grad_weights, weight_grads[0], weight_grads[1], None
+            for param, got in zip(owned, returned):
+                add_to_grad(param, local, got)
+        return grad_x, grad_weights, None, None
 
 
 def _dispatch(x: torch.Tensor, job: ChunkJob, c: int):

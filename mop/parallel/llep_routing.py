@@ -95,3 +95,20 @@ def point_to_point(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torc
     ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(group, peer), group) for t, peer in sends]
     ops += [dist.P2POp(dist.irecv, t, dist.get_global_rank(group, peer), group) for t, peer in recvs]
     return dist.batch_isend_irecv(ops) if ops else []
+
+
+def add_to_grad(param: torch.Tensor, index: torch.Tensor | None, grad: torch.Tensor) -> None:
+    """Accumulate `grad` into rows `index` of `param.grad` (all rows when `index` is None), in place.
+
+    Gradients that reach an expert weight outside its own GEMM (returned by helpers, or computed
+    chunk by chunk) are added straight into the parameter's gradient buffer rather than returned
+    through autograd, which would first materialise a zero-padded full-size copy of the partition's
+    gradient and then a second one for the sum. This runs inside the layer's backward, before the
+    layer's FSDP2 post-backward reduces the partition's gradient.
+    """
+    if param.grad is None:
+        param.grad = torch.zeros_like(param)
+    if index is None:
+        param.grad += grad
+    else:
+        param.grad.index_add_(0, index, grad.to(param.grad.dtype))

@@ -1,0 +1,126 @@
+"""`mop bench moe`: the expert layer under skewed routing for EP, LLEP and chunked LLEP.
+
+Scenarios follow the LLEP paper: balanced routing, and x% of the token-expert assignments spread
+evenly over n hot experts (x in 30/50/80/95, n in 1/4/16), the rest uniform over all experts. The
+hot experts are experts 0..n-1, which all live on rank 0, as routing collapse tends to do.
+
+For each scenario and variant, W ranks (one expert group, one intra-op thread each) run the
+expert layer (dispatch, expert GEMMs, combine) forward + backward on their own tokens. Reported
+per scenario: time (mean after a warm-up, the slowest rank, which is what a step waits for), the
+hot rank's transient peak memory (`mop.bench.memory`: every tensor created during forward +
+backward, weights and inputs excluded), and the max/mean token load over ranks after the plan.
+Ratios are against EP in the same scenario of the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from mop.bench.memory import PeakMemory
+from mop.bench.report import MIB, table, write_json
+from mop.models.config import ModelConfig
+from mop.models.moe import Experts
+from mop.models.transformer import init_weights
+from mop.parallel import DistLayout, Layout
+from mop.parallel.llep import BalanceOptions, ExpertParallel
+from mop.testing import run_distributed
+
+SCENARIOS = [("balanced", 0.0, 0)] + [(f"{int(p * 100)}% -> {n}", p, n) for n in (1, 4, 16) for p in (0.3, 0.5, 0.8, 0.95)]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--world", type=int, default=2, help="ranks (one expert group)")
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--intermediate", type=int, default=512)
+    parser.add_argument("--experts", type=int, default=32)
+    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--min-chunk", type=int, default=256, help="LLEP m (the paper's 1024 is for 16-32K tokens per GPU)")
+    parser.add_argument("--chunks", type=int, default=4, help="chunks of the memory-efficient variant")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=Path("runs/bench/moe.json"))
+
+
+def routing(scenario: tuple, tokens: int, experts: int, top_k: int, seed: int):
+    """Expert ids `[tokens, k]` (distinct per token) and routing weights for one rank."""
+    _, hot_share, hot = scenario
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.rand(tokens, experts, generator=g)
+    if hot:
+        # A hot pick outranks every uniform one: with probability hot_share per slot, the slot's
+        # expert is one of the hot experts (evenly), as the paper's "x% into n experts".
+        boost = (torch.rand(tokens, top_k, generator=g) < hot_share)
+        for slot in range(top_k):
+            chosen = torch.randint(0, hot, (tokens,), generator=g)
+            scores[torch.arange(tokens)[boost[:, slot]], chosen[boost[:, slot]]] += 2.0 + slot
+    expert_ids = scores.topk(top_k, dim=-1).indices
+    return expert_ids, torch.rand(tokens, top_k, generator=g)
+
+
+def expert_rank(rank, world, cfg: ModelConfig, scenario, options: BalanceOptions, tokens: int, repeats: int) -> dict:
+    layout = DistLayout(Layout(world, expert=world), torch.device("cpu"))
+    experts = Experts(cfg)
+    init_weights(experts, seed=0, std=0.02)
+    module = ExpertParallel(experts, layout, options)
+    del experts
+    for param in module.parameters():
+        param.grad = torch.zeros_like(param)
+    expert_ids, weights = routing(scenario, tokens, cfg.experts, cfg.top_k, seed=rank)
+    x = torch.randn(tokens, cfg.hidden, generator=torch.Generator().manual_seed(100 + rank), requires_grad=True)
+    weights.requires_grad_()
+
+    def step():
+        module(x, expert_ids, weights).sum().backward()
+
+    step()
+    with PeakMemory(torch.device("cpu")) as memory:
+        step()
+    module.records.clear()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        step()
+    seconds = (time.perf_counter() - start) / repeats
+    record = module.records[-1]
+    return {"seconds": seconds, "peak_bytes": memory.peak_bytes,
+            "rank_load_imbalance": record["rank_load_imbalance_after"],
+            "rank_load_imbalance_ep": record["rank_load_imbalance_before"],
+            "weight_bytes_moved": record["weight_bytes_moved"]}
+
+
+def run(args) -> dict:
+    cfg = ModelConfig(hidden=args.hidden, experts=args.experts, top_k=args.top_k, expert_intermediate=args.intermediate)
+    variants = {"ep": BalanceOptions("ep"),
+                "llep": BalanceOptions("llep", min_chunk=args.min_chunk),
+                f"llep chunks={args.chunks}": BalanceOptions("llep", min_chunk=args.min_chunk, chunks=args.chunks)}
+    rows = []
+    for scenario in SCENARIOS:
+        base = None
+        for name, options in variants.items():
+            per_rank = run_distributed(expert_rank, args.world, cfg, scenario, options, args.tokens, args.repeats,
+                                       timeout=1800)
+            result = {"seconds": max(r["seconds"] for r in per_rank),
+                      "hot_rank_peak_bytes": per_rank[0]["peak_bytes"],
+                      "max_rank_peak_bytes": max(r["peak_bytes"] for r in per_rank),
+                      "rank_load_imbalance": per_rank[0]["rank_load_imbalance"],
+                      "weight_bytes_moved": per_rank[0]["weight_bytes_moved"]}
+            base = base or result
+            rows.append({"scenario": scenario[0], "variant": name, **result,
+                         "speedup_vs_ep": base["seconds"] / result["seconds"],
+                         "hot_peak_vs_ep": result["hot_rank_peak_bytes"] / base["hot_rank_peak_bytes"]})
+    return {"rows": rows}
+
+
+def report(args, results: dict) -> None:
+    print(table(f"expert layer forward + backward, W={args.world}, {args.tokens} tokens/rank, E={args.experts}, "
+                f"k={args.top_k}, H={args.hidden}, I={args.intermediate}",
+                ["scenario", "variant", "time s", "speedup vs EP", "hot rank peak MiB", "vs EP", "max/mean rank load",
+                 "weights moved MiB"],
+                [[r["scenario"], r["variant"], r["seconds"], r["speedup_vs_ep"], r["hot_rank_peak_bytes"] / MIB,
+                  r["hot_peak_vs_ep"], r["rank_load_imbalance"], r["weight_bytes_moved"] / MIB]
+                 for r in results["rows"]]))
+    path = write_json(args.out, "moe", {k: str(v) for k, v in vars(args).items() if k != "func"}, results)
+    print(f"\nresults written to {path}")
