@@ -122,8 +122,14 @@ class ChunkedExperts(torch.autograd.Function):
         x, weights_flat, *foreign = ctx.saved_tensors
         job, ex, owned = ctx.job, ctx.job.exchange, ctx.owned
         hidden = x.shape[1]
+        for param in owned:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+        # Leaves sharing the weights, whose .grad is the owned gradient buffer (or the foreign
+        # accumulator): each chunk's weight gradients are added there in place, one GEMM at a time.
         leaves = [w.detach().requires_grad_() for w in (*owned, *foreign)]
-        foreign_grads = [torch.zeros_like(w) for w in foreign]
+        for leaf, buffer in zip(leaves, [p.grad for p in owned] + [torch.zeros_like(w) for w in foreign]):
+            leaf.grad = buffer
         grad_x, grad_weights = torch.zeros_like(x), torch.zeros_like(weights_flat)
         for assignment, routing in zip(job.assignments, job.routings):
             tokens = assignment // job.top_k
@@ -131,21 +137,17 @@ class ChunkedExperts(torch.autograd.Function):
             received, _ = _exchange_rows(torch.cat([x[tokens], grad_rows], dim=1), routing.recv_splits,
                                          routing.send_splits, ex.group)
             rows = received[:, :hidden].detach().requires_grad_()
+            used = [rows] + (leaves[:2] if sum(routing.native_counts) else []) + (
+                leaves[2:] if routing.foreign_experts else [])
             with torch.enable_grad():
                 y = _experts(rows, routing, leaves)
-                grads = torch.autograd.grad(y, [rows, *leaves], received[:, hidden:], allow_unused=True)
-            for param, grad in zip(owned, grads[1:3]):
-                if grad is not None:
-                    add_to_grad(param, None, grad)
-            for total, grad in zip(foreign_grads, grads[3:]):
-                if grad is not None:
-                    total += grad
-            back, _ = _exchange_rows(torch.cat([grads[0], y.detach()], dim=1), routing.send_splits,
+                torch.autograd.backward(y, received[:, hidden:], inputs=used)
+            back, _ = _exchange_rows(torch.cat([rows.grad, y.detach()], dim=1), routing.send_splits,
                                      routing.recv_splits, ex.group)
             grad_x.index_add_(0, tokens, back[:, :hidden])
             grad_weights[assignment] = (grad_out[tokens] * back[:, hidden:]).sum(-1).to(grad_weights.dtype)
         returned = [w.new_empty((len(ex.ship), *w.shape[1:])) for w in owned]
-        works = point_to_point([(g[i], owner) for i, (_, owner) in enumerate(ex.receive) for g in foreign_grads],
+        works = point_to_point([(leaf.grad[i], owner) for i, (_, owner) in enumerate(ex.receive) for leaf in leaves[2:]],
                                [(g[j], helper) for j, (_, helper) in enumerate(ex.ship) for g in returned],
                                ex.p2p_group)
         for work in works:
