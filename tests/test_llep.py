@@ -128,3 +128,39 @@ def test_routing_sends_every_row_once_and_groups_received_rows_by_expert():
             assert sum(route.native_counts) + sum(route.foreign_counts) == sum(route.recv_splits)
         assert sum(rt.native_counts[i] for rt in routes for i in range(2)) + sum(
             sum(rt.foreign_counts) for rt in routes) == sum(loads)
+
+
+def zero_token_rank(rank, world, mode, chunks):
+    """Rank 1 routes no tokens at all; rank 0 sends 95% of its assignments to expert 0."""
+    layout = DistLayout(Layout(world, expert=world), torch.device("cpu"))
+    holder = _Holder(reference_experts())
+    shard_experts(holder, layout, BalanceOptions(mode, gate=1.0, alpha=1.0, min_chunk=1, chunks=chunks), torch.float32)
+    module = holder.layers[0].mlp.experts
+    ids, weights = routing("skewed", 1, 2, seed=5)
+    x_all = torch.randn(TOKENS, CFG.hidden, generator=torch.Generator().manual_seed(3))
+    tokens = TOKENS if rank == 0 else 0
+    x = x_all[:tokens].clone().requires_grad_()
+    w = weights[0, :tokens].clone().requires_grad_()
+    out = module(x, ids[0, :tokens], w)
+    out.sum().backward()
+    grads = {name: p.grad.full_tensor() for name, p in module.named_parameters()}
+    return out.detach(), x.grad, w.grad, grads
+
+
+@pytest.mark.parametrize("mode, chunks", [("ep", 1), ("llep", 1), ("llep", 3)])
+def test_a_rank_with_no_tokens_still_takes_part(mode, chunks):
+    results = run_distributed(zero_token_rank, 2, mode, chunks)
+    experts = reference_experts()
+    ids, weights = routing("skewed", 1, 2, seed=5)
+    x = torch.randn(TOKENS, CFG.hidden, generator=torch.Generator().manual_seed(3)).requires_grad_()
+    w = weights[0].clone().requires_grad_()
+    out = experts(x, ids[0], w)
+    out.sum().backward()
+    assert_close(results[0][0], out.detach(), atol=1e-5, rtol=1e-5)
+    assert_close(results[0][1], x.grad, atol=1e-5, rtol=1e-5)
+    assert_close(results[0][2], w.grad, atol=1e-5, rtol=1e-5)
+    assert results[1][0].shape == (0, CFG.hidden)
+    for rank, (_, _, _, grads) in enumerate(results):
+        owned = slice(rank * 4, (rank + 1) * 4)
+        assert_close(grads["w_gate_up"], experts.w_gate_up.grad[owned], atol=1e-5, rtol=1e-5)
+        assert_close(grads["w_down"], experts.w_down.grad[owned], atol=1e-5, rtol=1e-5)

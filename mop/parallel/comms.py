@@ -56,8 +56,12 @@ def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
     return _AllReduceSum.apply(x, group)
 
 
+# torch 2.13 renames all_gather_into_tensor (and warns on the old name); older releases lack the new one.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 @torch.no_grad()
 def all_gather_rows(x: torch.Tensor, group) -> torch.Tensor:
     out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    _all_gather_single(out, x.contiguous(), group=group)
     return out
