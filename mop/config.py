@@ -62,6 +62,9 @@ class ParallelConfig:
     llep_min_chunk: int = 1024
     """LLEP's m: the smallest token chunk worth spilling to a helper rank (one efficient GEMM); the paper
     uses 1024 at 16-32K tokens per GPU, lower it for small batches."""
+    vocab_token_block: int = 0
+    """Tokens per logit tile of the vocabulary-parallel loss (parallel.vocab > 1); 0 picks the size that
+    makes one fp32 [tokens, vocab / parallel.vocab] tile about 64 MiB."""
     llep_chunks: int = 1
     """> 1: route each MoE layer's tokens in this many pipelined chunks and recompute the expert
     intermediate in backward (memory-efficient EP/LLEP: about one chunk's buffers live at a time)."""
@@ -288,6 +291,8 @@ def validate(config: Config, world: int | None = None) -> None:
     if (heads // p.sequence) % p.attention_head_chunks:
         raise ConfigError("parallel.attention_head_chunks", f"{p.attention_head_chunks} does not divide the "
                           f"{heads // p.sequence} heads per rank (model.heads / parallel.sequence)")
+    if p.vocab_token_block < 0:
+        raise ConfigError("parallel.vocab_token_block", f"must be >= 0 (0: automatic), got {p.vocab_token_block}")
     for key in ("llep_gate", "llep_alpha"):
         if getattr(p, key) <= 0:
             raise ConfigError(f"parallel.{key}", f"must be > 0, got {getattr(p, key)}")

@@ -119,13 +119,16 @@ def build_optimizer(model: torch.nn.Module, config: Config):
 def clip_gradients(model: torch.nn.Module, max_norm: float, runtime: Runtime) -> float:
     """The global gradient norm; gradients are scaled by max_norm / norm when it exceeds max_norm.
 
-    Every gradient element lives on exactly one rank under the `mop` layout (dense weights sharded
-    over the world, each expert partition over its replica group), so the squared norm is the sum
-    over ranks of the local shards' squared norms. Same formula as torch's `clip_grad_norm_`.
+    Under the `mop` layout every gradient element lives on exactly one rank (dense weights sharded
+    over the world, each expert partition over its replica group) except the vocabulary shard,
+    replicated on `param.replicas` ranks; the squared norm is the sum over ranks of the local
+    squared norms, each divided by its replication. Same formula as torch's `clip_grad_norm_`.
     """
-    local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-             for p in model.parameters() if p.grad is not None]
-    squared = torch.stack([n.float().square() for n in torch._foreach_norm(local)]).sum()
+    params = [p for p in model.parameters() if p.grad is not None]
+    local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+    # A parameter replicated on several ranks (the vocabulary shard) counts once.
+    weights = [1.0 / getattr(p, "replicas", 1) for p in params]
+    squared = sum(w * n.float().square() for w, n in zip(weights, torch._foreach_norm(local)))
     if runtime.layout is not None:
         dist.all_reduce(squared, group=runtime.layout.world_group)
     norm = squared.sqrt()

@@ -73,6 +73,14 @@ def test_expert_parallel_training_matches_the_reference(tmp_path, reference, bal
 
 
 @pytest.mark.slow
+def test_vocabulary_parallel_training_matches_the_reference(tmp_path, reference):
+    records = run(tmp_path, "vocab", "--parallel.strategy=mop", "--parallel.nproc=2", "--parallel.vocab=2",
+                  "--parallel.vocab_token_block=16")
+    assert losses(records) == pytest.approx(losses(reference), rel=1e-5)
+    assert [r["grad_norm"] for r in records] == pytest.approx([r["grad_norm"] for r in reference], rel=1e-4)
+
+
+@pytest.mark.slow
 def test_the_same_command_runs_under_torchrun(tmp_path, reference):
     run_dir = tmp_path / "torchrun"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "mop.cli",

@@ -46,6 +46,8 @@ class ModelConfig:
     """Intermediate width of the dense MLP of the first `dense_layers` blocks."""
     aux_loss_coef: float = 0.01
     """Weight of the load-balancing loss added to the language-model loss (0 disables it)."""
+    z_loss_coef: float = 0.0
+    """Weight of the z-loss, the mean over targets of log(sum(exp(logits)))^2 (0 disables it)."""
     tie_embeddings: bool = False
     """Share the embedding matrix with the output projection."""
     init_std: float = 0.02
@@ -73,8 +75,9 @@ class ModelConfig:
             problems.append(("dense_intermediate", "must be >= 1 when model.dense_layers > 0"))
         if self.shared_expert_intermediate < 0:
             problems.append(("shared_expert_intermediate", "must be >= 0 (0 disables the shared expert)"))
-        if self.aux_loss_coef < 0:
-            problems.append(("aux_loss_coef", "must be >= 0 (0 disables the load-balancing loss)"))
+        for key in ("aux_loss_coef", "z_loss_coef"):
+            if getattr(self, key) < 0:
+                problems.append((key, f"must be >= 0 (0 disables it), got {getattr(self, key)}"))
         for key in ("init_std", "norm_eps", "rope_theta"):
             if getattr(self, key) <= 0:
                 problems.append((key, f"must be > 0, got {getattr(self, key)}"))

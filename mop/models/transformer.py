@@ -67,13 +67,20 @@ class LMHead(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden))
+        self.z_loss_coef = cfg.z_loss_coef
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(h, self.weight)
 
     def loss_sum(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        logits = self(h).float()
-        return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
+        """Sum over non-ignored targets of cross-entropy + z_loss_coef * logsumexp(logits)^2."""
+        logits = self(h).float().view(-1, self.weight.shape[0])
+        labels = labels.reshape(-1)
+        loss = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+        if self.z_loss_coef:
+            lse = torch.logsumexp(logits[labels != IGNORE_INDEX], dim=-1)
+            loss = loss + self.z_loss_coef * lse.square().sum()
+        return loss
 
 
 def document_positions(document_ids: torch.Tensor) -> torch.Tensor:

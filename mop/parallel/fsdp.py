@@ -9,8 +9,9 @@ Invariant: the trainer's per-rank objective is already normalised by the global 
 their mean: every unit's gradient divide factor is set to 1.
 
 Expert weights under expert parallelism are sharded by `mop.parallel.experts` (its own units,
-on the expert-replica mesh), which `fully_shard` here then leaves alone. Until the vocabulary
-technique (issue 5) lands, the output weight is sharded over the world like dense ones.
+on the expert-replica mesh), which `fully_shard` here then leaves alone; the vocabulary shard of
+`mop.parallel.vocab` is passed as ignored. Without vocabulary parallelism the output weight is
+sharded over the world like the dense ones.
 """
 
 from __future__ import annotations
@@ -27,11 +28,14 @@ def mixed_precision(compute_dtype: torch.dtype) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
 
 
-def shard_dense(model: MoETransformer, layout: DistLayout, compute_dtype: torch.dtype = torch.float32) -> None:
+def shard_dense(model: MoETransformer, layout: DistLayout, compute_dtype: torch.dtype = torch.float32,
+                ignored: set[torch.nn.Parameter] = frozenset()) -> None:
+    """FSDP2 units for every block and the root; `ignored` parameters (the vocabulary shard) stay as they are."""
     policy = mixed_precision(compute_dtype)
     for block in model.layers:
         fully_shard(block, mesh=layout.world_mesh, reshard_after_forward=True, mp_policy=policy)
-    fully_shard(model, mesh=layout.world_mesh, reshard_after_forward=True, mp_policy=policy)
+    fully_shard(model, mesh=layout.world_mesh, reshard_after_forward=True, mp_policy=policy,
+                ignored_params=set(ignored) or None)
     # The trainer calls loss_terms, not forward; FSDP2 must gather the root's weights for it too.
     register_fsdp_forward_method(model, "loss_terms")
     for module in model.modules():

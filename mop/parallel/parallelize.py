@@ -4,14 +4,13 @@ Order (each step touches only the modules it owns; later steps wrap what earlier
 1. Ulysses sequence parallelism swaps every `Attention.core` (when parallel.sequence > 1);
 2. expert parallelism swaps `Experts` for `ExpertParallel` (EP or LLEP over the expert group) and
    FSDP2-shards each expert partition over its expert-replica group (when parallel.expert > 1);
-3. the vocabulary-parallel loss swaps `LMHead` (not yet: issue 5);
+3. the vocabulary-parallel loss swaps `LMHead` for a row shard over the vocabulary group and the
+   ring cross-entropy (when parallel.vocab > 1); the shard stays out of FSDP2;
 4. activation checkpointing (and offload) wraps each block, so the recomputation includes the
    swapped modules and their collectives;
 5. FSDP2 shards whatever weights remain over the world mesh (last: `fully_shard` must see the
    final module tree).
 
-Techniques that have not landed raise NotImplementedError when their sub-group size is > 1, so
-a layout can never silently run something other than what it says.
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ from mop.parallel.fsdp import shard_dense
 from mop.parallel.llep import BalanceOptions
 from mop.parallel.mesh import DistLayout
 from mop.parallel.ulysses import apply_sequence_parallel
+from mop.parallel.vocab import VocabParallelHead, apply_vocab_parallel
 
 def compute_dtype(config: Config) -> torch.dtype:
     return torch.bfloat16 if config.train.dtype == "bfloat16" else torch.float32
@@ -38,15 +38,15 @@ def apply_memory_options(model: MoETransformer, config: Config, device: torch.de
 
 
 def parallelize(model: MoETransformer, layout: DistLayout, config: Config) -> MoETransformer:
-    if layout.layout.vocab > 1:
-        raise NotImplementedError(f"parallel.vocab={layout.layout.vocab} needs the vocabulary-parallel loss "
-                                  "(issue 5), which has not landed yet; run with --parallel.vocab=1")
     p = config.parallel
     if layout.layout.sequence > 1:
         apply_sequence_parallel(model, layout.sequence_group, p.attention_head_chunks)
     if layout.layout.expert > 1:
         options = BalanceOptions(p.expert_balance, p.llep_gate, p.llep_alpha, p.llep_min_chunk, p.llep_chunks)
         shard_experts(model, layout, options, compute_dtype(config))
+    if layout.layout.vocab > 1:
+        apply_vocab_parallel(model, layout, p.vocab_token_block)
     apply_memory_options(model, config, layout.device)
-    shard_dense(model, layout, compute_dtype(config))
+    vocab_shard = {model.lm_head.weight} if isinstance(model.lm_head, VocabParallelHead) else set()
+    shard_dense(model, layout, compute_dtype(config), ignored=vocab_shard)
     return model

@@ -1,0 +1,175 @@
+"""Vocabulary parallelism: a row-sharded output projection and a ring cross-entropy over own tokens.
+
+Layout. The output projection `[V, H]` is padded to `P * ceil(V/P)` rows and split into P row
+shards; rank r of a vocabulary group (P consecutive ranks) holds shard j = r mod P, and the W/P
+ranks holding the same j (its vocabulary-replica group) hold identical copies. Every rank keeps
+its own hidden states `[N, H]` and targets: no token moves.
+
+Forward ring (P steps): rank r holds shard (r + s) mod P at step s. While it computes with that
+shard, the shard is sent on to rank r-1 and the next arrives from rank r+1 (`batch_isend_irecv`).
+For each block of `token_block` tokens it forms the `[block, V/P]` logits against the shard
+(padding columns masked out), folds them into a running max and log-sum-exp per token, and picks
+up the target logit if the target lives in the shard. Only one logit tile is live at a time; the
+full `[N, V]` logits never exist.
+
+Backward ring: the shards go round again, each with a gradient buffer travelling with it. Per
+block the logits are recomputed, `d logits = softmax (1 + 2 z lse) - onehot(target)` (z: the
+z-loss weight; ignored targets contribute nothing), the input gradient accumulates locally
+(`d logits @ W_j`) and the shard's gradient into its buffer (`d logits^T @ h`). After P steps one
+more hop brings every buffer home to its owner, which all-reduces it over its replica group.
+
+Loss: the sum over this rank's targets of `lse - logit_target + z * lse^2`; the trainer divides by
+the global target count, so every layout reproduces the single-device loss. A rank whose labels
+are all ignored (or that has no tokens) still takes part in both rings.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from mop.models.transformer import IGNORE_INDEX, LMHead
+from mop.parallel.mesh import DistLayout
+
+TILE_BYTES = 64 * 2**20  # default budget of one fp32 logit tile
+
+
+@dataclass(frozen=True)
+class Ring:
+    group: dist.ProcessGroup
+    replica_group: dist.ProcessGroup | None
+    rank: int  # position in the vocabulary group = the shard this rank owns
+    size: int
+    vocab: int  # true vocabulary size V (rows past it are padding)
+    token_block: int
+    z_loss: float
+
+    def valid_columns(self, shard: int, rows: int) -> int:
+        """Columns of shard `shard` inside the true vocabulary (a shard of pure padding has none)."""
+        return max(0, min(rows, self.vocab - shard * rows))
+
+    def shift(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list]:
+        """Start sending `tensors` to rank-1 and receiving their successors from rank+1."""
+        left = dist.get_global_rank(self.group, (self.rank - 1) % self.size)
+        right = dist.get_global_rank(self.group, (self.rank + 1) % self.size)
+        incoming = [torch.empty_like(t) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t, left, self.group) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, t, right, self.group) for t in incoming]
+        return incoming, dist.batch_isend_irecv(ops)
+
+
+def _logits(hidden_block: torch.Tensor, shard: torch.Tensor, valid: int) -> torch.Tensor:
+    logits = (hidden_block @ shard.t()).float()
+    logits[:, valid:] = float("-inf")
+    return logits
+
+
+def _blocks(tokens: int, block: int):
+    return [slice(start, min(start + block, tokens)) for start in range(0, tokens, block)]
+
+
+def _wait(works) -> None:
+    for work in works:
+        work.wait()
+
+
+class _RingCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, ring: Ring):
+        tokens, rows = hidden.shape[0], weight.shape[0]
+        running_max = hidden.new_full((tokens,), float("-inf"), dtype=torch.float32)
+        running_sum = hidden.new_zeros(tokens, dtype=torch.float32)
+        target = hidden.new_zeros(tokens, dtype=torch.float32)
+        shard = weight.detach()
+        for step in range(ring.size):
+            j = (ring.rank + step) % ring.size
+            incoming, works = ring.shift([shard]) if step + 1 < ring.size else (None, [])
+            local = labels - j * rows
+            valid_columns = ring.valid_columns(j, rows)
+            for block in _blocks(tokens, ring.token_block) if valid_columns else []:
+                logits = _logits(hidden[block], shard, valid_columns)
+                new_max = torch.maximum(running_max[block], logits.max(dim=1).values)
+                running_sum[block] = running_sum[block] * torch.exp(running_max[block] - new_max) + torch.exp(
+                    logits - new_max.unsqueeze(1)).sum(dim=1)
+                running_max[block] = new_max
+                mine = (local[block] >= 0) & (local[block] < rows)
+                picked = logits.gather(1, local[block].clamp(0, rows - 1).unsqueeze(1)).squeeze(1)
+                target[block] = torch.where(mine, picked, target[block])
+            _wait(works)
+            if incoming is not None:
+                shard = incoming[0]
+        lse = running_max + torch.log(running_sum)
+        valid = labels != IGNORE_INDEX
+        loss = torch.where(valid, lse - target + ring.z_loss * lse.square(), torch.zeros_like(lse)).sum()
+        ctx.save_for_backward(hidden, weight, labels, lse)
+        ctx.ring = ring
+        return loss.to(hidden.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        hidden, weight, labels, lse = ctx.saved_tensors
+        ring = ctx.ring
+        tokens, rows = hidden.shape[0], weight.shape[0]
+        valid = (labels != IGNORE_INDEX).float() * grad_loss.float()
+        scale = (1 + 2 * ring.z_loss * lse) * valid
+        grad_hidden = torch.zeros_like(hidden)
+        shard, shard_grad = weight.detach(), torch.zeros_like(weight, dtype=torch.float32)
+        for step in range(ring.size):
+            j = (ring.rank + step) % ring.size
+            incoming, works = ring.shift([shard]) if step + 1 < ring.size else (None, [])
+            local = labels - j * rows
+            valid_columns = ring.valid_columns(j, rows)
+            for block in _blocks(tokens, ring.token_block) if valid_columns else []:
+                logits = _logits(hidden[block], shard, valid_columns)
+                d_logits = torch.exp(logits - lse[block].unsqueeze(1)) * scale[block].unsqueeze(1)
+                mine = ((local[block] >= 0) & (local[block] < rows)).nonzero().squeeze(1)
+                d_logits[mine, local[block][mine]] -= valid[block][mine]
+                grad_hidden[block] += (d_logits.to(shard.dtype) @ shard).to(grad_hidden.dtype)
+                shard_grad += d_logits.t() @ hidden[block].float()
+            # The gradient buffer follows its shard; the last hop brings it home to its owner.
+            (shard_grad,), grad_works = ring.shift([shard_grad])
+            _wait(works + grad_works)
+            if incoming is not None:
+                shard = incoming[0]
+        if ring.replica_group is not None:
+            dist.all_reduce(shard_grad, group=ring.replica_group)
+        return grad_hidden, shard_grad.to(weight.dtype), None, None
+
+
+def default_token_block(shard_rows: int) -> int:
+    """Tokens per logit tile so that one fp32 `[block, V/P]` tile is about TILE_BYTES."""
+    return max(128, TILE_BYTES // (4 * shard_rows))
+
+
+class VocabParallelHead(nn.Module):
+    """Drop-in `LMHead`: this rank's row shard of the projection and the ring loss."""
+
+    def __init__(self, head: LMHead, layout: DistLayout, token_block: int, z_loss: float):
+        super().__init__()
+        vocab, hidden = head.weight.shape
+        size = layout.layout.vocab
+        shard = layout.layout.vocab_shard(layout.rank)
+        rows = math.ceil(vocab / size)
+        padded = F.pad(head.weight.detach(), (0, 0, 0, rows * size - vocab))
+        self.weight = nn.Parameter(padded[shard * rows:(shard + 1) * rows].clone())
+        # Read by the global gradient norm: this shard exists on this many ranks.
+        self.weight.replicas = layout.layout.vocab_replicas
+        replicas = layout.vocab_replica_group if layout.layout.vocab_replicas > 1 else None
+        self.ring = Ring(layout.vocab_group, replicas, shard, size, vocab, token_block or default_token_block(rows),
+                         z_loss)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError("parallel.vocab > 1 never builds full logits; train with labels (loss_sum), "
+                                  "or evaluate logits with parallel.vocab=1")
+
+    def loss_sum(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return _RingCrossEntropy.apply(h.reshape(-1, h.shape[-1]), self.weight, labels.reshape(-1), self.ring)
+
+
+def apply_vocab_parallel(model, layout: DistLayout, token_block: int) -> None:
+    model.lm_head = VocabParallelHead(model.lm_head, layout, token_block, model.cfg.z_loss_coef)

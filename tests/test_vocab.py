@@ -1,0 +1,81 @@
+"""The vocabulary-parallel ring cross-entropy against `F.cross_entropy` on full logits.
+
+Each rank holds its own hidden states and targets (a different number of tokens per rank, one
+rank with every target ignored); the loss summed over ranks, each rank's hidden-state gradient
+and the gathered weight gradient must match the single-process computation.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+from mop.models.config import ModelConfig
+from mop.models.transformer import IGNORE_INDEX, LMHead
+from mop.parallel import DistLayout, Layout
+from mop.parallel.vocab import VocabParallelHead
+from mop.testing import run_distributed
+
+HIDDEN = 16
+
+
+def rank_tokens(world: int) -> list[int]:
+    return [5 + 3 * r for r in range(world)]  # different N per rank
+
+
+def problem(world: int, vocab: int, z_loss: float):
+    g = torch.Generator().manual_seed(vocab + world)
+    head = LMHead(ModelConfig(vocab_size=vocab, hidden=HIDDEN, z_loss_coef=z_loss))
+    torch.nn.init.normal_(head.weight, std=0.5, generator=g)
+    hidden, labels = [], []
+    for r, n in enumerate(rank_tokens(world)):
+        hidden.append(torch.randn(n, HIDDEN, generator=g))
+        target = torch.randint(0, vocab, (n,), generator=g)
+        target[::3] = IGNORE_INDEX
+        if r == 1:
+            target[:] = IGNORE_INDEX  # a rank whose targets are all ignored
+        labels.append(target)
+    return head, hidden, labels
+
+
+def vocab_rank(rank, world, vocab_size, vocab, token_block, z_loss):
+    layout = DistLayout(Layout(world, vocab=vocab), torch.device("cpu"))
+    head, hidden, labels = problem(world, vocab_size, z_loss)
+    parallel = VocabParallelHead(head, layout, token_block, z_loss)
+    h = hidden[rank].clone().requires_grad_()
+    loss = parallel.loss_sum(h, labels[rank])
+    (2.0 * loss).backward()
+    return loss.detach(), h.grad, parallel.weight.grad, layout.layout.vocab_shard(rank)
+
+
+CASES = [(2, 2, 12, 0), (2, 2, 13, 4), (4, 4, 13, 2), (4, 4, 6, 0), (4, 2, 11, 3)]
+
+
+@pytest.mark.parametrize("world, vocab, vocab_size, token_block", CASES)
+@pytest.mark.parametrize("z_loss", [0.0, 0.1])
+def test_ring_loss_matches_full_logits(world, vocab, vocab_size, token_block, z_loss):
+    # token_block 0: the automatic size, which here covers all of a rank's tokens in one tile.
+    results = run_distributed(vocab_rank, world, vocab_size, vocab, token_block, z_loss)
+    head, hidden, labels = problem(world, vocab_size, z_loss)
+    h = torch.cat(hidden).requires_grad_()
+    target = torch.cat(labels)
+    logits = F.linear(h, head.weight)
+    loss = F.cross_entropy(logits, target, ignore_index=IGNORE_INDEX, reduction="sum")
+    kept = target != IGNORE_INDEX
+    loss = loss + z_loss * torch.logsumexp(logits[kept], dim=-1).square().sum()
+    (2.0 * loss).backward()
+    assert_close(sum(r[0] for r in results), loss.detach(), atol=1e-5, rtol=1e-6)
+    offsets = [0, *torch.tensor(rank_tokens(world)).cumsum(0).tolist()]
+    rows = math.ceil(vocab_size / vocab)
+    padded_grad = F.pad(head.weight.grad, (0, 0, 0, rows * vocab - vocab_size))
+    for rank, (_, h_grad, w_grad, shard) in enumerate(results):
+        assert_close(h_grad, h.grad[offsets[rank]:offsets[rank + 1]], atol=1e-5, rtol=1e-5)
+        assert_close(w_grad, padded_grad[shard * rows:(shard + 1) * rows], atol=1e-5, rtol=1e-5)
+    assert results[1][1].abs().sum() == 0  # the all-ignored rank gets no input gradient
+
+
+def test_full_logits_are_refused():
+    with pytest.raises(NotImplementedError, match="parallel.vocab"):
+        VocabParallelHead.forward(None, torch.zeros(1))
