@@ -4,6 +4,6 @@ A benchmark module provides `add_arguments(parser)`, `run(args) -> dict` and
 `report(args, results)`; every comparison is against a baseline measured in the same run.
 """
 
-from mop.bench import attention, moe
+from mop.bench import attention, moe, vocab
 
-BENCHMARKS = {"attention": attention, "moe": moe}
+BENCHMARKS = {"attention": attention, "moe": moe, "vocab": vocab}

@@ -93,13 +93,15 @@ class _RingCrossEntropy(torch.autograd.Function):
             valid_columns = ring.valid_columns(j, rows)
             for block in _blocks(tokens, ring.token_block) if valid_columns else []:
                 logits = _logits(hidden[block], shard, valid_columns)
-                new_max = torch.maximum(running_max[block], logits.max(dim=1).values)
-                running_sum[block] = running_sum[block] * torch.exp(running_max[block] - new_max) + torch.exp(
-                    logits - new_max.unsqueeze(1)).sum(dim=1)
-                running_max[block] = new_max
                 mine = (local[block] >= 0) & (local[block] < rows)
                 picked = logits.gather(1, local[block].clamp(0, rows - 1).unsqueeze(1)).squeeze(1)
                 target[block] = torch.where(mine, picked, target[block])
+                new_max = torch.maximum(running_max[block], logits.max(dim=1).values)
+                # In place on the tile: one [block, V/P] tensor is all this step allocates.
+                tile_sum = logits.sub_(new_max.unsqueeze(1)).exp_().sum(dim=1)
+                running_sum[block] = running_sum[block] * torch.exp(running_max[block] - new_max) + tile_sum
+                running_max[block] = new_max
+                del logits
             _wait(works)
             if incoming is not None:
                 shard = incoming[0]
@@ -125,17 +127,20 @@ class _RingCrossEntropy(torch.autograd.Function):
             local = labels - j * rows
             valid_columns = ring.valid_columns(j, rows)
             for block in _blocks(tokens, ring.token_block) if valid_columns else []:
-                logits = _logits(hidden[block], shard, valid_columns)
-                d_logits = torch.exp(logits - lse[block].unsqueeze(1)) * scale[block].unsqueeze(1)
+                d_logits = _logits(hidden[block], shard, valid_columns)
+                d_logits.sub_(lse[block].unsqueeze(1)).exp_().mul_(scale[block].unsqueeze(1))
                 mine = ((local[block] >= 0) & (local[block] < rows)).nonzero().squeeze(1)
                 d_logits[mine, local[block][mine]] -= valid[block][mine]
                 grad_hidden[block] += (d_logits.to(shard.dtype) @ shard).to(grad_hidden.dtype)
-                shard_grad += d_logits.t() @ hidden[block].float()
+                shard_grad.addmm_(d_logits.t(), hidden[block].float())
+                del d_logits
+            # Done with this shard: drop it before the gradient hop so that only the incoming
+            # shard, the gradient and the incoming gradient are in flight.
+            del shard
             # The gradient buffer follows its shard; the last hop brings it home to its owner.
             (shard_grad,), grad_works = ring.shift([shard_grad])
             _wait(works + grad_works)
-            if incoming is not None:
-                shard = incoming[0]
+            shard = incoming[0] if incoming is not None else None
         if ring.replica_group is not None:
             dist.all_reduce(shard_grad, group=ring.replica_group)
         return grad_hidden, shard_grad.to(weight.dtype), None, None

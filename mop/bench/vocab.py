@@ -1,0 +1,129 @@
+"""`mop bench vocab`: the output projection + loss, per rank, for three ways of computing it.
+
+- full: full logits `[N, V]` and `F.cross_entropy` (what a plain training loop does);
+- chunked: tokens in blocks against the whole weight, each block recomputed in the backward
+  (what Liger's fused linear cross-entropy and Cut Cross-Entropy do: no full logits, whole weight);
+- ring: mop's vocabulary-parallel ring loss, the weight's rows sharded over P ranks.
+
+Every rank runs its own N tokens (W ranks, one intra-op thread each). Memory per rank = the
+weight it holds + the transient peak of forward + backward (`mop.bench.memory`: the weight's
+gradient, the logit tiles, the ring's incoming shard and gradient buffers). Communication per rank
+is counted from the algorithm: the ring sends (P-1) weight shards forward and (P-1) shards plus P
+fp32 gradient buffers backward; full and chunked need the whole weight's gradient reduced across
+the W data-parallel ranks (plus the weight gathered, under FSDP2), counted as 2 (W-1)/W x the
+weight's bytes. The full-logits variant is skipped (not run) where its logits alone would exceed
+--max-logits-gib. Ratios are against "full" where it ran, else against "chunked".
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from mop.bench.memory import PeakMemory
+from mop.bench.report import MIB, table, write_json
+from mop.models.config import ModelConfig
+from mop.models.transformer import IGNORE_INDEX, LMHead
+from mop.parallel import DistLayout, Layout
+from mop.parallel.vocab import VocabParallelHead, default_token_block
+from mop.testing import run_distributed
+
+GIB = 2**30
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--world", type=int, default=2, help="ranks; the ring runs with P = world")
+    parser.add_argument("--tokens", default="2048,8192", help="tokens per rank, comma-separated (up to 32768)")
+    parser.add_argument("--vocabs", default="32768,131072,262144", help="vocabulary sizes, comma-separated")
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--max-logits-gib", type=float, default=1.0, help="skip full logits larger than this")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=Path("runs/bench/vocab.json"))
+
+
+def _chunked_loss(h, weight, labels, block: int):
+    def piece(h_block, w, labels_block):
+        return F.cross_entropy(F.linear(h_block, w).float(), labels_block, ignore_index=IGNORE_INDEX, reduction="sum")
+
+    return sum(checkpoint(piece, h[i:i + block], weight, labels[i:i + block], use_reentrant=False)
+               for i in range(0, h.shape[0], block))
+
+
+def loss_rank(rank, world, variant: str, tokens: int, vocab: int, hidden: int, repeats: int) -> dict:
+    g = torch.Generator().manual_seed(rank)
+    head = LMHead(ModelConfig(vocab_size=vocab, hidden=hidden))
+    torch.nn.init.normal_(head.weight, std=0.02, generator=torch.Generator().manual_seed(0))
+    if variant == "ring":
+        module = VocabParallelHead(head, DistLayout(Layout(world, vocab=world), torch.device("cpu")), 0, 0.0)
+        loss_fn = module.loss_sum
+        head = None  # the full weight is not kept
+    elif variant == "chunked":
+        module = head
+        block = default_token_block(vocab)
+        loss_fn = lambda h, y: _chunked_loss(h, head.weight, y, block)  # noqa: E731
+    else:
+        module = head
+        loss_fn = lambda h, y: F.cross_entropy(head(h).float(), y, reduction="sum")  # noqa: E731
+    weight = module.weight
+    h = torch.randn(tokens, hidden, generator=g, requires_grad=True)
+    labels = torch.randint(0, vocab, (tokens,), generator=g)
+
+    def step():
+        weight.grad = None
+        loss_fn(h, labels).backward()
+
+    step()
+    with PeakMemory(torch.device("cpu")) as memory:
+        step()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        step()
+    weight_bytes = weight.numel() * weight.element_size()
+    return {"seconds": (time.perf_counter() - start) / repeats, "peak_bytes": weight_bytes + memory.peak_bytes,
+            "weight_bytes": weight_bytes}
+
+
+def communicated_bytes(variant: str, world: int, vocab: int, hidden: int) -> int:
+    full_weight = vocab * hidden * 4
+    if variant == "ring":
+        shard = math.ceil(vocab / world) * hidden * 4
+        return (world - 1) * shard + (world - 1) * shard + world * shard
+    return int(2 * (world - 1) / world * full_weight)
+
+
+def run(args) -> dict:
+    rows = []
+    for vocab in (int(v) for v in args.vocabs.split(",")):
+        for tokens in (int(n) for n in args.tokens.split(",")):
+            base = None
+            for variant in ("full", "chunked", "ring"):
+                if variant == "full" and tokens * vocab * 4 > args.max_logits_gib * GIB:
+                    rows.append({"vocab": vocab, "tokens": tokens, "variant": variant, "skipped": True,
+                                 "logits_bytes": tokens * vocab * 4})
+                    continue
+                per_rank = run_distributed(loss_rank, args.world, variant, tokens, vocab, args.hidden, args.repeats,
+                                           timeout=3600)
+                result = {"seconds": max(r["seconds"] for r in per_rank), "peak_bytes": max(r["peak_bytes"] for r in per_rank),
+                          "bytes_sent": communicated_bytes(variant, args.world, vocab, args.hidden)}
+                base = base or result
+                rows.append({"vocab": vocab, "tokens": tokens, "variant": variant, "skipped": False, **result,
+                             "peak_vs_base": result["peak_bytes"] / base["peak_bytes"],
+                             "time_vs_base": result["seconds"] / base["seconds"]})
+    return {"rows": rows}
+
+
+def report(args, results: dict) -> None:
+    print(table(f"output projection + loss, forward + backward, per rank, W=P={args.world}, H={args.hidden}",
+                ["V", "N/rank", "variant", "peak MiB", "vs base", "time s", "vs base", "sent MiB"],
+                [[r["vocab"], r["tokens"], r["variant"], *(["skipped: logits alone need",
+                  f"{r['logits_bytes'] / GIB:.1f} GiB", "", "", ""] if r["skipped"] else
+                  [r["peak_bytes"] / MIB, r["peak_vs_base"], r["seconds"], r["time_vs_base"], r["bytes_sent"] / MIB])]
+                 for r in results["rows"]]))
+    path = write_json(args.out, "vocab", {k: str(v) for k, v in vars(args).items() if k != "func"}, results)
+    print(f"\nresults written to {path}")
