@@ -42,7 +42,8 @@ from mop.models.moe import Experts, expert_order, swiglu_experts
 from mop.parallel.comms import all_gather_rows, all_to_all
 from mop.parallel.llep_chunked import ChunkedExperts, chunk_job
 from mop.parallel.llep_plan import Plan, imbalance, plan_ep, plan_llep
-from mop.parallel.llep_routing import Exchange, Routing, add_to_grad, build_routing, point_to_point
+from mop.parallel.llep_routing import (Exchange, Routing, build_routing, finish_gradient_return,
+                                      start_gradient_return, start_weight_shipping)
 from mop.parallel.mesh import DistLayout
 
 
@@ -72,10 +73,7 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_send, owned: tuple[torch.Tensor, torch.Tensor], exchange: Exchange):
         ctx.exchange, ctx.owned = exchange, owned
-        foreign = [w.new_empty((len(exchange.receive), *w.shape[1:])) for w in owned]
-        works = point_to_point([(w.detach()[local], helper) for local, helper in exchange.ship for w in owned],
-                               [(w[i], owner) for i, (_, owner) in enumerate(exchange.receive) for w in foreign],
-                               exchange.p2p_group)
+        foreign, works = start_weight_shipping(owned, exchange)
         received = x_send.new_empty((sum(exchange.recv_splits), x_send.shape[1]))
         dist.all_to_all_single(received, x_send.contiguous(), exchange.recv_splits, exchange.send_splits,
                                group=exchange.group)
@@ -86,21 +84,13 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_received, grad_foreign_gate_up, grad_foreign_down):
         exchange, owned = ctx.exchange, ctx.owned
-        returned = [grad_received.new_empty((len(exchange.ship), *w.shape[1:])) for w in owned]
         foreign_grads = [g if g is not None else grad_received.new_zeros((len(exchange.receive), *w.shape[1:]))
                          for g, w in zip((grad_foreign_gate_up, grad_foreign_down), owned)]
-        works = point_to_point([(g[i], owner) for i, (_, owner) in enumerate(exchange.receive) for g in foreign_grads],
-                               [(g[j], helper) for j, (_, helper) in enumerate(exchange.ship) for g in returned],
-                               exchange.p2p_group)
+        returned, works = start_gradient_return(foreign_grads, owned, exchange)
         grad_x = grad_received.new_empty((sum(exchange.send_splits), grad_received.shape[1]))
         dist.all_to_all_single(grad_x, grad_received.contiguous(), exchange.send_splits, exchange.recv_splits,
                                group=exchange.group)
-        for work in works:
-            work.wait()
-        if exchange.ship:
-            local = torch.tensor([index for index, _ in exchange.ship], device=grad_received.device)
-            for param, grad in zip(owned, returned):
-                add_to_grad(param, local, grad)
+        finish_gradient_return(owned, exchange, returned, works)
         return grad_x, None, None
 
 

@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 
 from mop.models.moe import swiglu_experts
-from mop.parallel.llep_routing import Exchange, Routing, add_to_grad, build_routing, point_to_point
+from mop.parallel.llep_routing import (Exchange, Routing, build_routing, finish_gradient_return,
+                                      start_gradient_return, start_weight_shipping)
 from mop.parallel.llep_plan import Plan, Slice
 
 
@@ -95,10 +96,7 @@ class ChunkedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weights_flat, owned: tuple[torch.Tensor, torch.Tensor], job: ChunkJob):
         ex = job.exchange
-        foreign = [w.new_empty((len(ex.receive), *w.shape[1:])) for w in owned]
-        weight_works = point_to_point([(w.detach()[local], helper) for local, helper in ex.ship for w in owned],
-                                      [(w[i], owner) for i, (_, owner) in enumerate(ex.receive) for w in foreign],
-                                      ex.p2p_group)
+        foreign, weight_works = start_weight_shipping(owned, ex)
         out = torch.zeros_like(x)
         pending = _dispatch(x, job, 0)
         for work in weight_works:
@@ -146,16 +144,8 @@ class ChunkedExperts(torch.autograd.Function):
                                      routing.recv_splits, ex.group)
             grad_x.index_add_(0, tokens, back[:, :hidden])
             grad_weights[assignment] = (grad_out[tokens] * back[:, hidden:]).sum(-1).to(grad_weights.dtype)
-        returned = [w.new_empty((len(ex.ship), *w.shape[1:])) for w in owned]
-        works = point_to_point([(leaf.grad[i], owner) for i, (_, owner) in enumerate(ex.receive) for leaf in leaves[2:]],
-                               [(g[j], helper) for j, (_, helper) in enumerate(ex.ship) for g in returned],
-                               ex.p2p_group)
-        for work in works:
-            work.wait()
-        if ex.ship:
-            local = torch.tensor([index for index, _ in ex.ship], device=x.device)
-            for param, got in zip(owned, returned):
-                add_to_grad(param, local, got)
+        returned, works = start_gradient_return([leaf.grad for leaf in leaves[2:]], owned, ex)
+        finish_gradient_return(owned, ex, returned, works)
         return grad_x, grad_weights, None, None
 
 

@@ -112,3 +112,32 @@ def add_to_grad(param: torch.Tensor, index: torch.Tensor | None, grad: torch.Ten
         param.grad += grad
     else:
         param.grad.index_add_(0, index, grad.to(param.grad.dtype))
+
+
+def start_weight_shipping(owned: tuple[torch.Tensor, torch.Tensor], exchange: Exchange):
+    """Owner -> helper: start moving the shipped experts' weights; returns (foreign weights, works)."""
+    foreign = [w.new_empty((len(exchange.receive), *w.shape[1:])) for w in owned]
+    works = point_to_point([(w.detach()[local], helper) for local, helper in exchange.ship for w in owned],
+                           [(w[i], owner) for i, (_, owner) in enumerate(exchange.receive) for w in foreign],
+                           exchange.p2p_group)
+    return foreign, works
+
+
+def start_gradient_return(foreign_grads: list[torch.Tensor], owned: tuple[torch.Tensor, torch.Tensor],
+                          exchange: Exchange):
+    """Helper -> owner: start returning the foreign experts' weight gradients; returns (buffers, works)."""
+    returned = [w.new_empty((len(exchange.ship), *w.shape[1:])) for w in owned]
+    works = point_to_point([(g[i], owner) for i, (_, owner) in enumerate(exchange.receive) for g in foreign_grads],
+                           [(g[j], helper) for j, (_, helper) in enumerate(exchange.ship) for g in returned],
+                           exchange.p2p_group)
+    return returned, works
+
+
+def finish_gradient_return(owned: tuple[torch.Tensor, torch.Tensor], exchange: Exchange, returned, works) -> None:
+    """Wait for the returned gradients and add them to the owned experts' gradients."""
+    for work in works:
+        work.wait()
+    if exchange.ship:
+        local = torch.tensor([index for index, _ in exchange.ship], device=returned[0].device)
+        for param, grad in zip(owned, returned):
+            add_to_grad(param, local, grad)
