@@ -81,6 +81,16 @@ def test_vocabulary_parallel_training_matches_the_reference(tmp_path, reference)
 
 
 @pytest.mark.slow
+def test_every_technique_at_once_matches_the_reference(tmp_path, reference):
+    records = run(tmp_path, "all", "--parallel.strategy=mop", "--parallel.nproc=2", "--parallel.sequence=2",
+                  "--parallel.expert=2", "--parallel.vocab=2", "--parallel.expert_balance=llep",
+                  "--parallel.llep_min_chunk=4", "--parallel.llep_gate=1.0", "--parallel.llep_chunks=2",
+                  "--train.activation_checkpointing=full",
+                  "--train.offload_activations=true")
+    assert losses(records) == pytest.approx(losses(reference), rel=1e-5)
+
+
+@pytest.mark.slow
 def test_the_same_command_runs_under_torchrun(tmp_path, reference):
     run_dir = tmp_path / "torchrun"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "mop.cli",
