@@ -142,8 +142,10 @@ def expert_metrics(model: torch.nn.Module, runtime: Runtime, expert_ranks: int) 
     if expert_ranks == 1:
         return {}
     records = drain_records(model)
-    worst = torch.tensor([max((r[k] for r in records), default=0.0) for k in _WORST_KEYS], dtype=torch.float64)
-    total = torch.tensor([sum(r[k] for r in records) for k in _SUM_KEYS], dtype=torch.float64)
+    device = runtime.device  # NCCL reduces device tensors only
+    worst = torch.tensor([max((r[k] for r in records), default=0.0) for k in _WORST_KEYS], dtype=torch.float64,
+                         device=device)
+    total = torch.tensor([sum(r[k] for r in records) for k in _SUM_KEYS], dtype=torch.float64, device=device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=runtime.layout.world_group)
     dist.all_reduce(total, group=runtime.layout.world_group)
     # Every rank of an expert group records the same plan: divide the sums by the group size.

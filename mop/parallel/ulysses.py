@@ -133,6 +133,7 @@ class UlyssesAttention(nn.Module):
             for part, heads in zip(received.view(self.ranks, -1).split([batch * tokens * h * dim for h in mine], 1), mine))
         index = kv_index(plan.query[self.rank], plan.kv[self.rank], self.group_size)
         if index is not None:
+            index = index.to(k_heads.device)
             k_heads, v_heads = k_heads.index_select(2, index), v_heads.index_select(2, index)
         out = self.core(q_heads, k_heads, v_heads, full_documents)  # [B, S, queries, d]
         send_back = out.reshape(batch, self.ranks, tokens, mine[0], dim).transpose(0, 1).reshape(-1)
