@@ -137,6 +137,16 @@ def clip_gradients(model: torch.nn.Module, max_norm: float, runtime: Runtime) ->
     return norm.item()
 
 
+def apply_update(model: torch.nn.Module, optimizer, max_norm: float, runtime: Runtime) -> tuple[float, bool]:
+    """Clip, then step unless the global gradient norm is not finite (the update is skipped, state untouched)."""
+    grad_norm = clip_gradients(model, max_norm, runtime)
+    skipped = not math.isfinite(grad_norm)
+    if not skipped:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm, skipped
+
+
 def expert_metrics(model: torch.nn.Module, runtime: Runtime, expert_ranks: int) -> dict:
     """The step's expert-parallel routing summary over all expert groups (worst case / totals)."""
     if expert_ranks == 1:
@@ -249,11 +259,7 @@ def _train(config: Config, runtime: Runtime) -> list[dict]:
         start = time.perf_counter()
         lr = schedule.get_last_lr()[0]
         losses = train_step(model, data, config, runtime, step, autocast)
-        grad_norm = clip_gradients(model, config.train.grad_clip, runtime)
-        skipped = not math.isfinite(grad_norm)
-        if not skipped:
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        grad_norm, skipped = apply_update(model, optimizer, config.train.grad_clip, runtime)
         schedule.step()
         elapsed = time.perf_counter() - start
         record = {"step": step, **losses, "lr": lr, "grad_norm": grad_norm, "skipped": skipped,

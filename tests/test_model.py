@@ -153,3 +153,28 @@ def test_grouped_gemm_and_the_expert_loop_are_identical():
                     torch.autograd.grad(looped.square().sum(), [x, w_gate_up, w_down])):
         assert torch.equal(a, b)
     assert not grouped_gemm_applies(x[:, :15], w_gate_up[:, :, :15], w_down[:, :15])
+
+
+def test_a_non_finite_gradient_skips_the_update_and_leaves_the_state():
+    from mop.config import Config
+    from mop.train import Runtime, apply_update, build_optimizer
+
+    model = build_model(TINY, seed=0)
+    optimizer, _ = build_optimizer(model, Config())
+    runtime = Runtime(0, 1, torch.device("cpu"), None)
+    ids, labels = _batch(9)
+    model(ids, labels).backward()
+    norm, skipped = apply_update(model, optimizer, 1.0, runtime)
+    assert not skipped and norm > 0
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state = {k: {n: v.clone() for n, v in s.items()} for k, s in optimizer.state.items()}
+    model(ids, labels).backward()
+    model.layers[0].attention.q_proj.weight.grad[0, 0] = float("inf")
+    norm, skipped = apply_update(model, optimizer, 1.0, runtime)
+    assert skipped and norm == float("inf")
+    for name, param in model.named_parameters():
+        assert torch.equal(param, before[name]), name
+        assert param.grad is None
+    for key, saved in state.items():
+        for name, value in saved.items():
+            assert torch.equal(optimizer.state[key][name], value)
