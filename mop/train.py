@@ -38,6 +38,8 @@ from mop.data import DataError, build_data, group_slice, load_batch, micro_batch
 from mop.metrics import MetricsLogger, peak_memory_bytes, plot_run
 from mop.models.transformer import IGNORE_INDEX, MoETransformer, build_model
 from mop.parallel.mesh import DistLayout, Layout, LayoutError, TorchrunEnv, device_for, init_distributed, set_rank_threads
+from mop.optim.host_adamw import HostAdamW
+from mop.optim.pipeline import GradientFeed
 from mop.parallel.llep import drain_records
 from mop.parallel.parallelize import apply_memory_options, compute_dtype, parallelize
 from mop.parallel.ulysses import reduce_router_stats
@@ -110,10 +112,12 @@ def build_optimizer(model: torch.nn.Module, config: Config):
     matrices = [p for p in model.parameters() if p.dim() >= 2]
     vectors = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": matrices, "weight_decay": o.weight_decay}, {"params": vectors, "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(step, o.warmup_steps, config.train.steps, o.min_lr_ratio))
-    return optimizer, schedule
+    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+
+
+def learning_rate(config: Config, step: int) -> float:
+    o = config.optim
+    return o.lr * lr_factor(step, o.warmup_steps, config.train.steps, o.min_lr_ratio)
 
 
 def clip_gradients(model: torch.nn.Module, max_norm: float, runtime: Runtime) -> float:
@@ -145,6 +149,17 @@ def apply_update(model: torch.nn.Module, optimizer, max_norm: float, runtime: Ru
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm, skipped
+
+
+def host_update(model: torch.nn.Module, host: HostAdamW, max_norm: float, runtime: Runtime):
+    """Validate the host optimizer's speculative updates against the global norm (see HostAdamW)."""
+    grad_norm = clip_gradients(model, 0.0, runtime)  # the norm only: the host applies the coefficient
+    start = time.perf_counter()
+    redone = host.finish(grad_norm, max_norm)
+    exposed = time.perf_counter() - start
+    model.zero_grad(set_to_none=True)
+    skipped = not math.isfinite(grad_norm)
+    return grad_norm, skipped, {"rollback": redone and not skipped, "optimizer_exposed_s": exposed}
 
 
 def expert_metrics(model: torch.nn.Module, runtime: Runtime, expert_ranks: int) -> dict:
@@ -195,20 +210,29 @@ def micro_batch_objective(model: MoETransformer, batch: dict, global_targets: in
     return terms, model.objective(terms, global_targets, global_batch * copies)
 
 
-def train_step(model: MoETransformer, data, config: Config, runtime: Runtime, step: int, autocast) -> dict:
-    """Forward/backward over this rank's share of the step; returns the globally reduced losses."""
+def train_step(model: MoETransformer, data, config: Config, runtime: Runtime, step: int, autocast,
+               feed: GradientFeed | None = None) -> dict:
+    """Forward/backward over this rank's share of the step; returns the globally reduced losses.
+
+    With a gradient feed (host optimizer), the last micro-batch's backward hands each gradient to
+    the optimizer as soon as it is final.
+    """
     batches = local_batches(data, config, runtime, step)
     local_targets = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
     global_targets = int(all_reduce_sum([local_targets], runtime)[0])
     ce_total, aux_total = 0.0, 0.0
-    for batch in batches:
+    for index, batch in enumerate(batches):
         batch = {key: value.to(runtime.device) for key, value in batch.items()}
         with autocast:
             terms, loss = micro_batch_objective(model, batch, global_targets, config.train.global_batch, runtime.layout)
+        if feed is not None and index == len(batches) - 1:
+            feed.arm()
         loss.backward()
         ce_part = terms.ce_sum.item() / max(global_targets, 1)
         ce_total += ce_part
         aux_total += loss.item() - ce_part
+    if feed is not None:
+        feed.flush()
     ce_loss, aux_loss = all_reduce_sum([ce_total, aux_total], runtime)
     return {"loss": ce_loss + aux_loss, "ce_loss": ce_loss, "aux_loss": aux_loss, "targets": global_targets}
 
@@ -238,12 +262,14 @@ def _train(config: Config, runtime: Runtime) -> list[dict]:
                                   "use 'reference' or 'mop'")
     else:
         apply_memory_options(model, config, runtime.device)
-    if config.optim.offload:
-        raise NotImplementedError("optim.offload=true (the host-offloaded optimizer) lands with issue 6; "
-                                  "set --optim.offload=false")
     if config.checkpoint.every:
         raise NotImplementedError("checkpointing lands with issue 7; set --checkpoint.every=0")
-    optimizer, schedule = build_optimizer(model, config)
+    optimizer = build_optimizer(model, config)
+    host = feed = None
+    if config.optim.offload:
+        o = config.optim
+        host = HostAdamW(optimizer.param_groups, betas=(o.beta1, o.beta2), eps=o.eps)
+        feed = GradientFeed(model, host)
     dtype = compute_dtype(config)
     autocast = torch.autocast(runtime.device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
 
@@ -257,15 +283,23 @@ def _train(config: Config, runtime: Runtime) -> list[dict]:
                dynamic_ncols=True, file=sys.stdout)
     for step in bar:
         start = time.perf_counter()
-        lr = schedule.get_last_lr()[0]
-        losses = train_step(model, data, config, runtime, step, autocast)
-        grad_norm, skipped = apply_update(model, optimizer, config.train.grad_clip, runtime)
-        schedule.step()
+        lr = learning_rate(config, step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        if host is not None:
+            host.begin_step(lr)
+        losses = train_step(model, data, config, runtime, step, autocast, feed)
+        if host is None:
+            grad_norm, skipped = apply_update(model, optimizer, config.train.grad_clip, runtime)
+            rollback = {}
+        else:
+            grad_norm, skipped, rollback = host_update(model, host, config.train.grad_clip, runtime)
+
         elapsed = time.perf_counter() - start
         record = {"step": step, **losses, "lr": lr, "grad_norm": grad_norm, "skipped": skipped,
                   "tokens_per_s": tokens_per_step / elapsed, "step_time_s": elapsed,
                   "peak_mem_bytes": peak_memory_bytes(runtime.device),
-                  **expert_metrics(model, runtime, config.parallel.expert)}
+                  **rollback, **expert_metrics(model, runtime, config.parallel.expert)}
         records.append(record)
         bar.set_postfix(loss=f"{losses['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
         if logger is not None:

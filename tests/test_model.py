@@ -160,7 +160,7 @@ def test_a_non_finite_gradient_skips_the_update_and_leaves_the_state():
     from mop.train import Runtime, apply_update, build_optimizer
 
     model = build_model(TINY, seed=0)
-    optimizer, _ = build_optimizer(model, Config())
+    optimizer = build_optimizer(model, Config())
     runtime = Runtime(0, 1, torch.device("cpu"), None)
     ids, labels = _batch(9)
     model(ids, labels).backward()
