@@ -4,6 +4,6 @@ A benchmark module provides `add_arguments(parser)`, `run(args) -> dict` and
 `report(args, results)`; every comparison is against a baseline measured in the same run.
 """
 
-from mop.bench import attention, moe, vocab
+from mop.bench import attention, moe, optimizer, vocab
 
-BENCHMARKS = {"attention": attention, "moe": moe, "vocab": vocab}
+BENCHMARKS = {"attention": attention, "moe": moe, "optimizer": optimizer, "vocab": vocab}

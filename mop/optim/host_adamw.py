@@ -2,7 +2,8 @@
 
 State. For every parameter shard this rank owns (the local tensor of an FSDP2 DTensor, or a plain
 tensor), host memory holds the fp32 master weight, the AdamW moments and the step count (pinned
-on CUDA machines). The device keeps only the working weight the model computes with.
+on CUDA machines). The device keeps only the working weight the model computes with. On a
+CPU-only machine an fp32 working weight already lives in host memory and is its own master.
 
 One optimizer step:
 1. `begin_step(lr)`: the step's learning rate (from the schedule).
@@ -35,6 +36,19 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def _to_host(grad: torch.Tensor) -> torch.Tensor:
+    """The fp32 host copy of a gradient; on a CPU-only machine the gradient already is one.
+
+    Holding the gradient tensor itself is safe: the trainer releases gradients (set_to_none) and
+    never writes into them between the hand-over and `finish`.
+    """
+    if grad.device.type == "cpu" and grad.dtype == torch.float32:
+        return grad
+    host = torch.empty(grad.shape, dtype=torch.float32, pin_memory=torch.cuda.is_available())
+    host.copy_(grad)
+    return host
+
+
 @dataclass
 class ShardState:
     """Host state of one parameter shard."""
@@ -53,7 +67,9 @@ class ShardState:
 class HostAdamW:
     """See the module docstring. `groups`: dicts with "params" and "weight_decay", as for torch.optim."""
 
-    def __init__(self, groups: list[dict], betas=(0.9, 0.999), eps: float = 1e-8, workers: int = 1):
+    def __init__(self, groups: list[dict], betas=(0.9, 0.999), eps: float = 1e-8, workers: int = 1,
+                 speculative: bool = True):
+        self.speculative = speculative  # False: update only in finish, once the norm is known (no backups)
         self.beta1, self.beta2 = betas
         self.eps = eps
         self.lr = 0.0
@@ -63,8 +79,11 @@ class HostAdamW:
         for group in groups:
             for param in group["params"]:
                 working = _local(param.detach())
-                master = torch.empty(working.shape, dtype=torch.float32, pin_memory=pin)
-                master.copy_(working)
+                if working.device.type == "cpu" and working.dtype == torch.float32:
+                    master = working  # host and device are the same memory: the working weight is the master
+                else:
+                    master = torch.empty(working.shape, dtype=torch.float32, pin_memory=pin)
+                    master.copy_(working)
                 shard = ShardState(working, master, torch.zeros_like(master), torch.zeros_like(master),
                                    torch.zeros((), dtype=torch.float32), group["weight_decay"])
                 self.shards.append(shard)
@@ -81,8 +100,9 @@ class HostAdamW:
     def gradient_ready(self, param: torch.Tensor, grad: torch.Tensor) -> None:
         """`param`'s gradient is final: copy it to the host and start its speculative update."""
         shard = self.shard_of(param)
-        shard.grad = _local(grad).detach().to("cpu", torch.float32, copy=True)
-        shard.pending = self.pool.submit(self._speculate, shard)
+        shard.grad = _to_host(_local(grad).detach())
+        if self.speculative:
+            shard.pending = self.pool.submit(self._speculate, shard)
 
     def _speculate(self, shard: ShardState) -> None:
         shard.backup = (shard.master.clone(), shard.exp_avg.clone(), shard.exp_avg_sq.clone(), shard.step.clone())
@@ -95,24 +115,29 @@ class HostAdamW:
                             eps=self.eps, amsgrad=False, maximize=False)
 
     def finish(self, grad_norm: float, max_norm: float) -> bool:
-        """Validate the speculative updates against the global norm; returns True if any shard was redone."""
+        """Validate the speculative updates against the global norm; returns True if shards were rolled back."""
         for shard in self.shards:
             if shard.pending is not None:
                 shard.pending.result()
         coefficient = min(1.0, max_norm / (grad_norm + 1e-6)) if max_norm > 0 else 1.0
         redo = not math.isfinite(grad_norm) or coefficient < 1.0
+        rolled_back = redo and math.isfinite(grad_norm) and any(s.backup is not None for s in self.shards)
         for shard in self.shards:
-            if shard.backup is None:
+            if shard.grad is None:
                 continue
-            if redo:
+            if shard.backup is None:  # not speculated: the update happens now, exactly once
+                if math.isfinite(grad_norm):
+                    self._update(shard, shard.grad if coefficient == 1.0 else shard.grad * coefficient)
+            elif redo:
                 for current, saved in zip((shard.master, shard.exp_avg, shard.exp_avg_sq, shard.step), shard.backup):
                     current.copy_(saved)
                 if math.isfinite(grad_norm):
                     self._update(shard, shard.grad * coefficient)
-            shard.working.copy_(shard.master)
+            if shard.working is not shard.master:
+                shard.working.copy_(shard.master)
             shard.grad, shard.backup, shard.pending = None, None, None
-        self.rollbacks += int(redo and math.isfinite(grad_norm))
-        return redo
+        self.rollbacks += int(rolled_back)
+        return rolled_back
 
     def state_dict(self) -> dict:
         return {"shards": [{"master": s.master, "exp_avg": s.exp_avg, "exp_avg_sq": s.exp_avg_sq, "step": s.step}
@@ -124,5 +149,6 @@ class HostAdamW:
         for shard, saved in zip(self.shards, state["shards"]):
             for key in ("master", "exp_avg", "exp_avg_sq", "step"):
                 getattr(shard, key).copy_(saved[key])
-            shard.working.copy_(shard.master)
+            if shard.working is not shard.master:
+                shard.working.copy_(shard.master)
         self.rollbacks = state["rollbacks"]

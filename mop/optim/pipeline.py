@@ -9,8 +9,10 @@ manage (their `.grad` may still be accumulating from several uses) are handed ov
 `loss.backward()` returns.
 Only the last micro-batch of a step is armed: earlier ones only accumulate.
 
-CPU-only today: on CUDA the hand-over must also wait for FSDP2's reduce-scatter stream (event)
-and copy on a side stream; `HostAdamW.gradient_ready` copies synchronously.
+Early hand-over is CPU-only today: on CUDA, FSDP2 writes the sharded gradients on its
+reduce-scatter stream, and reading them early needs a wait on that stream's event and a copy on a
+side stream, which is not written yet. CUDA runs therefore hand everything over at `flush`, after
+the backward (exact, not overlapped).
 """
 
 from __future__ import annotations
@@ -29,13 +31,14 @@ class GradientFeed:
         self.armed = False
         self.delivered: set[int] = set()
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.early = all(p.device.type == "cpu" for p in self.params)
         layers = list(model.layers)
         for below, block in zip(layers[:-1], layers[1:]):
             below.register_full_backward_pre_hook(self._hook_for(block))
 
     def _hook_for(self, block: torch.nn.Module):
         def hook(module, grad_output):
-            if self.armed:
+            if self.armed and self.early:
                 # Only FSDP2's sharded gradients are assigned whole, in its post-backward.
                 self._deliver(p for p in block.parameters() if isinstance(p, DTensor))
 
