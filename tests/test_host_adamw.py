@@ -79,3 +79,57 @@ def test_state_dict_round_trip():
     other.load_state_dict(host.state_dict())
     for a, b in zip(host.shards, other.shards):
         assert torch.equal(a.master, b.master) and torch.equal(a.exp_avg_sq, b.exp_avg_sq) and torch.equal(a.working, b.working)
+
+
+# Adam divides by sqrt(v) + eps: with eps=1e-8 a gradient at rounding level (a barely used expert
+# row) gets a full-size step, so FSDP2's differently ordered reduction would show up as 1e-5 weight
+# differences; at eps=1e-6 such gradients stay small, and the comparison tests the optimizer.
+EPS = 1e-6
+
+
+def _fsdp_host_steps(rank, world, steps):
+    from mop.models.config import ModelConfig
+    from mop.models.transformer import build_model
+    from mop.optim.pipeline import GradientFeed
+    from mop.parallel import DistLayout, Layout
+    from mop.parallel.fsdp import shard_dense
+    from mop.train import Runtime, clip_gradients
+
+    cfg = ModelConfig(vocab_size=64, hidden=32, layers=3, heads=4, kv_heads=2, head_dim=8, experts=4,
+                      expert_intermediate=16)
+    layout = DistLayout(Layout(world), torch.device("cpu"))
+    model = build_model(cfg, seed=4)
+    shard_dense(model, layout)
+    host = HostAdamW([{"params": list(model.parameters()), "weight_decay": 0.1}], betas=(0.9, 0.95), eps=EPS)
+    feed = GradientFeed(model, host)
+    runtime = Runtime(rank, world, torch.device("cpu"), layout)
+    for step in range(steps):
+        ids = torch.randint(0, 64, (2 * world, 17), generator=torch.Generator().manual_seed(step))
+        mine = ids[2 * rank:2 * rank + 2]
+        host.begin_step(1e-2)
+        feed.arm()
+        (model.loss_terms(mine[:, :-1], mine[:, 1:]).ce_sum / (ids.shape[0] * 16)).backward()
+        feed.flush()
+        host.finish(clip_gradients(model, 0.0, runtime), 0.5 if step == 1 else 100.0)
+        model.zero_grad(set_to_none=True)
+    return {name: p.full_tensor() for name, p in model.named_parameters()}
+
+
+def test_fsdp2_sharded_parameters_end_where_torch_adamw_takes_them():
+    from mop.models.config import ModelConfig
+    from mop.models.transformer import build_model
+    from mop.testing import run_distributed
+
+    cfg = ModelConfig(vocab_size=64, hidden=32, layers=3, heads=4, kv_heads=2, head_dim=8, experts=4,
+                      expert_intermediate=16)
+    model = build_model(cfg, seed=4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=EPS, weight_decay=0.1)
+    for step in range(3):
+        ids = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(step))
+        (model.loss_terms(ids[:, :-1], ids[:, 1:]).ce_sum / (4 * 16)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5 if step == 1 else 100.0)  # step 1 clips
+        opt.step()
+        opt.zero_grad()
+    for rank_params in run_distributed(_fsdp_host_steps, 2, 3):
+        for name, param in model.named_parameters():
+            assert_close(rank_params[name], param.detach(), atol=1e-6, rtol=1e-5)
