@@ -16,6 +16,8 @@ One optimizer step:
    step is skipped, state untouched). If clipping applies (max_norm / norm < 1), every shard is
    restored and updated again with its gradient scaled by the clip coefficient: a rollback.
    Otherwise the speculative updates stand. Finally the masters are copied into the working weights.
+   After a step that clipped, the next step does not speculate (clipping tends to persist, and
+   its speculation would only be rolled back): its shards are updated in `finish`.
 
 Invariant: after `finish` the state is exactly what `torch.optim.AdamW` reaches with the clipped
 gradients (or untouched on a skipped step), whatever the order in which shards arrived; the
@@ -70,6 +72,7 @@ class HostAdamW:
     def __init__(self, groups: list[dict], betas=(0.9, 0.999), eps: float = 1e-8, workers: int = 1,
                  speculative: bool = True):
         self.speculative = speculative  # False: update only in finish, once the norm is known (no backups)
+        self.last_clipped = False
         self.beta1, self.beta2 = betas
         self.eps = eps
         self.lr = 0.0
@@ -101,7 +104,9 @@ class HostAdamW:
         """`param`'s gradient is final: copy it to the host and start its speculative update."""
         shard = self.shard_of(param)
         shard.grad = _to_host(_local(grad).detach())
-        if self.speculative:
+        # After a clipped step the next one usually clips too: wait for the norm instead of
+        # speculating work that would be rolled back.
+        if self.speculative and not self.last_clipped:
             shard.pending = self.pool.submit(self._speculate, shard)
 
     def _speculate(self, shard: ShardState) -> None:
@@ -137,6 +142,7 @@ class HostAdamW:
                 shard.working.copy_(shard.master)
             shard.grad, shard.backup, shard.pending = None, None, None
         self.rollbacks += int(rolled_back)
+        self.last_clipped = math.isfinite(grad_norm) and coefficient < 1.0
         return rolled_back
 
     def state_dict(self) -> dict:
