@@ -181,7 +181,7 @@ _WORST_KEYS = ("expert_load_imbalance", "rank_load_imbalance_before", "rank_load
 _SUM_KEYS = ("tokens_moved", "weight_bytes_moved", "llep_active")  # llep_active: layer passes that spilled
 
 
-def all_reduce_sum(values: list[float], runtime: Runtime) -> list[float]:
+def sum_over_ranks(values: list[float], runtime: Runtime) -> list[float]:
     tensor = torch.tensor(values, dtype=torch.float64, device=runtime.device)
     if runtime.layout is not None:
         dist.all_reduce(tensor, group=runtime.layout.world_group)
@@ -219,7 +219,7 @@ def train_step(model: MoETransformer, data, config: Config, runtime: Runtime, st
     """
     batches = local_batches(data, config, runtime, step)
     local_targets = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
-    global_targets = int(all_reduce_sum([local_targets], runtime)[0])
+    global_targets = int(sum_over_ranks([local_targets], runtime)[0])
     ce_total, aux_total = 0.0, 0.0
     for index, batch in enumerate(batches):
         batch = {key: value.to(runtime.device) for key, value in batch.items()}
@@ -233,7 +233,7 @@ def train_step(model: MoETransformer, data, config: Config, runtime: Runtime, st
         aux_total += loss.item() - ce_part
     if feed is not None:
         feed.flush()
-    ce_loss, aux_loss = all_reduce_sum([ce_total, aux_total], runtime)
+    ce_loss, aux_loss = sum_over_ranks([ce_total, aux_total], runtime)
     return {"loss": ce_loss + aux_loss, "ce_loss": ce_loss, "aux_loss": aux_loss, "targets": global_targets}
 
 

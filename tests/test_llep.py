@@ -6,8 +6,6 @@ the single-process layer on the concatenated tokens, and every expert weight's g
 partitions gathered from their FSDP2 shards) against the single-process weight gradient.
 """
 
-import dataclasses
-
 import pytest
 import torch
 from torch.testing import assert_close

@@ -20,12 +20,11 @@ checkpointing at the same D (part 2) in the same run.
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
 import torch
 
-from mop.bench.memory import PeakMemory
+from mop.bench.memory import measure_step, preallocate_grads
 from mop.bench.report import MIB, table, write_json
 from mop.models.config import ModelConfig
 from mop.models.transformer import Block, IGNORE_INDEX, build_model, init_weights
@@ -54,29 +53,13 @@ def model_config(args) -> ModelConfig:
                        kv_heads=args.kv_heads, head_dim=args.head_dim, experts=8, top_k=2, expert_intermediate=args.hidden)
 
 
-def _zero_grads(module: torch.nn.Module) -> None:
-    # Existing gradients are accumulated into in place, so the measurement sees activations only.
-    for param in module.parameters():
-        param.grad = torch.zeros_like(param)
-
-
-def _measure(step, repeats: int, exclude=lambda: 0) -> dict:
-    step()  # warm-up
-    with PeakMemory(torch.device("cpu"), exclude) as memory:
-        step()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        step()
-    return {"peak_bytes": memory.peak_bytes, "seconds": (time.perf_counter() - start) / repeats}
-
-
 def layer_rank(rank, world, cfg: ModelConfig, seq_len: int, chunks: int, repeats: int, piece: str) -> dict:
     block = Block(cfg, layer=0)
     init_weights(block, seed=0, std=cfg.init_std)  # per-name seeds: the same weights on every rank
     if world > 1:
         layout = DistLayout(Layout(world, sequence=world), torch.device("cpu"))
         block.attention.core = UlyssesAttention(layout.sequence_group, cfg.heads, cfg.kv_heads, chunks)
-    _zero_grads(block)
+    preallocate_grads(block)
     tokens = seq_len // world
     positions = torch.arange(rank * tokens, (rank + 1) * tokens).unsqueeze(0)
     if piece == "core":
@@ -92,7 +75,7 @@ def layer_rank(rank, world, cfg: ModelConfig, seq_len: int, chunks: int, repeats
         out = forward()
         (out[0] if piece == "block" else out).sum().backward()
 
-    return _measure(step, repeats)
+    return measure_step(step, repeats)
 
 
 def model_rank(rank, world, cfg: ModelConfig, seq_len: int, checkpointing: bool, offload: bool, repeats: int) -> dict:
@@ -102,7 +85,7 @@ def model_rank(rank, world, cfg: ModelConfig, seq_len: int, checkpointing: bool,
         layout = DistLayout(Layout(world, sequence=world), torch.device("cpu"))
         apply_sequence_parallel(model, layout.sequence_group, 1)
     store = apply_activation_checkpointing(model, offload, pin_memory=False) if checkpointing else None
-    _zero_grads(model)
+    preallocate_grads(model)
     tokens = seq_len // world
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (1, seq_len + 1), generator=g)
@@ -115,7 +98,7 @@ def model_rank(rank, world, cfg: ModelConfig, seq_len: int, checkpointing: bool,
         _, loss = micro_batch_objective(model, batch, targets, 1, layout)
         loss.backward()
 
-    result = _measure(step, repeats, exclude=(lambda: store.live_bytes) if store else (lambda: 0))
+    result = measure_step(step, repeats, exclude=(lambda: store.live_bytes) if store else (lambda: 0))
     result["host_bytes"] = store.peak_bytes if store else 0
     return result
 

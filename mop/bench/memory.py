@@ -14,6 +14,7 @@ activation offload): on CPU they are allocated in the same memory, on CUDA they 
 from __future__ import annotations
 
 import gc
+import time
 import weakref
 from collections.abc import Callable
 
@@ -85,3 +86,21 @@ class PeakMemory:
         else:
             self._mode.__exit__(*exc)
             self.peak_bytes = self._mode.peak
+
+
+def preallocate_grads(module: torch.nn.Module) -> None:
+    """Give every parameter a zero gradient: later gradients accumulate into it in place, so a
+    measurement sees the step's transient memory rather than the first allocation of `.grad`."""
+    for param in module.parameters():
+        param.grad = torch.zeros_like(param)
+
+
+def measure_step(step: Callable[[], None], repeats: int, exclude: Callable[[], int] = lambda: 0) -> dict:
+    """Run `step` once to warm up, once under `PeakMemory` (CPU), then `repeats` times for the mean time."""
+    step()
+    with PeakMemory(torch.device("cpu"), exclude) as memory:
+        step()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        step()
+    return {"peak_bytes": memory.peak_bytes, "seconds": (time.perf_counter() - start) / repeats}

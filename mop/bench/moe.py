@@ -15,12 +15,11 @@ Ratios are against EP in the same scenario of the same run.
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
 import torch
 
-from mop.bench.memory import PeakMemory
+from mop.bench.memory import measure_step, preallocate_grads
 from mop.bench.report import MIB, table, write_json
 from mop.models.config import ModelConfig
 from mop.models.moe import Experts
@@ -67,8 +66,7 @@ def expert_rank(rank, world, cfg: ModelConfig, scenario, options: BalanceOptions
     init_weights(experts, seed=0, std=0.02)
     module = ExpertParallel(experts, layout, options)
     del experts
-    for param in module.parameters():
-        param.grad = torch.zeros_like(param)
+    preallocate_grads(module)
     expert_ids, weights = routing(scenario, tokens, cfg.experts, cfg.top_k, seed=rank)
     x = torch.randn(tokens, cfg.hidden, generator=torch.Generator().manual_seed(100 + rank), requires_grad=True)
     weights.requires_grad_()
@@ -76,16 +74,9 @@ def expert_rank(rank, world, cfg: ModelConfig, scenario, options: BalanceOptions
     def step():
         module(x, expert_ids, weights).sum().backward()
 
-    step()
-    with PeakMemory(torch.device("cpu")) as memory:
-        step()
-    module.records.clear()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        step()
-    seconds = (time.perf_counter() - start) / repeats
+    measured = measure_step(step, repeats)
     record = module.records[-1]
-    return {"seconds": seconds, "peak_bytes": memory.peak_bytes,
+    return {**measured,
             "rank_load_imbalance": record["rank_load_imbalance_after"],
             "rank_load_imbalance_ep": record["rank_load_imbalance_before"],
             "weight_bytes_moved": record["weight_bytes_moved"]}

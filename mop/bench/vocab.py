@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from mop.bench.memory import PeakMemory
+from mop.bench.memory import measure_step
 from mop.bench.report import MIB, table, write_json
 from mop.models.config import ModelConfig
 from mop.models.transformer import IGNORE_INDEX, LMHead
@@ -78,14 +77,9 @@ def loss_rank(rank, world, variant: str, tokens: int, vocab: int, hidden: int, r
         weight.grad = None
         loss_fn(h, labels).backward()
 
-    step()
-    with PeakMemory(torch.device("cpu")) as memory:
-        step()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        step()
+    measured = measure_step(step, repeats)
     weight_bytes = weight.numel() * weight.element_size()
-    return {"seconds": (time.perf_counter() - start) / repeats, "peak_bytes": weight_bytes + memory.peak_bytes,
+    return {"seconds": measured["seconds"], "peak_bytes": weight_bytes + measured["peak_bytes"],
             "weight_bytes": weight_bytes}
 
 

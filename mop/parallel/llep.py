@@ -38,11 +38,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mop.models.moe import Experts, expert_order, swiglu_experts
+from mop.models.moe import Experts, expert_order
 from mop.parallel.comms import all_gather_rows, all_to_all
 from mop.parallel.llep_chunked import ChunkedExperts, chunk_job
 from mop.parallel.llep_plan import Plan, imbalance, plan_ep, plan_llep
-from mop.parallel.llep_routing import (Exchange, Routing, build_routing, finish_gradient_return,
+from mop.parallel.llep_routing import (Exchange, Routing, build_routing, expert_outputs, finish_gradient_return,
                                       start_gradient_return, start_weight_shipping)
 from mop.parallel.mesh import DistLayout
 
@@ -125,7 +125,7 @@ class ExpertParallel(nn.Module):
         assignment = order[torch.tensor(routing.send_rows, dtype=torch.long, device=x.device)]
         received, foreign_gate_up, foreign_down = _Dispatch.apply(
             x[assignment // top_k], (self.w_gate_up, self.w_down), exchange)
-        y = self._compute(received, routing, foreign_gate_up, foreign_down)
+        y = expert_outputs(received, routing, (self.w_gate_up, self.w_down, foreign_gate_up, foreign_down))
         back = all_to_all(y, exchange.send_splits, exchange.recv_splits, self.group)
         y = back * weights.reshape(-1)[assignment].unsqueeze(-1).to(back.dtype)
         return torch.zeros_like(x).index_add_(0, assignment // top_k, y.to(x.dtype))
@@ -135,15 +135,6 @@ class ExpertParallel(nn.Module):
         ship = [(expert - self.rank * self.per_rank, helper) for expert, owner, helper in transfers if owner == self.rank]
         receive = [(expert, owner) for expert, owner, helper in transfers if helper == self.rank]
         return Exchange(routing.send_splits, routing.recv_splits, self.group, self.p2p_group, ship, receive)
-
-    def _compute(self, received, routing: Routing, foreign_gate_up, foreign_down):
-        rows = received[torch.tensor(routing.compute_rows, dtype=torch.long, device=received.device)]
-        native = sum(routing.native_counts)
-        y = swiglu_experts(rows[:native], routing.native_counts, self.w_gate_up, self.w_down)
-        if routing.foreign_experts:
-            y = torch.cat([y, swiglu_experts(rows[native:], routing.foreign_counts, foreign_gate_up, foreign_down)])
-        # Back to arrival order for the combine: arrival position compute_rows[i] holds y[i].
-        return y[torch.argsort(torch.tensor(routing.compute_rows, dtype=torch.long, device=y.device))]
 
     def _record(self, plan: Plan, loads: list[int], x: torch.Tensor) -> None:
         native = plan_ep(loads, self.ranks).rank_loads()

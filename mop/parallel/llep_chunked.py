@@ -27,8 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mop.models.moe import swiglu_experts
-from mop.parallel.llep_routing import (Exchange, Routing, build_routing, finish_gradient_return,
+from mop.parallel.llep_routing import (Exchange, Routing, build_routing, expert_outputs, finish_gradient_return,
                                       start_gradient_return, start_weight_shipping)
 from mop.parallel.llep_plan import Plan, Slice
 
@@ -67,22 +66,6 @@ def chunk_job(plan: Plan, chunks: int, counts: list[list[int]], rank: int, order
     return ChunkJob(assignments, routings, exchange, top_k)
 
 
-def _rows_tensor(rows: list[int], device) -> torch.Tensor:
-    return torch.tensor(rows, dtype=torch.long, device=device)
-
-
-def _experts(received, routing: Routing, weights) -> torch.Tensor:
-    """Expert outputs of the received rows, returned in arrival order."""
-    w_gate_up, w_down, foreign_gate_up, foreign_down = weights
-    compute = _rows_tensor(routing.compute_rows, received.device)
-    rows = received[compute]
-    native = sum(routing.native_counts)
-    y = swiglu_experts(rows[:native], routing.native_counts, w_gate_up, w_down)
-    if routing.foreign_experts:
-        y = torch.cat([y, swiglu_experts(rows[native:], routing.foreign_counts, foreign_gate_up, foreign_down)])
-    return y[torch.argsort(compute)]
-
-
 def _exchange_rows(rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group, async_op=False):
     out = rows.new_empty((sum(out_splits), rows.shape[1]))
     work = dist.all_to_all_single(out, rows.contiguous(), out_splits, in_splits, group=group, async_op=async_op)
@@ -107,7 +90,7 @@ class ChunkedExperts(torch.autograd.Function):
             work.wait()
             if c + 1 < len(job.routings):
                 pending = _dispatch(x, job, c + 1)
-            y = _experts(received, routing, weights)
+            y = expert_outputs(received, routing, weights)
             back, _ = _exchange_rows(y, routing.send_splits, routing.recv_splits, ex.group)
             assignment = job.assignments[c]
             out.index_add_(0, assignment // job.top_k, back * weights_flat[assignment].unsqueeze(-1).to(back.dtype))
@@ -138,7 +121,7 @@ class ChunkedExperts(torch.autograd.Function):
             used = [rows] + (leaves[:2] if sum(routing.native_counts) else []) + (
                 leaves[2:] if routing.foreign_experts else [])
             with torch.enable_grad():
-                y = _experts(rows, routing, leaves)
+                y = expert_outputs(rows, routing, leaves)
                 torch.autograd.backward(y, received[:, hidden:], inputs=used)
             back, _ = _exchange_rows(torch.cat([rows.grad, y.detach()], dim=1), routing.send_splits,
                                      routing.recv_splits, ex.group)

@@ -1,4 +1,5 @@
-"""Routing tables of expert parallelism: which rows go where, and the transfers that move them.
+"""Routing tables of expert parallelism: which rows go where, the transfers that move them, and the
+expert step on the received rows; shared by the plain (`llep`) and chunked (`llep_chunked`) paths.
 
 Tokens of expert e are numbered globally in (source rank, local expert-sorted order). A plan
 slice `[start, stop)` of that numbering (`llep_plan`) names the rank that computes those rows, so
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from mop.models.moe import swiglu_experts
 from mop.parallel.llep_plan import Plan
 
 
@@ -141,3 +143,20 @@ def finish_gradient_return(owned: tuple[torch.Tensor, torch.Tensor], exchange: E
         local = torch.tensor([index for index, _ in exchange.ship], device=returned[0].device)
         for param, grad in zip(owned, returned):
             add_to_grad(param, local, grad)
+
+
+def expert_outputs(received: torch.Tensor, routing: Routing, weights) -> torch.Tensor:
+    """Expert outputs of the received rows, in arrival order (as the combine sends them back).
+
+    `weights`: (owned gate_up, owned down, foreign gate_up, foreign down); the rows are grouped
+    owned experts first, then foreign ones, for one grouped GEMM each.
+    """
+    w_gate_up, w_down, foreign_gate_up, foreign_down = weights
+    compute = torch.tensor(routing.compute_rows, dtype=torch.long, device=received.device)
+    rows = received[compute]
+    native = sum(routing.native_counts)
+    y = swiglu_experts(rows[:native], routing.native_counts, w_gate_up, w_down)
+    if routing.foreign_experts:
+        y = torch.cat([y, swiglu_experts(rows[native:], routing.foreign_counts, foreign_gate_up, foreign_down)])
+    # Arrival position compute_rows[i] holds y[i].
+    return y[torch.argsort(compute)]
