@@ -6,8 +6,8 @@ starts one process per rank as a fork of a fork server that has already imported
 their environment is the fork server's (the parent's at the first call). Each child sets the
 torchrun variables for itself and joins through ``mop.parallel.init_distributed`` (the trainer's
 own path, on CPU so gloo), with one intra-op thread and seed 0 on every rank (tests build full
-tensors from one seed, then shard, as the stack does). It calls ``fn(rank, world_size, *args,
-**kwargs)``, meets the others in a barrier, destroys the group, and writes ``("ok", value)`` or
+tensors from one seed, then shard, as the stack does). It meets the others in a barrier, calls
+``fn(rank, world_size, *args, **kwargs)``, meets the others in a barrier again, destroys the group, and writes ``("ok", value)`` or
 ``("error", traceback)`` to its own result file. The parent waits on the process sentinels until
 every rank has exited, a rank has failed, or ``timeout`` expires.
 
@@ -172,6 +172,9 @@ def _child(rank: int, world_size: int, port: int, payload: bytes, path: str) -> 
         # Unpickled inside the try so an import error in fn's module is reported like any other.
         fn, args, kwargs = pickle.loads(payload)
         init_distributed(torch.device("cpu"))
+        # Every rank is connected to every other before fn runs: a rank that dies early in fn
+        # (the harness's own tests make one) must not break a peer still joining the group.
+        dist.barrier()
         value = fn(rank, world_size, *args, **kwargs)
         # No rank tears its sockets down while a peer still waits on fn's last message.
         dist.barrier()
