@@ -151,7 +151,7 @@ def apply_update(model: torch.nn.Module, optimizer, max_norm: float, runtime: Ru
     return grad_norm, skipped
 
 
-def host_update(model: torch.nn.Module, host: HostAdamW, max_norm: float, runtime: Runtime):
+def host_update(model: torch.nn.Module, host: HostAdamW, feed: GradientFeed, max_norm: float, runtime: Runtime):
     """Validate the host optimizer's speculative updates against the global norm (see HostAdamW)."""
     grad_norm = clip_gradients(model, 0.0, runtime)  # the norm only: the host applies the coefficient
     start = time.perf_counter()
@@ -159,7 +159,8 @@ def host_update(model: torch.nn.Module, host: HostAdamW, max_norm: float, runtim
     exposed = time.perf_counter() - start
     model.zero_grad(set_to_none=True)
     skipped = not math.isfinite(grad_norm)
-    return grad_norm, skipped, {"rollback": redone and not skipped, "optimizer_exposed_s": exposed}
+    return grad_norm, skipped, {"rollback": redone and not skipped, "optimizer_exposed_s": exposed,
+                                "gradients_handed_over_in_backward": feed.early}
 
 
 def expert_metrics(model: torch.nn.Module, runtime: Runtime, expert_ranks: int) -> dict:
@@ -293,7 +294,7 @@ def _train(config: Config, runtime: Runtime) -> list[dict]:
             grad_norm, skipped = apply_update(model, optimizer, config.train.grad_clip, runtime)
             rollback = {}
         else:
-            grad_norm, skipped, rollback = host_update(model, host, config.train.grad_clip, runtime)
+            grad_norm, skipped, rollback = host_update(model, host, feed, config.train.grad_clip, runtime)
 
         elapsed = time.perf_counter() - start
         record = {"step": step, **losses, "lr": lr, "grad_norm": grad_norm, "skipped": skipped,

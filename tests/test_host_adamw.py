@@ -33,11 +33,22 @@ def groups(params):
     return [{"params": [params[0], params[2]], "weight_decay": 0.1}, {"params": [params[1], params[3]], "weight_decay": 0.0}]
 
 
-@pytest.mark.parametrize("arrival, speculative", [("in order", True), ("reversed", True), ("in order", False)])
-def test_matches_torch_adamw_with_clipping_and_a_skipped_step(arrival, speculative):
+def wait_for_speculation(host: HostAdamW) -> None:
+    """Let every speculative piece run before the norm arrives, so the rollback path is certain."""
+    for shard in host.shards:
+        for future in shard.pending:
+            future.result()
+
+
+# "settled": every piece speculated before `finish` (deterministic rollbacks); "racing": `finish`
+# right away, so pieces are speculated, in flight or cancelled depending on timing.
+@pytest.mark.parametrize("arrival, speculative, timing", [("in order", True, "settled"), ("reversed", True, "settled"),
+                                                          ("in order", True, "racing"), ("in order", False, "racing")])
+def test_matches_torch_adamw_with_clipping_and_a_skipped_step(arrival, speculative, timing):
     reference, mine = make_params(), make_params()
     torch_opt = torch.optim.AdamW(groups(reference), lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
-    host = HostAdamW(groups(mine), betas=(0.9, 0.95), eps=1e-8, workers=2, speculative=speculative)
+    # Pieces of 7 elements: several per shard, the last one short.
+    host = HostAdamW(groups(mine), betas=(0.9, 0.95), eps=1e-8, workers=2, speculative=speculative, piece_elements=7)
     redone = []
     for step in range(STEPS):
         lr = 1e-2 * (step + 1) / STEPS
@@ -55,12 +66,19 @@ def test_matches_torch_adamw_with_clipping_and_a_skipped_step(arrival, speculati
         order = range(len(mine)) if arrival == "in order" else reversed(range(len(mine)))
         for index in order:  # as the backward would deliver them, before the norm is known
             host.gradient_ready(mine[index], grads[index])
+        if timing == "settled":
+            wait_for_speculation(host)
         redone.append(host.finish(norm.item(), 1.0))
         for index, (ref, got) in enumerate(zip(reference, mine)):
             assert_close(got.detach(), ref.detach(), atol=1e-6, rtol=1e-6, msg=f"step {step} param {index}")
     # Speculation is rolled back on the clipped steps (1 and 4); a skipped step restores, it is no rollback.
-    assert redone == ([False, True, False, False, True, False] if speculative else [False] * STEPS)
-    assert host.rollbacks == (2 if speculative else 0)
+    if timing == "settled":
+        assert redone == [False, True, False, False, True, False]
+        assert host.rollbacks == 2
+    else:  # a cancelled speculation needs no rollback
+        assert not any(redone[step] for step in (0, 2, 3, 5)) and host.rollbacks == sum(redone)
+        if not speculative:
+            assert host.rollbacks == 0
     for got, ref in zip(mine, reference):
         shard, state = host.shard_of(got), torch_opt.state[ref]
         assert_close(shard.exp_avg, state["exp_avg"], atol=1e-6, rtol=1e-6)
@@ -103,16 +121,26 @@ def _fsdp_host_steps(rank, world, steps):
     host = HostAdamW([{"params": list(model.parameters()), "weight_decay": 0.1}], betas=(0.9, 0.95), eps=EPS)
     feed = GradientFeed(model, host)
     runtime = Runtime(rank, world, torch.device("cpu"), layout)
+    first_block = list(model.layers[0].parameters())
+    pending_at_hand_over = []  # per delivery: how many of block 0's gradients did not exist yet
+    deliver = host.gradient_ready
+
+    def recording_gradient_ready(param, grad):
+        pending_at_hand_over.append(sum(p.grad is None for p in first_block))
+        deliver(param, grad)
+
+    host.gradient_ready = recording_gradient_ready
     for step in range(steps):
         ids = torch.randint(0, 64, (2 * world, 17), generator=torch.Generator().manual_seed(step))
         mine = ids[2 * rank:2 * rank + 2]
         host.begin_step(1e-2)
         feed.arm()
         (model.loss_terms(mine[:, :-1], mine[:, 1:]).ce_sum / (ids.shape[0] * 16)).backward()
+        early = feed.early
         feed.flush()
         host.finish(clip_gradients(model, 0.0, runtime), 0.5 if step == 1 else 100.0)
         model.zero_grad(set_to_none=True)
-    return {name: p.full_tensor() for name, p in model.named_parameters()}
+    return {name: p.full_tensor() for name, p in model.named_parameters()}, early, pending_at_hand_over[0]
 
 
 def test_fsdp2_sharded_parameters_end_where_torch_adamw_takes_them():
@@ -130,6 +158,10 @@ def test_fsdp2_sharded_parameters_end_where_torch_adamw_takes_them():
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5 if step == 1 else 100.0)  # step 1 clips
         opt.step()
         opt.zero_grad()
-    for rank_params in run_distributed(_fsdp_host_steps, 2, 3):
+    for rank_params, early, pending in run_distributed(_fsdp_host_steps, 2, 3):
+        # Every FSDP2-managed gradient was handed over from inside the backward, the first of them
+        # while block 0's gradients were still to be computed.
+        assert early == len(list(model.parameters()))
+        assert pending == len(list(model.layers[0].parameters()))
         for name, param in model.named_parameters():
             assert_close(rank_params[name], param.detach(), atol=1e-6, rtol=1e-5)

@@ -1,18 +1,18 @@
 """Feeding `HostAdamW` while the backward runs: which gradients are final, and when.
 
-A block's gradients are final once the backward has left the block: its FSDP2 post-backward
-(reduce-scatter into the sharded `.grad`, including the expert units nested in it) runs when the
-gradient of the block's input is formed, which is before the backward reaches the block below.
-So a backward pre-hook on block i-1 hands block i's FSDP2-sharded parameters to the optimizer;
-block 0, the embedding, the final norm, the output head, and every parameter FSDP2 does not
-manage (their `.grad` may still be accumulating from several uses) are handed over when
-`loss.backward()` returns.
-Only the last micro-batch of a step is armed: earlier ones only accumulate.
+FSDP2 assigns a sharded parameter's gradient in its post-backward, right after the unit's
+reduce-scatter (with the LLEP helpers' foreign-weight gradients already added into the expert
+partitions), and then calls the parameter's post-accumulate-grad hooks, on the stream that
+produced the gradient. That gradient is final once the last micro-batch's backward has passed the
+unit, so a hook on every FSDP2-managed parameter hands it to the optimizer there, while the
+backward goes on below. On CUDA the hook runs under FSDP2's post-reduce stream, so the optimizer's
+device-to-host copy is queued behind the reduce-scatter without a wait on the compute stream (see
+`HostAdamW.gradient_ready`). Autograd itself never accumulates into FSDP2's sharded parameters
+(the graph uses the unsharded ones), so only FSDP2 fires these hooks.
 
-Early hand-over is CPU-only today: on CUDA, FSDP2 writes the sharded gradients on its
-reduce-scatter stream, and reading them early needs a wait on that stream's event and a copy on a
-side stream, which is not written yet. CUDA runs therefore hand everything over at `flush`, after
-the backward (exact, not overlapped).
+Every parameter FSDP2 does not manage (its `.grad` may still be accumulating from several uses)
+is handed over when `loss.backward()` returns (`flush`). Only the last micro-batch of a step is
+armed: earlier ones only accumulate.
 """
 
 from __future__ import annotations
@@ -30,29 +30,29 @@ class GradientFeed:
         self.optimizer = optimizer
         self.armed = False
         self.delivered: set[int] = set()
+        self.early = 0  # parameters delivered from inside the last backward (a metric)
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.early = all(p.device.type == "cpu" for p in self.params)
-        layers = list(model.layers)
-        for below, block in zip(layers[:-1], layers[1:]):
-            below.register_full_backward_pre_hook(self._hook_for(block))
+        for param in self.params:
+            if isinstance(param, DTensor):  # FSDP2-sharded: final when FSDP2 assigns it
+                param.register_post_accumulate_grad_hook(self._hook)
 
-    def _hook_for(self, block: torch.nn.Module):
-        def hook(module, grad_output):
-            if self.armed and self.early:
-                # Only FSDP2's sharded gradients are assigned whole, in its post-backward.
-                self._deliver(p for p in block.parameters() if isinstance(p, DTensor))
+    def _hook(self, param: torch.Tensor) -> None:
+        if self.armed:
+            self.early += self._deliver([param])
 
-        return hook
-
-    def _deliver(self, params) -> None:
+    def _deliver(self, params) -> int:
+        count = 0
         for param in params:
             if id(param) not in self.delivered and param.grad is not None:
                 self.delivered.add(id(param))
                 self.optimizer.gradient_ready(param, param.grad)
+                count += 1
+        return count
 
     def arm(self) -> None:
         """The next backward is the step's last: deliver gradients as they become final."""
         self.armed = True
+        self.early = 0
 
     def flush(self) -> None:
         """After the last backward: deliver everything not handed over yet, and disarm."""
