@@ -1,4 +1,5 @@
-"""The `mop` command: `mop train [CONFIG.toml] [--section.key=value ...]`, `mop bench NAME [...]`.
+"""The `mop` command: `mop train [CONFIG.toml] [--section.key=value ...]`, `mop bench NAME [...]`,
+`mop convert to-hf|from-hf ...`.
 
 User errors (a bad setting, missing data, an impossible layout, a feature that has not landed)
 print one line naming the setting and the fix, and exit with code 2.
@@ -39,6 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train an MoE language model. With no arguments: the debug model on the shipped corpus, on CPU.",
         epilog=config_reference(), formatter_class=argparse.RawDescriptionHelpFormatter)
     train_parser.add_argument("config", nargs="?", help="TOML config file (e.g. configs/debug.toml); defaults apply without one")
+    from mop import convert
+
+    convert.add_arguments(commands.add_parser("convert", help="convert between mop checkpoints and Hugging Face "
+                                              "model directories", description=convert.__doc__,
+                                              formatter_class=argparse.RawDescriptionHelpFormatter))
     bench_parser = commands.add_parser("bench", help="run a benchmark: prints a table and writes JSON")
     benchmarks = bench_parser.add_subparsers(dest="benchmark", required=True, metavar="NAME")
     for name, module in BENCHMARKS.items():
@@ -64,10 +70,20 @@ def run_bench(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    if args.command == "bench":
+    if args.command in ("bench", "convert"):
         if rest:
             parser.error(f"unrecognised arguments: {' '.join(rest)}")
-        run_bench(args)
+        if args.command == "bench":
+            run_bench(args)
+            return 0
+        from mop import convert
+        from mop.models.hf import HFConversionError
+
+        try:
+            convert.run(args)
+        except (*USER_ERRORS, HFConversionError) as err:
+            print(f"mop: error: {err}", file=sys.stderr)
+            return 2
         return 0
     unknown = [arg for arg in rest if not (arg.startswith("--") and "." in arg.split("=", 1)[0])]
     if unknown:

@@ -43,7 +43,7 @@ class ConfigError(ValueError):
 class ParallelConfig:
     strategy: Literal["reference", "mop", "fsdp2"] = "reference"
     """"reference": one process, no sharding (the ground truth); "mop": the mixture of parallelisms;
-    "fsdp2": the FSDP2 baseline (not implemented yet)."""
+    "fsdp2": the baseline built from torch's own pieces (FSDP2, standard EP, Ulysses, full logits)."""
     nproc: int = 1
     """Local ranks to launch when not started by torchrun (ignored under torchrun)."""
     sequence: int = 1
@@ -71,6 +71,9 @@ class ParallelConfig:
     attention_head_chunks: int = 1
     """With parallel.sequence > 1: exchange and attend the heads of a rank in this many chunks, so that
     only one chunk's head-sharded Q/K/V/output is live at a time (recomputed per chunk in backward)."""
+    fsdp_cpu_offload: bool = False
+    """With parallel.strategy=fsdp2: FSDP2's CPUOffloadPolicy keeps the parameter and gradient shards in host
+    memory and torch.optim.AdamW steps there (mop's own offload is optim.offload)."""
 
 
 @dataclass
@@ -137,6 +140,11 @@ class CheckpointConfig:
     """Keep the newest this many checkpoints."""
     dir: str = ""
     """Checkpoint directory; empty means `<log.run_dir>/checkpoints`."""
+    resume: str = ""
+    """Empty: start fresh. "latest": resume from the newest complete checkpoint in checkpoint.dir
+    (start fresh if there is none). A path: resume from that step_<N> directory, saved by any
+    layout or world size; a checkpoint without optimizer state (`mop convert from-hf`) starts
+    the optimizer fresh."""
 
 
 @dataclass
@@ -304,10 +312,35 @@ def validate(config: Config, world: int | None = None) -> None:
     if config.model.tie_embeddings and p.vocab > 1:
         raise ConfigError("model.tie_embeddings", "tied embeddings need parallel.vocab=1; untie them or set "
                           "--parallel.vocab=1")
+    _check_strategy_settings(config)
     groups = world // p.sequence
     if t.global_batch % (groups * t.micro_batch):
         raise ConfigError("train.global_batch", f"{t.global_batch} must be a multiple of data groups ({groups}) x "
                           f"train.micro_batch ({t.micro_batch}); e.g. {groups * t.micro_batch}")
+
+
+# Settings that switch on one of mop's own techniques, with their off value and why the fsdp2
+# baseline (torch's pieces only) refuses them instead of silently ignoring them.
+_MOP_ONLY = {
+    "parallel.vocab": (1, "the fsdp2 baseline computes the full logits"),
+    "parallel.expert_balance": ("ep", "LLEP is mop's; the fsdp2 baseline runs standard expert parallelism"),
+    "parallel.llep_chunks": (1, "chunked expert parallelism is mop's; the fsdp2 baseline runs standard EP"),
+    "parallel.attention_head_chunks": (1, "head-chunked attention is mop's; the fsdp2 baseline runs plain Ulysses"),
+    "optim.offload": (False, "the host optimizer is mop's (the fsdp2 baseline offloads with "
+                             "--parallel.fsdp_cpu_offload=true)"),
+}
+
+
+def _check_strategy_settings(config: Config) -> None:
+    """Each strategy's own settings only where they apply (see `_MOP_ONLY`)."""
+    if config.parallel.strategy != "fsdp2":
+        if config.parallel.fsdp_cpu_offload:
+            raise ConfigError("parallel.fsdp_cpu_offload", "is the fsdp2 baseline's offload; set "
+                              "--parallel.strategy=fsdp2 (mop offloads with --optim.offload=true)")
+        return
+    for key, (off, reason) in _MOP_ONLY.items():
+        if _lookup(config, key) != off:
+            raise ConfigError(key, f"{reason}; set --{key}={str(off).lower()} or use --parallel.strategy=mop")
 
 
 def _lookup(config: Config, dotted: str):

@@ -25,10 +25,20 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, tensorboard: bool):
+    """metrics.jsonl (one JSON record per step) and TensorBoard scalars in `run_dir`.
+
+    A run resumed at `first_step` keeps the records of the steps before it and drops the later ones
+    (they were run after the checkpoint and are run again).
+    """
+
+    def __init__(self, run_dir: Path, tensorboard: bool, first_step: int = 0):
+        run_dir.mkdir(parents=True, exist_ok=True)
         self.run_dir = run_dir
         self.path = run_dir / "metrics.jsonl"
+        kept = [r for r in read_metrics(self.path) if r["step"] < first_step] if first_step and self.path.exists() else []
         self.file = self.path.open("w")
+        for record in kept:
+            self.file.write(json.dumps(record) + "\n")
         self.writer = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter

@@ -11,7 +11,8 @@ Then: global gradient-norm clipping, a skipped update when the norm is not finit
 linear warm-up and cosine decay, and one metrics record per step (rank 0 writes it).
 
 Strategies: "reference" runs the plain model in one process; "mop" applies `parallelize` (each
-technique on its sub-group of ranks). Distributed runs start under torchrun or from
+technique on its sub-group of ranks); "fsdp2" applies `parallelize_fsdp2` (the baseline from
+torch's own pieces). Distributed runs start under torchrun or from
 `launch`, which starts `parallel.nproc` local ranks through torch's elastic launcher.
 """
 
@@ -33,6 +34,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
+from mop import checkpoint
 from mop.config import Config, ConfigError, validate
 from mop.data import DataError, build_data, group_slice, load_batch, micro_batches, sequence_shard
 from mop.metrics import MetricsLogger, peak_memory_bytes, plot_run
@@ -40,6 +42,7 @@ from mop.models.transformer import IGNORE_INDEX, MoETransformer, build_model
 from mop.parallel.mesh import DistLayout, Layout, LayoutError, TorchrunEnv, device_for, init_distributed, set_rank_threads
 from mop.optim.host_adamw import HostAdamW
 from mop.optim.pipeline import GradientFeed
+from mop.parallel.baseline import parallelize_fsdp2
 from mop.parallel.llep import drain_records
 from mop.parallel.parallelize import apply_memory_options, compute_dtype, parallelize
 from mop.parallel.ulysses import reduce_router_stats
@@ -90,12 +93,29 @@ def setup_runtime(config: Config) -> Runtime:
 
 
 def resolve_run_dir(config: Config) -> Path:
-    """The run directory, refusing to overwrite another run's metrics unless log.overwrite is set."""
+    """The run directory, refusing to overwrite another run's metrics unless log.overwrite is set
+    (or the run resumes from a checkpoint: its metrics continue)."""
     run_dir = Path(config.log.run_dir or Path("runs") / datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S"))
-    if (run_dir / "metrics.jsonl").exists() and not config.log.overwrite:
-        raise ConfigError("log.run_dir", f"{run_dir} already holds a run; choose another directory or pass "
-                          "--log.overwrite=true")
+    if (run_dir / "metrics.jsonl").exists() and not (config.log.overwrite or config.checkpoint.resume):
+        raise ConfigError("log.run_dir", f"{run_dir} already holds a run; choose another directory, pass "
+                          "--log.overwrite=true, or resume it with --checkpoint.resume=latest")
     return run_dir
+
+
+def shared_run_dir(config: Config, runtime: Runtime) -> Path:
+    """Rank 0's run directory, on every rank (checkpoints go under it); its error, on every rank."""
+    if runtime.layout is None:
+        return resolve_run_dir(config)
+    answer = [None]
+    if runtime.is_main:
+        try:
+            answer[0] = str(resolve_run_dir(config))
+        except ConfigError as err:
+            answer[0] = (err.key, str(err).removeprefix(f"{err.key}: "))
+    dist.broadcast_object_list(answer, src=0)
+    if isinstance(answer[0], tuple):
+        raise ConfigError(*answer[0])
+    return Path(answer[0])
 
 
 def lr_factor(step: int, warmup: int, steps: int, min_ratio: float) -> float:
@@ -134,10 +154,13 @@ def clip_gradients(model: torch.nn.Module, max_norm: float, runtime: Runtime) ->
     weights = [1.0 / getattr(p, "replicas", 1) for p in params]
     squared = sum(w * n.float().square() for w, n in zip(weights, torch._foreach_norm(local)))
     if runtime.layout is not None:
+        # Under FSDP2's CPU offload the gradients are host tensors, and NCCL reduces device tensors only.
+        squared = squared.to(runtime.device)
         dist.all_reduce(squared, group=runtime.layout.world_group)
     norm = squared.sqrt()
     if max_norm > 0:
-        torch._foreach_mul_(local, torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(local[0].dtype))
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        torch._foreach_mul_(local, scale.to(local[0].device, local[0].dtype))
     return norm.item()
 
 
@@ -189,10 +212,14 @@ def sum_over_ranks(values: list[float], runtime: Runtime) -> list[float]:
     return tensor.tolist()
 
 
-def local_batches(data, config: Config, runtime: Runtime, step: int) -> list[dict]:
-    """This rank's micro-batches of the step: its data group's sequences, its slice of each."""
+def local_batches(data, config: Config, runtime: Runtime) -> list[dict]:
+    """This rank's micro-batches of the next step: its data group's sequences, its slice of each.
+
+    Every rank advances the data stream by the same global batch, so the stream's position is
+    the checkpointed data position.
+    """
     d = config.parallel.sequence
-    indices = group_slice(data.stream.batch(step, config.train.global_batch), runtime.rank // d, runtime.world // d)
+    indices = group_slice(data.stream.next_batch(config.train.global_batch), runtime.rank // d, runtime.world // d)
     batches = [load_batch(data.dataset, part) for part in micro_batches(indices, config.train.micro_batch)]
     return [sequence_shard(batch, runtime.rank % d, d) for batch in batches]
 
@@ -211,14 +238,14 @@ def micro_batch_objective(model: MoETransformer, batch: dict, global_targets: in
     return terms, model.objective(terms, global_targets, global_batch * copies)
 
 
-def train_step(model: MoETransformer, data, config: Config, runtime: Runtime, step: int, autocast,
+def train_step(model: MoETransformer, data, config: Config, runtime: Runtime, autocast,
                feed: GradientFeed | None = None) -> dict:
     """Forward/backward over this rank's share of the step; returns the globally reduced losses.
 
     With a gradient feed (host optimizer), the last micro-batch's backward hands each gradient to
     the optimizer as soon as it is final.
     """
-    batches = local_batches(data, config, runtime, step)
+    batches = local_batches(data, config, runtime)
     local_targets = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
     global_targets = int(sum_over_ranks([local_targets], runtime)[0])
     ce_total, aux_total = 0.0, 0.0
@@ -249,7 +276,7 @@ def train(config: Config) -> list[dict]:
 
 
 def _train(config: Config, runtime: Runtime) -> list[dict]:
-    run_dir = resolve_run_dir(config) if runtime.is_main else None
+    run_dir = shared_run_dir(config, runtime)
     d = config.data
     data = build_data(d.source, d.tokenizer, d.seq_len, config.train.seed, text_field=d.text_field, bin_dtype=d.bin_dtype)
     if data.tokenizer.vocab_size > config.model.vocab_size:
@@ -259,29 +286,25 @@ def _train(config: Config, runtime: Runtime) -> list[dict]:
     if config.parallel.strategy == "mop":
         model = parallelize(model, runtime.layout, config)
     elif config.parallel.strategy == "fsdp2":
-        raise NotImplementedError("parallel.strategy='fsdp2' (the FSDP2 baseline) lands with issue 7; "
-                                  "use 'reference' or 'mop'")
+        model = parallelize_fsdp2(model, runtime.layout, config)
     else:
         apply_memory_options(model, config, runtime.device)
-    if config.checkpoint.every:
-        raise NotImplementedError("checkpointing lands with issue 7; set --checkpoint.every=0")
     optimizer = build_optimizer(model, config)
     host = feed = None
     if config.optim.offload:
         o = config.optim
         host = HostAdamW(optimizer.param_groups, betas=(o.beta1, o.beta2), eps=o.eps)
         feed = GradientFeed(model, host)
+    views = checkpoint.GlobalViews(model, runtime.layout)
+    first_step = resume(config, run_dir, model, optimizer, host, views, data)
     dtype = compute_dtype(config)
     autocast = torch.autocast(runtime.device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
 
-    logger = None
-    if runtime.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        logger = MetricsLogger(run_dir, config.log.tensorboard)
+    logger = MetricsLogger(run_dir, config.log.tensorboard, first_step) if runtime.is_main else None
     records = []
     tokens_per_step = config.train.global_batch * config.data.seq_len
-    bar = tqdm(range(config.train.steps), disable=not (runtime.is_main and config.log.progress), unit="step",
-               dynamic_ncols=True, file=sys.stdout)
+    bar = tqdm(range(first_step, config.train.steps), disable=not (runtime.is_main and config.log.progress),
+               unit="step", dynamic_ncols=True, file=sys.stdout, initial=first_step, total=config.train.steps)
     for step in bar:
         start = time.perf_counter()
         lr = learning_rate(config, step)
@@ -289,7 +312,7 @@ def _train(config: Config, runtime: Runtime) -> list[dict]:
             group["lr"] = lr
         if host is not None:
             host.begin_step(lr)
-        losses = train_step(model, data, config, runtime, step, autocast, feed)
+        losses = train_step(model, data, config, runtime, autocast, feed)
         if host is None:
             grad_norm, skipped = apply_update(model, optimizer, config.train.grad_clip, runtime)
             rollback = {}
@@ -305,13 +328,31 @@ def _train(config: Config, runtime: Runtime) -> list[dict]:
         bar.set_postfix(loss=f"{losses['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
         if logger is not None:
             logger.log(record)
+        done = step + 1
+        if config.checkpoint.every and (done % config.checkpoint.every == 0 or done == config.train.steps):
+            checkpoint.save(checkpoint.checkpoint_dir(config, run_dir), done, model, optimizer, host, views,
+                            data.stream.state_dict(), config, config.checkpoint.keep)
     if logger is not None:
         logger.close()
         if config.log.plot:
             plot_run(logger.path, run_dir / "loss.png")
-        print(f"mop: {config.train.steps} steps, loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f}; "
-              f"run directory {run_dir}")
+        if records:
+            print(f"mop: steps {first_step}-{config.train.steps - 1}, loss {records[0]['loss']:.4f} -> "
+                  f"{records[-1]['loss']:.4f}; run directory {run_dir}")
     return records
+
+
+def resume(config: Config, run_dir: Path, model, optimizer, host, views, data) -> int:
+    """Load the checkpoint `checkpoint.resume` names, if any; returns the first step to run."""
+    path = checkpoint.resolve_resume(config, run_dir)
+    if path is None:
+        return 0
+    meta = checkpoint.read_meta(path)
+    checkpoint.check_compatible(meta, config, path)
+    checkpoint.load(path, model, optimizer, host, views)
+    if meta["data"] is not None:
+        data.stream.load_state_dict(meta["data"])
+    return meta["step"]
 
 
 def launch(config: Config) -> list[dict]:

@@ -86,19 +86,6 @@ def test_matches_torch_adamw_with_clipping_and_a_skipped_step(arrival, speculati
         assert shard.step.item() == state["step"].item() == STEPS - 1
 
 
-def test_state_dict_round_trip():
-    params = make_params()
-    host = HostAdamW(groups(params))
-    host.begin_step(1e-3)
-    for param, grad in zip(params, gradients(0, params)):
-        host.gradient_ready(param, grad)
-    host.finish(0.5, 1.0)
-    other = HostAdamW(groups(make_params()))
-    other.load_state_dict(host.state_dict())
-    for a, b in zip(host.shards, other.shards):
-        assert torch.equal(a.master, b.master) and torch.equal(a.exp_avg_sq, b.exp_avg_sq) and torch.equal(a.working, b.working)
-
-
 # Adam divides by sqrt(v) + eps: with eps=1e-8 a gradient at rounding level (a barely used expert
 # row) gets a full-size step, so FSDP2's differently ordered reduction would show up as 1e-5 weight
 # differences; at eps=1e-6 such gradients stay small, and the comparison tests the optimizer.

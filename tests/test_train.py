@@ -134,13 +134,6 @@ def test_a_user_error_inside_launched_ranks_exits_2_with_one_line(tmp_path, capf
     assert len(errors) == 1 and "missing.txt" in errors[0]
 
 
-def test_layouts_that_have_not_landed_say_so(tmp_path, capsys):
-    code = main(["train", *TINY, "--checkpoint.every=2", f"--log.run_dir={tmp_path / 'r'}"])
-    assert code == 2
-    assert "checkpoint.every" in capsys.readouterr().err
-
-
-
 def test_bfloat16_autocast_trains_close_to_fp32(tmp_path, reference):
     low = run(tmp_path, "bf16", "--train.dtype=bfloat16")
     assert losses(low)[0] == pytest.approx(losses(reference)[0], abs=0.05)

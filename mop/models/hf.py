@@ -304,7 +304,7 @@ def load_hf(path: str | Path, dtype: torch.dtype = torch.float32) -> MoETransfor
     path = Path(path)
     hf = _read_config(path)
     cfg = config_from_hf(hf)
-    model = _empty_model(cfg, dtype)
+    model = empty_model(cfg, dtype)
     params = dict(model.named_parameters())
     with ExitStack() as stack, torch.no_grad():
         tensors = _open_checkpoint(path, stack)
@@ -322,7 +322,7 @@ def load_hf(path: str | Path, dtype: torch.dtype = torch.float32) -> MoETransfor
     return model
 
 
-def _empty_model(cfg: ModelConfig, dtype: torch.dtype) -> MoETransformer:
+def empty_model(cfg: ModelConfig, dtype: torch.dtype) -> MoETransformer:
     """Parameters allocated once, in `dtype` and uninitialised: the checkpoint fills every element."""
     with torch.device("meta"):
         model = MoETransformer(cfg)

@@ -108,7 +108,7 @@ class HostAdamW:
         self.beta1, self.beta2 = betas
         self.eps = eps
         self.lr = 0.0
-        self.shards: list[ShardState] = []  # in group order: the state_dict order
+        self.shards: list[ShardState] = []  # in group order
         self._by_param: dict[int, ShardState] = {}
         for group in groups:
             for param in group["params"]:
@@ -207,16 +207,13 @@ class HostAdamW:
         if finite:
             shard.step.copy_(shard.next_step)
 
-    def state_dict(self) -> dict:
-        return {"shards": [{"master": s.master, "exp_avg": s.exp_avg, "exp_avg_sq": s.exp_avg_sq, "step": s.step}
-                           for s in self.shards], "rollbacks": self.rollbacks}
+    def state_of(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
+        """`param`'s AdamW state, named as torch.optim.AdamW names it (local shard tensors, loadable in place)."""
+        shard = self.shard_of(param)
+        return {"exp_avg": shard.exp_avg, "exp_avg_sq": shard.exp_avg_sq, "step": shard.step}
 
-    def load_state_dict(self, state: dict) -> None:
-        if len(state["shards"]) != len(self.shards):
-            raise ValueError(f"optimizer state holds {len(state['shards'])} shards, this model has {len(self.shards)}")
-        for shard, saved in zip(self.shards, state["shards"]):
-            for key in ("master", "exp_avg", "exp_avg_sq", "step"):
-                getattr(shard, key).copy_(saved[key])
-            if shard.working is not shard.master:  # synchronous: `saved` may be released right after
-                shard.working.copy_(shard.master)
-        self.rollbacks = state["rollbacks"]
+    def masters_from_working(self) -> None:
+        """After the working weights were loaded (a checkpoint): make the masters equal them."""
+        for shard in self.shards:
+            if shard.working is not shard.master:
+                shard.master.copy_(shard.working)

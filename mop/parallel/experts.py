@@ -6,23 +6,25 @@ the same p (its expert-replica group, strided by Ep) FSDP2-shard that partition 
 dimension: persistent expert memory per rank is E/W experts. Before the expert layer runs, FSDP2
 all-gathers the partition over the replica group; after its backward, it reduce-scatters the
 partition's gradient, which by then holds the helpers' returned contributions (`llep`), summed
-(not averaged: the objective is already globally normalised).
+(not averaged: the objective is already globally normalised). With `offload` the partition's
+shards live in host memory (FSDP2's CPU offload, as in `mop.parallel.fsdp`).
 """
 
 from __future__ import annotations
 
 from torch.distributed.fsdp import fully_shard
 
-from mop.parallel.fsdp import mixed_precision, sum_gradients
+from mop.parallel.fsdp import mixed_precision, offload_policy, sum_gradients
 from mop.parallel.llep import BalanceOptions, ExpertParallel, apply_expert_parallel
 from mop.parallel.mesh import DistLayout
 
 
-def shard_experts(model, layout: DistLayout, options: BalanceOptions, compute_dtype) -> None:
+def shard_experts(model, layout: DistLayout, options: BalanceOptions, compute_dtype, offload: bool = False) -> None:
     """Partition every MoE layer's experts over the expert group and shard each partition."""
     apply_expert_parallel(model, layout, options)
     for module in model.modules():
         if isinstance(module, ExpertParallel):
             fully_shard(module, mesh=layout.expert_replica_mesh, reshard_after_forward=True,
-                        mp_policy=mixed_precision(compute_dtype))
+                        mp_policy=mixed_precision(compute_dtype),
+                        offload_policy=offload_policy(offload, layout.device))
             sum_gradients(module)

@@ -12,12 +12,24 @@ Expert weights under expert parallelism are sharded by `mop.parallel.experts` (i
 on the expert-replica mesh), which `fully_shard` here then leaves alone; the vocabulary shard of
 `mop.parallel.vocab` is passed as ignored. Without vocabulary parallelism the output weight is
 sharded over the world like the dense ones.
+
+Offload (the fsdp2 baseline's `parallel.fsdp_cpu_offload`): FSDP2's `CPUOffloadPolicy` keeps each
+unit's parameter and gradient shards in host memory, copies the shard to the device before the
+all-gather and the reduced gradient shard back after the reduce-scatter; the optimizer then steps
+on the host shards. Pinned memory needs an accelerator, so the shards are pinned on CUDA only.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 
 from mop.models.transformer import MoETransformer
 from mop.parallel.mesh import DistLayout
@@ -28,14 +40,19 @@ def mixed_precision(compute_dtype: torch.dtype) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
 
 
+def offload_policy(offload: bool, device: torch.device) -> OffloadPolicy:
+    """FSDP2's CPU offload when asked for (see the module docstring), else none."""
+    return CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
+
+
 def shard_dense(model: MoETransformer, layout: DistLayout, compute_dtype: torch.dtype = torch.float32,
-                ignored: set[torch.nn.Parameter] = frozenset()) -> None:
+                ignored: set[torch.nn.Parameter] = frozenset(), offload: bool = False) -> None:
     """FSDP2 units for every block and the root; `ignored` parameters (the vocabulary shard) stay as they are."""
-    policy = mixed_precision(compute_dtype)
+    options = {"mesh": layout.world_mesh, "reshard_after_forward": True, "mp_policy": mixed_precision(compute_dtype),
+               "offload_policy": offload_policy(offload, layout.device)}
     for block in model.layers:
-        fully_shard(block, mesh=layout.world_mesh, reshard_after_forward=True, mp_policy=policy)
-    fully_shard(model, mesh=layout.world_mesh, reshard_after_forward=True, mp_policy=policy,
-                ignored_params=set(ignored) or None)
+        fully_shard(block, **options)
+    fully_shard(model, ignored_params=set(ignored) or None, **options)
     # The trainer calls loss_terms, not forward; FSDP2 must gather the root's weights for it too.
     register_fsdp_forward_method(model, "loss_terms")
     for module in model.modules():
