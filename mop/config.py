@@ -41,20 +41,26 @@ class ConfigError(ValueError):
 
 @dataclass
 class ParallelConfig:
-    strategy: Literal["reference", "mop", "fsdp2"] = "reference"
+    strategy: Literal["reference", "mop", "fsdp2"] = "mop"
     """"reference": one process, no sharding (the ground truth); "mop": the mixture of parallelisms;
     "fsdp2": the baseline built from torch's own pieces (FSDP2, standard EP, Ulysses, full logits)."""
-    nproc: int = 1
-    """Local ranks to launch when not started by torchrun (ignored under torchrun)."""
-    sequence: int = 1
-    """D: ranks that share one sequence (Ulysses sequence parallelism); divides the world size."""
-    expert: int = 1
-    """Ep: ranks the experts are partitioned over; divides the world size and model.experts."""
-    vocab: int = 1
-    """P: ranks the output projection's rows are sharded over; divides the world size."""
-    expert_balance: Literal["ep", "llep"] = "ep"
+    nproc: int = 0
+    """Local ranks to launch when not started by torchrun (ignored under torchrun); 0: 1 for the
+    reference strategy, 2 otherwise."""
+    sequence: int = 0
+    """D: ranks that share one sequence (Ulysses sequence parallelism); divides the world size. 0: under
+    "mop" the largest that divides the world size, model.heads and data.seq_len; 1 otherwise."""
+    expert: int = 0
+    """Ep: ranks the experts are partitioned over; divides the world size and model.experts. 0: under
+    "mop" the largest that divides both; 1 otherwise."""
+    vocab: int = 0
+    """P: ranks the output projection's rows are sharded over; divides the world size. 0: under "mop"
+    the world size (1 with tied embeddings); 1 otherwise."""
+    expert_balance: Literal["auto", "ep", "llep"] = "auto"
     """Token placement for expert parallelism (parallel.expert > 1): "ep" computes every expert on its
-    owner; "llep" spills an overloaded owner's tokens (and ships the expert's weights) to the least-loaded ranks."""
+    owner; "llep" spills an overloaded owner's tokens (and ships the expert's weights) to the
+    least-loaded ranks (plain EP while the load is balanced, see llep_gate). "auto": llep under
+    "mop", ep otherwise."""
     llep_gate: float = 1.3
     """LLEP's λ: when max/mean expert load is below it the step uses plain EP (the paper's default 1.3)."""
     llep_alpha: float = 1.0
@@ -128,8 +134,9 @@ class OptimConfig:
     """AdamW epsilon."""
     weight_decay: float = 0.1
     """Decoupled weight decay, applied to matrices only (not to norm weights)."""
-    offload: bool = False
-    """Keep fp32 master weights and moments in host memory and update them during the backward."""
+    offload: Literal["auto", True, False] = "auto"
+    """Keep fp32 master weights and moments in host memory and update them during the backward
+    (mop's host optimizer). "auto": on under "mop", off otherwise."""
 
 
 @dataclass
@@ -244,6 +251,8 @@ def parse_override(arg: str) -> tuple[str, str, str]:
 def _override_value(config: Config, section: str, key: str, text: str) -> Any:
     """Read the text as TOML (numbers, booleans); string-valued keys take it verbatim, quotes optional."""
     kind = typing.get_type_hints(type(getattr(config, section, None))).get(key)
+    if typing.get_origin(kind) is Literal and text in ("true", "false") and True in typing.get_args(kind):
+        return text == "true"
     if kind is str or typing.get_origin(kind) is Literal:
         return text[1:-1] if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"" else text
     try:
@@ -267,13 +276,39 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         section, key, text = parse_override(arg)
         apply(config, {section: {key: _override_value(config, section, key, text)}})
     validate(config)
+    # Returned unresolved: the automatic settings are decided again for the world size the run
+    # actually gets (under torchrun it is only known then).
     return config
 
 
-def validate(config: Config, world: int | None = None) -> None:
-    """Range and cross-field checks; `world` is the real world size once known (else parallel.nproc)."""
+def resolve(config: Config, world: int | None = None) -> Config:
+    """A copy with every automatic setting (0, "auto") decided for the strategy and the world size
+    (`world`: the real one once known; else parallel.nproc). Explicit settings are kept as given."""
+    p, m = config.parallel, config.model
+    mop = p.strategy == "mop"
+    nproc = p.nproc or (1 if p.strategy == "reference" else 2)
+    world = world or nproc
+
+    def largest(fits) -> int:
+        return max(n for n in range(1, world + 1) if world % n == 0 and fits(n)) if mop else 1
+
+    parallel = dataclasses.replace(
+        p, nproc=nproc,
+        sequence=p.sequence or largest(lambda n: m.heads % n == 0 and config.data.seq_len % n == 0
+                                       and (m.heads // n) % max(p.attention_head_chunks, 1) == 0),
+        expert=p.expert or largest(lambda n: m.experts % n == 0),
+        vocab=p.vocab or largest(lambda n: not m.tie_embeddings),
+        expert_balance=p.expert_balance if p.expert_balance != "auto" else ("llep" if mop else "ep"))
+    optim = dataclasses.replace(config.optim, offload=mop if config.optim.offload == "auto" else config.optim.offload)
+    return dataclasses.replace(config, parallel=parallel, optim=optim)
+
+
+def validate(config: Config, world: int | None = None) -> Config:
+    """Range and cross-field checks of the resolved config (see `resolve`), which is returned;
+    `world` is the real world size once known (else parallel.nproc)."""
     for key, message in config.model.validate():
         raise ConfigError(f"model.{key}", message)
+    config = resolve(config, world)  # a negative degree stays, and the Layout names it
     p, t, d = config.parallel, config.train, config.data
     world = world or p.nproc
     _positive(config, ["parallel.nproc", "parallel.attention_head_chunks", "parallel.llep_min_chunk",
@@ -317,6 +352,7 @@ def validate(config: Config, world: int | None = None) -> None:
     if t.global_batch % (groups * t.micro_batch):
         raise ConfigError("train.global_batch", f"{t.global_batch} must be a multiple of data groups ({groups}) x "
                           f"train.micro_batch ({t.micro_batch}); e.g. {groups * t.micro_batch}")
+    return config
 
 
 # Settings that switch on one of mop's own techniques, with their off value and why the fsdp2

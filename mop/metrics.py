@@ -24,6 +24,30 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def state_bytes(model: torch.nn.Module, optimizer, host) -> dict:
+    """This rank's persistent training state by category, in bytes (constant over a run).
+
+    Parameter and gradient shards are the local tensors of the (sharded) parameters; the
+    optimizer state is torch AdamW's moments, or the host optimizer's masters (where they are not
+    the parameters themselves), moments and rollback copies. `optimizer_on_host` says where the
+    last lives: in host memory for the host optimizer (on GPU machines too).
+    """
+    params = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    grad_bytes = sum(p.numel() * 4 for p, full in zip(params, model.parameters()) if full.requires_grad)
+    if host is not None:
+        optimizer_bytes = sum(sum(t.numel() * t.element_size() for t in _host_tensors(shard)) for shard in host.shards)
+    else:
+        optimizer_bytes = sum(p.numel() * 8 for p in params)  # exp_avg and exp_avg_sq in fp32
+    return {"mem_param_shards_bytes": param_bytes, "mem_grad_shards_bytes": grad_bytes,
+            "mem_optimizer_state_bytes": optimizer_bytes, "mem_optimizer_on_host": host is not None}
+
+
+def _host_tensors(shard) -> list[torch.Tensor]:
+    own = [shard.exp_avg, shard.exp_avg_sq, *(shard.spare or ())]
+    return own if shard.master is shard.working else [shard.master, *own]
+
+
 class MetricsLogger:
     """metrics.jsonl (one JSON record per step) and TensorBoard scalars in `run_dir`.
 
@@ -64,7 +88,8 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def plot_run(metrics_path: Path, png_path: Path) -> None:
-    """Loss and tokens/s against step, side by side."""
+    """The end-of-run figure: loss, tokens/s, per-rank memory, and the expert and optimizer
+    metrics when the run has them (LLEP rank imbalance before/after the plan, exposed optimizer time)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -72,11 +97,23 @@ def plot_run(metrics_path: Path, png_path: Path) -> None:
 
     records = read_metrics(metrics_path)
     steps = [r["step"] for r in records]
-    fig, (loss_ax, speed_ax) = plt.subplots(1, 2, figsize=(10, 3.5))
-    loss_ax.plot(steps, [r["loss"] for r in records])
-    loss_ax.set(xlabel="step", ylabel="loss", title="training loss")
-    speed_ax.plot(steps, [r["tokens_per_s"] for r in records])
-    speed_ax.set(xlabel="step", ylabel="tokens/s", title="throughput")
+    panels = [("training loss", "loss", ["loss"]), ("throughput", "tokens/s", ["tokens_per_s"]),
+              ("memory, worst rank", "MiB", ["peak_mem_bytes", "mem_param_shards_bytes", "mem_grad_shards_bytes",
+                                             "mem_optimizer_state_bytes"])]
+    present = set().union(*records)  # a resumed run may have changed layout midway
+    if "rank_load_imbalance_before" in present:
+        panels.append(("expert load, max/mean over ranks", "imbalance",
+                       ["rank_load_imbalance_before", "rank_load_imbalance_after"]))
+    if "optimizer_exposed_s" in present:
+        panels.append(("host optimizer after the backward", "seconds", ["optimizer_exposed_s"]))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.5), squeeze=False)
+    for ax, (title, unit, keys) in zip(axes[0], panels):
+        for key in keys:
+            scale = 2**20 if key.endswith("_bytes") else 1
+            ax.plot(steps, [r.get(key, float("nan")) / scale for r in records], label=key)
+        ax.set(xlabel="step", ylabel=unit, title=title)
+        if len(keys) > 1:
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(png_path, dpi=100)
     plt.close(fig)

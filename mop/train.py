@@ -35,9 +35,9 @@ from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 from mop import checkpoint
-from mop.config import Config, ConfigError, validate
+from mop.config import Config, ConfigError, resolve, validate
 from mop.data import DataError, build_data, group_slice, load_batch, micro_batches, sequence_shard
-from mop.metrics import MetricsLogger, peak_memory_bytes, plot_run
+from mop.metrics import MetricsLogger, peak_memory_bytes, plot_run, state_bytes
 from mop.models.transformer import IGNORE_INDEX, MoETransformer, build_model
 from mop.parallel.mesh import DistLayout, Layout, LayoutError, TorchrunEnv, device_for, init_distributed, set_rank_threads
 from mop.optim.host_adamw import HostAdamW
@@ -77,19 +77,21 @@ def pick_device(config: Config, local_rank: int) -> torch.device:
     return device_for(local_rank)
 
 
-def setup_runtime(config: Config) -> Runtime:
+def setup_runtime(config: Config) -> tuple[Config, Runtime]:
+    """Join the ranks (under torchrun) and build the layout; returns the config resolved for this
+    world size (`mop.config.resolve`) and where this process sits."""
     if not under_torchrun():
-        validate(config, world=1)
-        return Runtime(0, 1, pick_device(config, 0), None)
+        config = validate(config, world=1)
+        return config, Runtime(0, 1, pick_device(config, 0), None)
     env = TorchrunEnv.from_environ()
-    validate(config, world=env.world_size)
+    config = validate(config, world=env.world_size)
     device = pick_device(config, env.local_rank)
     if device.type == "cpu":
         set_rank_threads(env.local_world_size)
     init_distributed(device)
     p = config.parallel
     layout = DistLayout(Layout(env.world_size, p.sequence, p.expert, p.vocab), device)
-    return Runtime(env.rank, env.world_size, device, layout)
+    return config, Runtime(env.rank, env.world_size, device, layout)
 
 
 def resolve_run_dir(config: Config) -> Path:
@@ -205,11 +207,19 @@ _WORST_KEYS = ("expert_load_imbalance", "rank_load_imbalance_before", "rank_load
 _SUM_KEYS = ("tokens_moved", "weight_bytes_moved", "llep_active")  # llep_active: layer passes that spilled
 
 
-def sum_over_ranks(values: list[float], runtime: Runtime) -> list[float]:
+def sum_over_ranks(values: list[float], runtime: Runtime, op=dist.ReduceOp.SUM) -> list[float]:
     tensor = torch.tensor(values, dtype=torch.float64, device=runtime.device)
     if runtime.layout is not None:
-        dist.all_reduce(tensor, group=runtime.layout.world_group)
+        dist.all_reduce(tensor, op=op, group=runtime.layout.world_group)
     return tensor.tolist()
+
+
+def worst_rank_state(model, optimizer, host, runtime: Runtime) -> dict:
+    """`state_bytes` of the rank that holds the most of each category."""
+    state = state_bytes(model, optimizer, host)
+    keys = [k for k, v in state.items() if not isinstance(v, bool)]
+    worst = sum_over_ranks([state[k] for k in keys], runtime, op=dist.ReduceOp.MAX)
+    return {**state, **{k: int(v) for k, v in zip(keys, worst)}}
 
 
 def local_batches(data, config: Config, runtime: Runtime) -> list[dict]:
@@ -267,7 +277,7 @@ def train_step(model: MoETransformer, data, config: Config, runtime: Runtime, au
 
 def train(config: Config) -> list[dict]:
     """Run the configured training in this process (one rank); returns the per-step records."""
-    runtime = setup_runtime(config)
+    config, runtime = setup_runtime(config)
     try:
         return _train(config, runtime)
     finally:
@@ -296,6 +306,7 @@ def _train(config: Config, runtime: Runtime) -> list[dict]:
         host = HostAdamW(optimizer.param_groups, betas=(o.beta1, o.beta2), eps=o.eps)
         feed = GradientFeed(model, host)
     views = checkpoint.GlobalViews(model, runtime.layout)
+    state_memory = worst_rank_state(model, optimizer, host, runtime)
     first_step = resume(config, run_dir, model, optimizer, host, views, data)
     dtype = compute_dtype(config)
     autocast = torch.autocast(runtime.device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
@@ -322,8 +333,9 @@ def _train(config: Config, runtime: Runtime) -> list[dict]:
         elapsed = time.perf_counter() - start
         record = {"step": step, **losses, "lr": lr, "grad_norm": grad_norm, "skipped": skipped,
                   "tokens_per_s": tokens_per_step / elapsed, "step_time_s": elapsed,
-                  "peak_mem_bytes": peak_memory_bytes(runtime.device),
-                  **rollback, **expert_metrics(model, runtime, config.parallel.expert)}
+                  "peak_mem_bytes": int(sum_over_ranks([peak_memory_bytes(runtime.device)], runtime,
+                                                       op=dist.ReduceOp.MAX)[0]),
+                  **state_memory, **rollback, **expert_metrics(model, runtime, config.parallel.expert)}
         records.append(record)
         bar.set_postfix(loss=f"{losses['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
         if logger is not None:
@@ -360,7 +372,7 @@ def launch(config: Config) -> list[dict]:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     launch_config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=config.parallel.nproc, run_id=f"mop-{uuid.uuid4().hex[:8]}",
+        min_nodes=1, max_nodes=1, nproc_per_node=resolve(config).parallel.nproc, run_id=f"mop-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1, start_method="spawn")
     if not config.log.run_dir:
         # Rank 0 writes the run directory; fixing it here keeps it the one the user is told about.

@@ -48,13 +48,14 @@ def test_int_is_accepted_for_a_float():
     (["--trian.steps=3"], "trian", "did you mean 'train'"),
     (["--train.steps=abc"], "train.steps", "expects int"),
     (["--train.steps=2.5"], "train.steps", "expects int"),
-    (["--optim.offload=1"], "optim.offload", "expects bool"),
+    (["--log.tensorboard=1"], "log.tensorboard", "expects bool"),
+    (["--optim.offload=1"], "optim.offload", "must be one of 'auto', True, False"),
     (["--parallel.strategy=ddp"], "parallel.strategy", "must be one of"),
     (["--train.steps=0"], "train.steps", ">= 1"),
     (["--optim.beta2=1.0"], "optim.beta2", "[0, 1)"),
     (["--model.kv_heads=3"], "model.kv_heads", "must divide"),
     (["--model.top_k=9"], "model.top_k", "exceeds"),
-    (["--parallel.nproc=2"], "parallel.strategy", "one process"),
+    (["--parallel.strategy=reference", "--parallel.nproc=2"], "parallel.strategy", "one process"),
     (["--parallel.strategy=mop", "--parallel.nproc=2", "--parallel.sequence=2", "--data.seq_len=255"],
      "data.seq_len", "not divisible"),
     (["--parallel.strategy=mop", "--parallel.nproc=4", "--parallel.expert=4", "--model.experts=6", "--model.top_k=2"],
@@ -77,7 +78,7 @@ def test_bad_settings_name_the_key_and_the_fix(args, key, hint):
     assert hint in str(err.value) and "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("setting", ["--parallel.sequence=3", "--parallel.vocab=0", "--parallel.expert=-2"])
+@pytest.mark.parametrize("setting", ["--parallel.sequence=3", "--parallel.vocab=3", "--parallel.expert=-2"])
 def test_impossible_layouts_name_the_setting_and_the_divisors(setting):
     with pytest.raises(LayoutError) as err:
         load_config(None, ["--parallel.strategy=mop", "--parallel.nproc=4", setting])
@@ -123,3 +124,19 @@ def test_cli_help_lists_every_setting():
     for section, cls in sections().items():
         for f in dataclasses.fields(cls):
             assert f"{section}.{f.name} =" in out
+
+
+def test_automatic_settings_follow_the_strategy_and_the_world_size():
+    mop = validate(load_config())  # the embedded default: the full layout on 2 local ranks
+    p = mop.parallel
+    assert (p.strategy, p.nproc, p.sequence, p.expert, p.vocab, p.expert_balance) == ("mop", 2, 2, 2, 2, "llep")
+    assert mop.optim.offload is True
+    on_eight = validate(load_config(), world=8).parallel  # 4 heads, 8 experts, seq_len 256
+    assert (on_eight.sequence, on_eight.expert, on_eight.vocab) == (4, 8, 8)
+    for strategy, world in (("reference", 1), ("fsdp2", 2)):
+        config = validate(load_config(None, [f"--parallel.strategy={strategy}"]))
+        p = config.parallel
+        assert (p.nproc, p.sequence, p.expert, p.vocab, p.expert_balance) == (world, 1, 1, 1, "ep")
+        assert config.optim.offload is False
+    explicit = validate(load_config(None, ["--parallel.sequence=1", "--optim.offload=false"])).parallel
+    assert (explicit.sequence, explicit.expert) == (1, 2)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from mop.config import Config, load_config
+from mop.config import Config, load_config, validate
 from mop.data import group_slice, sequence_shard
 from mop.models.transformer import IGNORE_INDEX, build_model, document_positions
 from mop.parallel import DistLayout, Layout
@@ -27,8 +27,11 @@ GLOBAL_BATCH = 4
 
 
 def make_config(world, *extra) -> Config:
-    return load_config(None, [*MODEL, "--parallel.strategy=mop", f"--parallel.nproc={world}",
-                              f"--train.global_batch={GLOBAL_BATCH}", "--train.micro_batch=1", *extra])
+    """The dense path alone: the other techniques explicitly off, `extra` switches what is tested on."""
+    return validate(load_config(None, [*MODEL, "--parallel.strategy=mop", f"--parallel.nproc={world}",
+                                       "--parallel.sequence=1", "--parallel.expert=1", "--parallel.vocab=1",
+                                       "--optim.offload=false", f"--train.global_batch={GLOBAL_BATCH}",
+                                       "--train.micro_batch=1", *extra]), world)
 
 
 def global_batch(seq_len):

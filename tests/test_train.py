@@ -12,7 +12,9 @@ import pytest
 from mop.cli import main
 from mop.metrics import read_metrics
 
-TINY = ["--model.hidden=32", "--model.layers=2", "--model.heads=2", "--model.kv_heads=1", "--model.head_dim=16",
+# The reference layout, explicitly: tests that run another strategy override only what they test.
+TINY = ["--parallel.strategy=reference", "--parallel.sequence=1", "--parallel.expert=1", "--parallel.vocab=1",
+        "--parallel.expert_balance=ep", "--optim.offload=false", "--model.hidden=32", "--model.layers=2", "--model.heads=2", "--model.kv_heads=1", "--model.head_dim=16",
         "--model.experts=4", "--model.expert_intermediate=32", "--data.seq_len=32", "--train.global_batch=4",
         "--train.micro_batch=2", "--train.steps=5", "--log.progress=false", "--log.tensorboard=false", "--log.plot=false"]
 REQUIRED = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "peak_mem_bytes"}
