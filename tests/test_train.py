@@ -13,10 +13,12 @@ from mop.cli import main
 from mop.metrics import read_metrics
 
 # The reference layout, explicitly: tests that run another strategy override only what they test.
-TINY = ["--parallel.strategy=reference", "--parallel.sequence=1", "--parallel.expert=1", "--parallel.vocab=1",
-        "--parallel.expert_balance=ep", "--optim.offload=false", "--model.hidden=32", "--model.layers=2", "--model.heads=2", "--model.kv_heads=1", "--model.head_dim=16",
-        "--model.experts=4", "--model.expert_intermediate=32", "--data.seq_len=32", "--train.global_batch=4",
-        "--train.micro_batch=2", "--train.steps=5", "--log.progress=false", "--log.tensorboard=false", "--log.plot=false"]
+REFERENCE_LAYOUT = ["--parallel.strategy=reference", "--parallel.sequence=1", "--parallel.expert=1",
+                    "--parallel.vocab=1", "--parallel.expert_balance=ep", "--optim.offload=false"]
+TINY_RUN = ["--model.hidden=32", "--model.layers=2", "--model.heads=2", "--model.kv_heads=1", "--model.head_dim=16",
+            "--model.experts=4", "--model.expert_intermediate=32", "--data.seq_len=32", "--train.global_batch=4",
+            "--train.micro_batch=2", "--train.steps=5", "--log.progress=false", "--log.tensorboard=false", "--log.plot=false"]
+TINY = [*REFERENCE_LAYOUT, *TINY_RUN]
 REQUIRED = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "peak_mem_bytes"}
 
 
@@ -117,6 +119,17 @@ def test_the_same_command_runs_under_torchrun(tmp_path, reference):
 def test_loss_falls(tmp_path):
     records = run(tmp_path, "long", "--train.steps=30", "--optim.warmup_steps=5")
     assert records[-1]["loss"] < records[0]["loss"] - 1.0
+
+
+@pytest.mark.slow
+def test_the_default_layout_trains_with_every_technique(tmp_path):
+    """No parallel or optimizer settings: the automatic full MoP layout on 2 local ranks."""
+    run_dir = tmp_path / "default"
+    assert main(["train", *TINY_RUN, "--train.steps=30", "--optim.warmup_steps=5", "--parallel.llep_min_chunk=4",
+                 f"--log.run_dir={run_dir}"]) == 0
+    records = read_metrics(run_dir / "metrics.jsonl")
+    assert {"rank_load_imbalance_before", "rollback", "gradients_handed_over_in_backward"} <= records[0].keys()
+    assert records[0]["mem_optimizer_on_host"] and records[-1]["loss"] < records[0]["loss"] - 1.0
 
 
 def test_an_existing_run_is_not_overwritten(tmp_path, capsys):
