@@ -358,6 +358,8 @@ def resume(config: Config, run_dir: Path, model, optimizer, host, views, data) -
     """Load the checkpoint `checkpoint.resume` names, if any; returns the first step to run."""
     path = checkpoint.resolve_resume(config, run_dir)
     if path is None:
+        if config.checkpoint.resume and (not dist.is_initialized() or dist.get_rank() == 0):
+            print(f"mop: no complete checkpoint in {checkpoint.checkpoint_dir(config, run_dir)}; starting at step 0")
         return 0
     meta = checkpoint.read_meta(path)
     checkpoint.check_compatible(meta, config, path)

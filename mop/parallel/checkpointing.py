@@ -12,6 +12,8 @@ back when the backward reaches its block. The device then holds one block's acti
 residual stream being computed. `HostOffload` is torch's `save_on_cpu` plus a count of the bytes
 it holds, which the memory benchmarks and metrics report (on a CPU-only machine host and device
 are the same memory: the option runs and is exact, and the count is how its effect is shown).
+A checkpointed model keeps its store as `model.activation_offload` (None without offload), so
+code that only sees the parallelized model can still read the count.
 
 Applied before FSDP2 (`fully_shard` must wrap the checkpointed module). torch's wrapper strips its
 prefix from `state_dict` keys, but `model.named_parameters()` shows it inside each block;
@@ -76,4 +78,5 @@ def apply_activation_checkpointing(model: MoETransformer, offload: bool, pin_mem
     checkpoint_fn = partial(_offloaded_checkpoint, offload=store) if offload else None
     for index, block in enumerate(model.layers):
         model.layers[index] = checkpoint_wrapper(block, checkpoint_fn=checkpoint_fn)
+    model.activation_offload = store
     return store

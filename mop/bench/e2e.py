@@ -1,0 +1,450 @@
+"""`mop bench e2e`: training throughput and per-rank memory of mop and of the best fsdp2 setup, against context.
+
+The paper's Table 1 on this machine: W = 2 gloo ranks train one small MoE at contexts doubling from
+`--min-context`; at each context every configuration gets a per-rank device memory and, when that
+fits `--budget-gib`, a tokens/s. fsdp2-best is the fastest fsdp2 configuration that fits there.
+
+Training. For each configuration and context, `run_distributed` starts two ranks (one intra-op
+thread each). Each builds its config with `mop.config.load_config`, every parallel degree and
+memory option given explicitly (`base_settings`, then the configuration's own), the model with
+`build_model`, applies `parallelize` (mop) or `parallelize_fsdp2` (fsdp2) and runs optimizer steps:
+forward + backward of each micro-batch through `mop.train.micro_batch_objective`, then
+`mop.train.apply_update` (torch AdamW from `build_optimizer`) or, with `optim.offload`, `HostAdamW`
+fed by `GradientFeed` during the backward and `mop.train.host_update`. fp32, clipping at 1.0.
+
+Data. A step is 2 sequences of S random token ids, the same for every configuration, one document
+each: no document ids, so attention runs causal SDPA and no `[S, S]` mask is built. Without
+sequence parallelism each rank trains one sequence. With it (sequence = 2) each rank holds half of
+both sequences; fsdp2's "cp" runs them as two micro-batches (S/2 tokens per rank per forward: CP
+with both in one micro-batch holds S tokens per rank, like fsdp2 without CP, and only adds the
+all-to-alls, so it is never the best and is not swept), mop as one micro-batch (S tokens per rank).
+
+Configurations.
+- mop: Ulysses (sequence = 2, `--head-chunks`), LLEP (expert = 2, in `--llep-chunks` chunks), the
+  vocabulary-parallel ring loss (vocab = 2, `--token-block` tokens per logit tile), full activation
+  checkpointing with the block inputs offloaded to the host, and the host optimizer. Measured at
+  16K on the default model, per rank: 349 MiB unchunked, 311 MiB with 2 LLEP chunks, 237 MiB with
+  4; 2 head chunks on top save 8 MiB for 15% more time. So the default is 4 LLEP chunks and
+  unchunked attention; one micro-batch of both sequences was ~20% faster than two at 2K.
+- fsdp2: every combination of the options in `FSDP2_OPTIONS` (`--fsdp2-configs=all`, 16 setups):
+  activation checkpointing ("ac"), FSDP2's CPUOffloadPolicy ("offload"), Ulysses context
+  parallelism ("cp") and standard expert parallelism ("ep").
+
+Model and budget (the defaults). A 4-block MoE, hidden 128, 8 experts of width 256 (top 2), GQA
+4/2 heads of 32, vocabulary 16K (vocabulary/hidden 128; Qwen3-30B-A3B's is 74): a size whose 16K
+context steps take about 30 s on two cores (the default run takes about 10 minutes). The budget,
+0.29 GiB per rank, is this model's stand-in for an H200: the paper's runs are limited by
+activations, not by model state, and 0.29 GiB is about 5x plain fsdp2's model state (parameters,
+gradients and AdamW moments: 57 MiB). Every configuration's measured memory at 2K-4K is at least 8%
+away from it, so no OOM decision rests on a rounding margin (memory is deterministic; only the
+times are noisy).
+
+Per-rank device memory. There is no accelerator here, so the device memory a GPU would need is
+computed from the tensors the step really allocates:
+- persistent state, read from the tensors: the rank's parameter shards (0 under CPUOffloadPolicy,
+  which keeps them on the host) and the optimizer state (torch AdamW's moments, 8 bytes per
+  parameter, on the device; 0 for mop's host optimizer and under CPUOffloadPolicy);
+- plus the transient peak of one training step after a warm-up step, from
+  `mop.bench.memory.PeakMemory`: every tensor the step creates, while it lives (activations,
+  gathered weights, communication buffers, and gradients, which live from the backward until the
+  update releases them), less what a GPU machine holds in host memory: the offloaded block inputs
+  (the `HostOffload` store's live bytes) and, under CPUOffloadPolicy, the gradient shards FSDP2
+  moves to the host after each reduce-scatter (`HostGradients`). The update is inside the
+  measured region only when the optimizer steps on the device (torch AdamW without offload).
+On a GPU the transient peak is what `torch.cuda.max_memory_allocated` reports (`PeakMemory`'s CUDA
+path); here the ranks run on the CPU. One device copy is not seen here: under CPUOffloadPolicy a
+GPU first copies a unit's parameter shard to the device for its all-gather (a small undercount
+for fsdp2's offload setups). The worst rank is reported. A configuration is OOM at S when this
+exceeds the budget: it is not timed there and not run at longer contexts (its memory only grows
+with S). The sweep stops after the context where mop is OOM, or at `--max-context`.
+
+Throughput: tokens per second per rank (2 S / W / step time, the paper's tokens/s/GPU), from the
+mean wall time of `--steps` steps after the warm-up and memory steps, slowest rank. Both ranks
+share this machine's two cores, so the numbers compare configurations measured in one run (they
+vary by ~10% between runs); nothing overlaps with compute here as it would on a GPU (the host
+optimizer's thread, the offload copies and the collectives all take the same cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import time
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from mop.bench.memory import PeakMemory
+from mop.bench.report import MIB, table, write_json
+from mop.config import load_config
+from mop.data import group_slice, micro_batches, sequence_shard
+from mop.models.transformer import build_model
+from mop.optim.host_adamw import HostAdamW
+from mop.optim.pipeline import GradientFeed
+from mop.parallel import DistLayout, Layout
+from mop.parallel.baseline import parallelize_fsdp2
+from mop.parallel.parallelize import parallelize
+from mop.testing import run_distributed
+from mop.train import Runtime, apply_update, build_optimizer, host_update, micro_batch_objective
+
+GIB = 2**30
+WORLD = 2
+SEQUENCES = 2  # per optimizer step, for every configuration
+
+# Each fsdp2 option, as the settings it changes from plain fsdp2.
+FSDP2_OPTIONS = {
+    "ac": ["--train.activation_checkpointing=full"],
+    "offload": ["--parallel.fsdp_cpu_offload=true"],
+    "cp": ["--parallel.sequence=2"],
+    "ep": ["--parallel.expert=2"],
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--budget-gib", type=float, default=0.29, help="per-rank device memory budget")
+    parser.add_argument("--min-context", type=int, default=2048, help="first context; doubled up to --max-context")
+    parser.add_argument("--max-context", type=int, default=32768)
+    parser.add_argument("--fsdp2-configs", default="all",
+                        help="comma-separated fsdp2 setups, each 'plain' or '+'-joined options of "
+                             f"{', '.join(FSDP2_OPTIONS)}; 'all': every combination")
+    parser.add_argument("--vocab", type=int, default=16384)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=32)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--intermediate", type=int, default=256, help="expert intermediate width")
+    parser.add_argument("--head-chunks", type=int, default=1, help="mop's attention head chunks")
+    parser.add_argument("--llep-chunks", type=int, default=4, help="mop's expert token chunks")
+    parser.add_argument("--token-block", type=int, default=1024, help="tokens per logit tile of mop's ring loss")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per point, after a warm-up and a memory step")
+    parser.add_argument("--out", type=Path, default=Path("runs/bench/e2e.json"), help="JSON; the PNG goes beside it")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One configuration of the sweep: its name and the settings that make it."""
+
+    name: str
+    settings: tuple[str, ...]
+
+
+def base_settings(args) -> list[str]:
+    """The model and everything a configuration does not change, spelled out: no default decides the layout."""
+    return [f"--model.vocab_size={args.vocab}", f"--model.hidden={args.hidden}", f"--model.layers={args.layers}",
+            f"--model.heads={args.heads}", f"--model.kv_heads={args.kv_heads}", f"--model.head_dim={args.head_dim}",
+            f"--model.experts={args.experts}", "--model.top_k=2", f"--model.expert_intermediate={args.intermediate}",
+            f"--parallel.nproc={WORLD}", "--parallel.sequence=1", "--parallel.expert=1", "--parallel.vocab=1",
+            "--parallel.expert_balance=ep", "--parallel.llep_chunks=1", "--parallel.llep_min_chunk=1024",
+            "--parallel.attention_head_chunks=1", "--parallel.vocab_token_block=0", "--parallel.fsdp_cpu_offload=false",
+            "--train.activation_checkpointing=none", "--train.offload_activations=false", "--optim.offload=false",
+            f"--train.global_batch={SEQUENCES}", "--train.micro_batch=1", "--train.dtype=float32",
+            "--train.grad_clip=1.0", "--train.device=cpu", "--train.seed=0"]
+
+
+def mop_variant(args) -> Variant:
+    return Variant("mop", ("--parallel.strategy=mop", "--parallel.sequence=2", "--parallel.expert=2",
+                           "--parallel.vocab=2", "--parallel.expert_balance=llep",
+                           f"--parallel.llep_chunks={args.llep_chunks}",
+                           f"--parallel.attention_head_chunks={args.head_chunks}",
+                           f"--parallel.vocab_token_block={args.token_block}", f"--train.micro_batch={SEQUENCES}",
+                           "--train.activation_checkpointing=full", "--train.offload_activations=true",
+                           "--optim.offload=true"))
+
+
+def fsdp2_variant(name: str) -> Variant:
+    options = [] if name == "plain" else name.split("+")
+    unknown = [o for o in options if o not in FSDP2_OPTIONS]
+    if unknown:
+        raise ValueError(f"unknown fsdp2 option {unknown[0]!r}; choose from {', '.join(FSDP2_OPTIONS)}")
+    settings = ["--parallel.strategy=fsdp2", *itertools.chain.from_iterable(FSDP2_OPTIONS[o] for o in options)]
+    return Variant(f"fsdp2 {name}", tuple(settings))
+
+
+def fsdp2_names(spec: str) -> list[str]:
+    if spec != "all":
+        return spec.split(",")
+    combos = (itertools.combinations(FSDP2_OPTIONS, size) for size in range(1, len(FSDP2_OPTIONS) + 1))
+    return ["plain", *("+".join(c) for c in itertools.chain.from_iterable(combos))]
+
+
+def rank_batches(config, rank: int) -> list[dict]:
+    """This rank's micro-batches of the step: its data group's sequences, its slice of each."""
+    t, seq_len, d = config.train, config.data.seq_len, config.parallel.sequence
+    ids = torch.randint(0, config.model.vocab_size, (t.global_batch, seq_len + 1),
+                        generator=torch.Generator().manual_seed(t.seed))
+    rows = group_slice(list(range(t.global_batch)), rank // d, WORLD // d)
+    batches = []
+    for part in micro_batches(rows, t.micro_batch):
+        full = {"input_ids": ids[part, :-1], "labels": ids[part, 1:],
+                "position_ids": torch.arange(seq_len).expand(len(part), seq_len)}
+        batches.append({**sequence_shard(full, rank % d, d), "document_ids": None})
+    return batches
+
+
+class HostGradients:
+    """Bytes of the gradient shards FSDP2's CPUOffloadPolicy has moved to the host, counted per storage.
+
+    FSDP2 assigns a shard's gradient after its unit's reduce-scatter, then calls the parameter's
+    post-accumulate-grad hooks. On a CPU-only machine the "host copy" is the reduce-scatter
+    output itself, which the memory tracker would otherwise count as device memory.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.live_bytes = 0
+        self._seen: weakref.WeakSet = weakref.WeakSet()
+        for param in model.parameters():
+            if isinstance(param, DTensor):
+                param.register_post_accumulate_grad_hook(self._hook)
+
+    def _hook(self, param: torch.Tensor) -> None:
+        storage = param.grad.to_local().untyped_storage()
+        if storage not in self._seen:
+            self._seen.add(storage)
+            self.live_bytes += storage.nbytes()
+            weakref.finalize(storage, self._release, storage.nbytes())
+
+    def _release(self, nbytes: int) -> None:
+        self.live_bytes -= nbytes
+
+
+def _local_bytes(tensors) -> int:
+    return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors)
+
+
+def _host_optimizer_bytes(host: HostAdamW) -> int:
+    """HostAdamW's host tensors: moments, rollback copies, and the master where it is not the working weight."""
+    total = 0
+    for shard in host.shards:
+        tensors = [shard.exp_avg, shard.exp_avg_sq, *(shard.spare or ())]
+        if shard.master is not shard.working:
+            tensors.append(shard.master)
+        total += sum(t.nbytes for t in tensors)
+    return total
+
+
+class Trainer:
+    """One rank's model, optimizer and batches; `backward()` then `update()` is one optimizer step."""
+
+    def __init__(self, config, rank: int):
+        self.config = config
+        p = config.parallel
+        layout = DistLayout(Layout(WORLD, p.sequence, p.expert, p.vocab), torch.device("cpu"))
+        self.runtime = Runtime(rank, WORLD, layout.device, layout)
+        model = build_model(config.model, config.train.seed)
+        self.model = (parallelize if p.strategy == "mop" else parallelize_fsdp2)(model, layout, config)
+        self.offload_store = getattr(self.model, "activation_offload", None)
+        self.host_gradients = HostGradients(self.model) if p.fsdp_cpu_offload else None
+        self.optimizer = build_optimizer(self.model, config)
+        self.host = self.feed = None
+        if config.optim.offload:
+            o = config.optim
+            self.host = HostAdamW(self.optimizer.param_groups, betas=(o.beta1, o.beta2), eps=o.eps)
+            self.feed = GradientFeed(self.model, self.host)
+        self.optimizer_on_device = not (config.optim.offload or p.fsdp_cpu_offload)
+        self.batches = rank_batches(config, rank)
+        self.targets = config.train.global_batch * config.data.seq_len  # random ids: every label is a target
+
+    def backward(self) -> None:
+        if self.host is not None:
+            self.host.begin_step(self.config.optim.lr)
+        for index, batch in enumerate(self.batches):
+            _, loss = micro_batch_objective(self.model, batch, self.targets, self.config.train.global_batch,
+                                            self.runtime.layout)
+            if self.feed is not None and index == len(self.batches) - 1:
+                self.feed.arm()
+            loss.backward()
+        if self.feed is not None:
+            self.feed.flush()
+
+    def update(self) -> None:
+        clip = self.config.train.grad_clip
+        if self.host is None:
+            apply_update(self.model, self.optimizer, clip, self.runtime)
+        else:
+            host_update(self.model, self.host, self.feed, clip, self.runtime)
+
+    def step(self) -> None:
+        self.backward()
+        self.update()
+
+    def host_bytes_now(self) -> int:
+        """What the step holds in host memory right now: offloaded block inputs and offloaded gradients."""
+        return ((self.offload_store.live_bytes if self.offload_store else 0)
+                + (self.host_gradients.live_bytes if self.host_gradients else 0))
+
+    def persistent_state(self) -> dict:
+        """Bytes of the state that outlives a step, by category, on the device and on the host."""
+        params = _local_bytes(self.model.parameters())
+        torch_state = _local_bytes(t for s in self.optimizer.state.values() for t in s.values()
+                                   if isinstance(t, torch.Tensor))
+        host_state = _host_optimizer_bytes(self.host) if self.host else 0
+        on_host = self.config.parallel.fsdp_cpu_offload
+        return {"parameters": 0 if on_host else params, "optimizer_state": 0 if on_host else torch_state,
+                "host_parameters": params if on_host else 0,
+                "host_optimizer_state": host_state + (torch_state if on_host else 0)}
+
+    def step_peak(self) -> tuple[int, int]:
+        """One step: (its transient device peak, the device bytes of the gradients its backward left)."""
+        with PeakMemory(torch.device("cpu"), exclude=self.host_bytes_now) as memory:
+            self.backward()
+            gradients = 0 if self.host_gradients else _local_bytes(
+                p.grad for p in self.model.parameters() if p.grad is not None)
+            if self.optimizer_on_device:
+                self.update()
+        if not self.optimizer_on_device:
+            self.update()
+        return memory.peak_bytes, gradients
+
+
+def measure_rank(rank: int, world: int, settings: list[str], budget_bytes: int, steps: int) -> dict:
+    """A warm-up step, a memory step, then `steps` timed steps if the worst rank fits the budget."""
+    trainer = Trainer(load_config(None, settings), rank)
+    trainer.step()
+    state = trainer.persistent_state()
+    peak, gradients = trainer.step_peak()
+    device = state["parameters"] + state["optimizer_state"] + peak
+    worst = torch.tensor(device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    store = trainer.offload_store
+    result = {**state, "step_peak": peak, "gradients": gradients, "device": device,
+              "host_activations": store.peak_bytes if store else 0, "fits": worst.item() <= budget_bytes,
+              "seconds": None}
+    if result["fits"]:
+        start = time.perf_counter()
+        for _ in range(steps):
+            trainer.step()
+        result["seconds"] = (time.perf_counter() - start) / steps
+    return result
+
+
+def measure(args, variant: Variant, context: int) -> dict:
+    """One configuration at one context: the worst rank's memory, the slowest rank's time."""
+    settings = [*base_settings(args), f"--data.seq_len={context}", *variant.settings]
+    per_rank = run_distributed(measure_rank, WORLD, settings, int(args.budget_gib * GIB), args.steps, timeout=3600)
+    worst = max(per_rank, key=lambda r: r["device"])
+    seconds = max(r["seconds"] for r in per_rank) if worst["fits"] else None
+    return {"config": variant.name, "context": context, **worst, "seconds": seconds,
+            "tokens_per_s_per_rank": SEQUENCES * context / WORLD / seconds if seconds else None}
+
+
+def contexts(args) -> list[int]:
+    return [args.min_context * 2**i for i in range((args.max_context // args.min_context).bit_length())]
+
+
+def sweep(args, variants: list[Variant]) -> list[dict]:
+    """Every configuration at doubling contexts until it is OOM; stops after the context where mop is."""
+    rows, running = [], {v.name for v in variants}
+    for context in contexts(args):
+        for variant in (v for v in variants if v.name in running):
+            row = measure(args, variant, context)
+            rows.append(row)
+            speed = f"{row['tokens_per_s_per_rank']:8.1f} tok/s/rank" if row["fits"] else "OOM"
+            print(f"  S={context:<6} {variant.name:<28} {row['device'] / MIB:8.1f} MiB  {speed}", flush=True)
+            if not row["fits"]:
+                running.discard(variant.name)
+        if "mop" not in running:
+            break
+    return rows
+
+
+def summary(rows: list[dict]) -> list[dict]:
+    """Table 1's rows: per context, mop against the fastest fsdp2 configuration that fits."""
+    out = []
+    for context in dict.fromkeys(r["context"] for r in rows):
+        fitting = [r for r in rows if r["context"] == context and r["fits"]]
+        mop = next((r["tokens_per_s_per_rank"] for r in fitting if r["config"] == "mop"), None)
+        best = max((r for r in fitting if r["config"] != "mop"), key=lambda r: r["tokens_per_s_per_rank"], default=None)
+        fsdp2 = best["tokens_per_s_per_rank"] if best else None
+        out.append({"context": context, "mop_tokens_per_s": mop, "fsdp2_best": best["config"] if best else None,
+                    "fsdp2_best_tokens_per_s": fsdp2, "speedup": mop / fsdp2 if mop and fsdp2 else None})
+    return out
+
+
+def targets(args, table1: list[dict]) -> dict:
+    """Issue 7's targets: mop trains at 8x fsdp2-best's longest context; where both fit, mop is as fast."""
+    fsdp2_longest = max((r["context"] for r in table1 if r["fsdp2_best"]), default=None)
+    mop_longest = max((r["context"] for r in table1 if r["mop_tokens_per_s"]), default=None)
+    ratio = mop_longest / fsdp2_longest if mop_longest and fsdp2_longest else None
+    common = [r for r in table1 if r["speedup"] is not None]
+    speedup = common[-1]["speedup"] if common else None
+    return {"fsdp2_best_longest_context": fsdp2_longest, "mop_longest_context": mop_longest,
+            "mop_stopped_by_max_context": mop_longest == contexts(args)[-1], "context_ratio": ratio,
+            "context_target_met": ratio is not None and ratio >= 8,
+            "longest_common_context": common[-1]["context"] if common else None,
+            "speedup_at_longest_common_context": speedup, "speedup_target_met": speedup is not None and speedup >= 1}
+
+
+def run(args) -> dict:
+    variants = [mop_variant(args), *(fsdp2_variant(name) for name in fsdp2_names(args.fsdp2_configs))]
+    rows = sweep(args, variants)
+    table1 = summary(rows)
+    return {"configs": {v.name: list(v.settings) for v in variants}, "points": rows, "table1": table1,
+            "targets": targets(args, table1)}
+
+
+def plot(path: Path, rows: list[dict], budget_gib: float) -> Path:
+    """Per-rank device memory (with the budget) and tokens/s per rank against context, one line per configuration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (memory, speed) = plt.subplots(1, 2, figsize=(14, 5.5))
+    colors = plt.get_cmap("tab20").colors
+    for index, name in enumerate(dict.fromkeys(r["config"] for r in rows)):
+        mine = [r for r in rows if r["config"] == name]
+        style = {"linewidth": 3, "color": "black", "zorder": 3} if name == "mop" else {
+            "linewidth": 1, "color": colors[index % len(colors)]}
+        memory.plot([r["context"] for r in mine], [r["device"] / MIB for r in mine], marker="o", label=name, **style)
+        timed = [r for r in mine if r["fits"]]
+        speed.plot([r["context"] for r in timed], [r["tokens_per_s_per_rank"] for r in timed], marker="o", **style)
+    memory.axhline(budget_gib * GIB / MIB, color="red", linestyle="--", label="budget")
+    measured = sorted({r["context"] for r in rows})
+    labels = ((memory, "per-rank device memory (MiB)"), (speed, "tokens/s per rank (configurations that fit)"))
+    for axis, label in labels:
+        axis.set_xscale("log", base=2)
+        axis.set_xticks(measured, [f"{c // 1024}K" if c >= 1024 else str(c) for c in measured])
+        axis.set_xlabel("context (tokens)")
+        axis.set_ylabel(label)
+        axis.grid(True, alpha=0.3)
+    memory.set_yscale("log")
+    speed.set_ylim(bottom=0)
+    fig.legend(loc="center right", fontsize=7)
+    fig.tight_layout(rect=(0, 0, 0.84, 1))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _cell(value):
+    return "-" if value is None else value
+
+
+def report(args, results: dict) -> None:
+    print(table(f"tokens/s per rank, W={WORLD}, budget {args.budget_gib:g} GiB per rank (the paper's Table 1)",
+                ["context", "mop", "fsdp2-best", "fsdp2-best config", "speedup"],
+                [[r["context"], r["mop_tokens_per_s"] or "OOM", r["fsdp2_best_tokens_per_s"] or "OOM",
+                  _cell(r["fsdp2_best"]), _cell(r["speedup"])] for r in results["table1"]]))
+    print()
+    print(table("every configuration: per-rank device MiB (step peak includes the gradients)",
+                ["context", "config", "params", "optimizer", "step peak", "of it grads", "device", "tok/s/rank",
+                 "fits"],
+                [[r["context"], r["config"], r["parameters"] / MIB, r["optimizer_state"] / MIB, r["step_peak"] / MIB,
+                  r["gradients"] / MIB, r["device"] / MIB, _cell(r["tokens_per_s_per_rank"]),
+                  "yes" if r["fits"] else "OOM"] for r in results["points"]]))
+    t = results["targets"]
+    mop_longest = f"{t['mop_longest_context']}{' (--max-context)' if t['mop_stopped_by_max_context'] else ''}"
+    print(f"\nlongest context that fits: fsdp2-best {t['fsdp2_best_longest_context']}, mop {mop_longest}: "
+          f"{_cell(t['context_ratio'])}x (target 8x: {'met' if t['context_target_met'] else 'NOT met'})")
+    print(f"mop / fsdp2-best tokens/s at the longest context both fit ({t['longest_common_context']}): "
+          f"{_cell(t['speedup_at_longest_common_context'])} "
+          f"(target 1: {'met' if t['speedup_target_met'] else 'NOT met'})")
+    path = write_json(args.out, "e2e", {k: str(v) for k, v in vars(args).items() if k != "func"}, results)
+    print(f"\nresults written to {path} and {plot(args.out.with_suffix('.png'), results['points'], args.budget_gib)}")

@@ -1,0 +1,45 @@
+"""`mop bench e2e` at a tiny size: what it writes, how it marks a configuration OOM, where it stops it.
+
+The tiny model has a large vocabulary for its width, so plain fsdp2's full logits dominate its
+memory, as they do at the benchmark's size; the budget is set between plain fsdp2's memory at the
+first two contexts, measured first.
+"""
+
+import argparse
+import json
+
+from mop.bench import e2e
+
+TINY = ["--vocab=2048", "--hidden=16", "--layers=2", "--heads=2", "--kv-heads=1", "--head-dim=8", "--experts=4",
+        "--intermediate=16", "--head-chunks=1", "--llep-chunks=1", "--token-block=16", "--min-context=64",
+        "--max-context=256", "--fsdp2-configs=plain", "--steps=1"]
+
+
+def arguments(tmp_path, budget_gib: float) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    e2e.add_arguments(parser)
+    return parser.parse_args([*TINY, f"--budget-gib={budget_gib}", f"--out={tmp_path / 'e2e.json'}"])
+
+
+def test_sweep_marks_oom_stops_the_configuration_and_writes_json_and_png(tmp_path):
+    probe = arguments(tmp_path, budget_gib=1.0)
+    plain = [e2e.measure(probe, e2e.fsdp2_variant("plain"), context)["device"] for context in (64, 128)]
+    assert plain[1] > plain[0]  # full logits: memory grows with the context
+    args = arguments(tmp_path, budget_gib=(plain[0] + plain[1]) / 2 / e2e.GIB)
+
+    results = e2e.run(args)
+    e2e.report(args, results)
+
+    rows = {(r["config"], r["context"]): r for r in results["points"]}
+    assert rows["fsdp2 plain", 64]["fits"] and not rows["fsdp2 plain", 128]["fits"]
+    assert rows["fsdp2 plain", 128]["tokens_per_s_per_rank"] is None  # over budget: not timed
+    assert ("fsdp2 plain", 256) not in rows  # OOM once: not run at longer contexts
+    mop = [rows["mop", context] for context in (64, 128, 256)]
+    assert all(r["fits"] and r["tokens_per_s_per_rank"] > 0 for r in mop)
+    assert mop[2]["device"] > mop[0]["device"]
+    assert [r["fsdp2_best"] for r in results["table1"]] == ["fsdp2 plain", None, None]
+    assert results["targets"]["context_ratio"] == 4
+
+    written = json.loads(args.out.read_text())
+    assert written["bench"] == "e2e" and written["points"] == results["points"]
+    assert args.out.with_suffix(".png").stat().st_size > 0
