@@ -6,6 +6,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from mop.models.config import ModelConfig
+from mop.models.transformer import build_model
 from mop.optim.host_adamw import HostAdamW
 
 STEPS = 6
@@ -86,26 +88,35 @@ def test_matches_torch_adamw_with_clipping_and_a_skipped_step(arrival, speculati
         assert shard.step.item() == state["step"].item() == STEPS - 1
 
 
-# Adam divides by sqrt(v) + eps: with eps=1e-8 a gradient at rounding level (a barely used expert
-# row) gets a full-size step, so FSDP2's differently ordered reduction would show up as 1e-5 weight
-# differences; at eps=1e-6 such gradients stay small, and the comparison tests the optimizer.
-EPS = 1e-6
+SMALL = ModelConfig(vocab_size=64, hidden=32, layers=3, heads=4, kv_heads=2, head_dim=8, experts=4,
+                    expert_intermediate=16)
+CLIPPED_STEP = 1
+
+
+def groups_by_dim(model):
+    """The trainer's groups: weight decay on matrices, none on norms."""
+    params = list(model.parameters())
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
 
 
 def _fsdp_host_steps(rank, world, steps):
-    from mop.models.config import ModelConfig
-    from mop.models.transformer import build_model
+    """HostAdamW on FSDP2 shards, and torch.optim.AdamW on full copies fed the same (gathered) gradients.
+
+    Feeding the reference FSDP2's own gradients keeps the reduction order out of the comparison:
+    Adam turns a rounding-level gradient difference in a barely used row into a full-size step, so
+    only identical gradients can show that the optimizer itself is exact.
+    """
     from mop.optim.pipeline import GradientFeed
     from mop.parallel import DistLayout, Layout
     from mop.parallel.fsdp import shard_dense
     from mop.train import Runtime, clip_gradients
 
-    cfg = ModelConfig(vocab_size=64, hidden=32, layers=3, heads=4, kv_heads=2, head_dim=8, experts=4,
-                      expert_intermediate=16)
     layout = DistLayout(Layout(world), torch.device("cpu"))
-    model = build_model(cfg, seed=4)
+    model, reference = build_model(SMALL, seed=4), build_model(SMALL, seed=4)
     shard_dense(model, layout)
-    host = HostAdamW([{"params": list(model.parameters()), "weight_decay": 0.1}], betas=(0.9, 0.95), eps=EPS)
+    host = HostAdamW(groups_by_dim(model), betas=(0.9, 0.95))
+    torch_opt = torch.optim.AdamW(groups_by_dim(reference), lr=1e-2, betas=(0.9, 0.95))
     feed = GradientFeed(model, host)
     runtime = Runtime(rank, world, torch.device("cpu"), layout)
     first_block = list(model.layers[0].parameters())
@@ -117,38 +128,40 @@ def _fsdp_host_steps(rank, world, steps):
         deliver(param, grad)
 
     host.gradient_ready = recording_gradient_ready
+    early, clipped, mismatches = [], [], []
     for step in range(steps):
-        ids = torch.randint(0, 64, (2 * world, 17), generator=torch.Generator().manual_seed(step))
+        ids = torch.randint(0, SMALL.vocab_size, (2 * world, 17), generator=torch.Generator().manual_seed(step))
         mine = ids[2 * rank:2 * rank + 2]
         host.begin_step(1e-2)
         feed.arm()
         (model.loss_terms(mine[:, :-1], mine[:, 1:]).ce_sum / (ids.shape[0] * 16)).backward()
-        early = feed.early
+        early.append(feed.early)
         feed.flush()
-        host.finish(clip_gradients(model, 0.0, runtime), 0.5 if step == 1 else 100.0)
+        for param, ref in zip(model.parameters(), reference.parameters()):
+            ref.grad = param.grad.full_tensor()
+        max_norm = 0.05 if step == CLIPPED_STEP else 100.0
+        host.finish(clip_gradients(model, 0.0, runtime), max_norm)
+        clipped.append(host.last_clipped)
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm)
+        torch_opt.step()
+        torch_opt.zero_grad()
         model.zero_grad(set_to_none=True)
-    return {name: p.full_tensor() for name, p in model.named_parameters()}, early, pending_at_hand_over[0]
+        for (name, param), ref in zip(model.named_parameters(), reference.parameters()):
+            try:
+                assert_close(param.full_tensor(), ref.detach(), atol=1e-6, rtol=1e-6)
+            except AssertionError as err:
+                mismatches.append(f"step {step} {name}: {err}")
+    return early, clipped, pending_at_hand_over[0], mismatches
 
 
 def test_fsdp2_sharded_parameters_end_where_torch_adamw_takes_them():
-    from mop.models.config import ModelConfig
-    from mop.models.transformer import build_model
     from mop.testing import run_distributed
 
-    cfg = ModelConfig(vocab_size=64, hidden=32, layers=3, heads=4, kv_heads=2, head_dim=8, experts=4,
-                      expert_intermediate=16)
-    model = build_model(cfg, seed=4)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=EPS, weight_decay=0.1)
-    for step in range(3):
-        ids = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(step))
-        (model.loss_terms(ids[:, :-1], ids[:, 1:]).ce_sum / (4 * 16)).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5 if step == 1 else 100.0)  # step 1 clips
-        opt.step()
-        opt.zero_grad()
-    for rank_params, early, pending in run_distributed(_fsdp_host_steps, 2, 3):
+    count = len(list(build_model(SMALL, seed=4).parameters()))
+    for early, clipped, pending, mismatches in run_distributed(_fsdp_host_steps, 2, 3):
+        assert mismatches == []
+        assert clipped == [step == CLIPPED_STEP for step in range(3)]
         # Every FSDP2-managed gradient was handed over from inside the backward, the first of them
         # while block 0's gradients were still to be computed.
-        assert early == len(list(model.parameters()))
-        assert pending == len(list(model.layers[0].parameters()))
-        for name, param in model.named_parameters():
-            assert_close(rank_params[name], param.detach(), atol=1e-6, rtol=1e-5)
+        assert early == [count] * 3
+        assert pending == len(list(build_model(SMALL, seed=4).layers[0].parameters()))
