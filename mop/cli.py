@@ -74,7 +74,11 @@ def main(argv: list[str] | None = None) -> int:
         if rest:
             parser.error(f"unrecognised arguments: {' '.join(rest)}")
         if args.command == "bench":
-            run_bench(args)
+            try:
+                run_bench(args)
+            except USER_ERRORS as err:
+                print(f"mop: error: {err}", file=sys.stderr)
+                return 2
             return 0
         from mop import convert
         from mop.models.hf import HFConversionError

@@ -9,10 +9,12 @@ import argparse
 import json
 
 from mop.bench import e2e
+from mop.cli import main
 
 TINY = ["--vocab=2048", "--hidden=16", "--layers=2", "--heads=2", "--kv-heads=1", "--head-dim=8", "--experts=4",
-        "--intermediate=16", "--head-chunks=1", "--llep-chunks=1", "--token-block=16", "--min-context=64",
-        "--max-context=256", "--fsdp2-configs=plain", "--steps=1"]
+        "--intermediate=16", "--head-chunks=1", "--llep-chunks=2", "--token-block=16", "--min-context=64",
+        "--max-context=256", "--mop-configs=plain,ac+offload+chunked", "--fsdp2-configs=plain",
+        "--steps=1"]
 
 
 def arguments(tmp_path, budget_gib: float) -> argparse.Namespace:
@@ -34,12 +36,23 @@ def test_sweep_marks_oom_stops_the_configuration_and_writes_json_and_png(tmp_pat
     assert rows["fsdp2 plain", 64]["fits"] and not rows["fsdp2 plain", 128]["fits"]
     assert rows["fsdp2 plain", 128]["tokens_per_s_per_rank"] is None  # over budget: not timed
     assert ("fsdp2 plain", 256) not in rows  # OOM once: not run at longer contexts
-    mop = [rows["mop", context] for context in (64, 128, 256)]
-    assert all(r["fits"] and r["tokens_per_s_per_rank"] > 0 for r in mop)
-    assert mop[2]["device"] > mop[0]["device"]
+    for name in ("mop plain", "mop ac+offload+chunked"):
+        mop = [rows[name, context] for context in (64, 128, 256)]
+        assert all(r["fits"] and r["tokens_per_s_per_rank"] > 0 for r in mop)
+        assert mop[2]["device"] > mop[0]["device"]
+    for context, row in zip((64, 128, 256), results["table1"]):
+        mop = [rows[name, context] for name in ("mop plain", "mop ac+offload+chunked")]
+        assert row["mop_best"] == max(mop, key=lambda r: r["tokens_per_s_per_rank"])["config"]
     assert [r["fsdp2_best"] for r in results["table1"]] == ["fsdp2 plain", None, None]
     assert results["targets"]["context_ratio"] == 4
 
     written = json.loads(args.out.read_text())
     assert written["bench"] == "e2e" and written["points"] == results["points"]
     assert args.out.with_suffix(".png").stat().st_size > 0
+
+
+def test_bad_configuration_names_the_option_and_exits_2(capsys):
+    assert main(["bench", "e2e", "--fsdp2-configs=ac+fast"]) == 2
+    assert "--fsdp2-configs: unknown option 'fast'" in capsys.readouterr().err
+    assert main(["bench", "e2e", "--mop-configs=offload"]) == 2  # offloads checkpointed inputs: needs ac
+    assert "--mop-configs: 'offload' makes an invalid config" in capsys.readouterr().err

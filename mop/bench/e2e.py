@@ -19,13 +19,18 @@ both sequences; fsdp2's "cp" runs them as two micro-batches (S/2 tokens per rank
 with both in one micro-batch holds S tokens per rank, like fsdp2 without CP, and only adds the
 all-to-alls, so it is never the best and is not swept), mop as one micro-batch (S tokens per rank).
 
-Configurations.
-- mop: Ulysses (sequence = 2, `--head-chunks`), LLEP (expert = 2, in `--llep-chunks` chunks), the
-  vocabulary-parallel ring loss (vocab = 2, `--token-block` tokens per logit tile), full activation
-  checkpointing with the block inputs offloaded to the host, and the host optimizer. Measured at
-  16K on the default model, per rank: 349 MiB unchunked, 311 MiB with 2 LLEP chunks, 237 MiB with
-  4; 2 head chunks on top save 8 MiB for 15% more time. So the default is 4 LLEP chunks and
-  unchunked attention; one micro-batch of both sequences was ~20% faster than two at 2K.
+Configurations. Each system is swept over its own memory options and, per context, its fastest
+configuration that fits is reported (mop-best against fsdp2-best), so neither side is judged by a
+setting that is only right at one context.
+- mop: Ulysses (sequence = 2, `--head-chunks`), LLEP (expert = 2), the vocabulary-parallel ring
+  loss (vocab = 2, `--token-block` tokens per logit tile) and the host optimizer, with the options
+  of `MOP_OPTIONS` (`--mop-configs`): full activation checkpointing ("ac"), the checkpointed block
+  inputs offloaded to the host ("offload") and LLEP in `--llep-chunks` token chunks ("chunked").
+  The default sweeps "plain" (fastest, most memory), "ac" and "ac+offload+chunked" (leanest).
+  Measured at 16K on the default model, per rank, with ac+offload: 349 MiB unchunked, 311 MiB with
+  2 LLEP chunks, 237 MiB with 4; 2 head chunks on top save 8 MiB for 15% more time. So the lean
+  setup uses 4 LLEP chunks and unchunked attention; one micro-batch of both sequences was ~20%
+  faster than two at 2K.
 - fsdp2: every combination of the options in `FSDP2_OPTIONS` (`--fsdp2-configs=all`, 16 setups):
   activation checkpointing ("ac"), FSDP2's CPUOffloadPolicy ("offload"), Ulysses context
   parallelism ("cp") and standard expert parallelism ("ep").
@@ -56,7 +61,8 @@ path); here the ranks run on the CPU. One device copy is not seen here: under CP
 GPU first copies a unit's parameter shard to the device for its all-gather (a small undercount
 for fsdp2's offload setups). The worst rank is reported. A configuration is OOM at S when this
 exceeds the budget: it is not timed there and not run at longer contexts (its memory only grows
-with S). The sweep stops after the context where mop is OOM, or at `--max-context`.
+with S). The sweep stops after the context where every mop configuration is OOM, or at
+`--max-context`.
 
 Throughput: tokens per second per rank (2 S / W / step time, the paper's tokens/s/GPU), from the
 mean wall time of `--steps` steps after the warm-up and memory steps, slowest rank. Both ranks
@@ -80,7 +86,7 @@ from torch.distributed.tensor import DTensor
 
 from mop.bench.memory import PeakMemory
 from mop.bench.report import MIB, table, write_json
-from mop.config import load_config
+from mop.config import ConfigError, load_config
 from mop.data import group_slice, micro_batches, sequence_shard
 from mop.models.transformer import build_model
 from mop.optim.host_adamw import HostAdamW
@@ -95,6 +101,15 @@ GIB = 2**30
 WORLD = 2
 SEQUENCES = 2  # per optimizer step, for every configuration
 
+# Each mop memory option, as the settings it changes from mop's fastest form ("plain": no activation
+# checkpointing, LLEP in one chunk). "chunked" splits LLEP into --llep-chunks chunks.
+MOP_OPTIONS = {
+    "ac": ["--train.activation_checkpointing=full"],
+    "offload": ["--train.offload_activations=true"],
+    "chunked": [],  # filled in from --llep-chunks by mop_variant
+}
+MOP_DEFAULT = "plain,ac,ac+offload+chunked"
+
 # Each fsdp2 option, as the settings it changes from plain fsdp2.
 FSDP2_OPTIONS = {
     "ac": ["--train.activation_checkpointing=full"],
@@ -108,6 +123,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget-gib", type=float, default=0.29, help="per-rank device memory budget")
     parser.add_argument("--min-context", type=int, default=2048, help="first context; doubled up to --max-context")
     parser.add_argument("--max-context", type=int, default=32768)
+    parser.add_argument("--mop-configs", default=MOP_DEFAULT,
+                        help="comma-separated mop setups, each 'plain' or '+'-joined options of "
+                             f"{', '.join(MOP_OPTIONS)} ('offload' needs 'ac')")
     parser.add_argument("--fsdp2-configs", default="all",
                         help="comma-separated fsdp2 setups, each 'plain' or '+'-joined options of "
                              f"{', '.join(FSDP2_OPTIONS)}; 'all': every combination")
@@ -147,21 +165,28 @@ def base_settings(args) -> list[str]:
             "--train.grad_clip=1.0", "--train.device=cpu", "--train.seed=0"]
 
 
-def mop_variant(args) -> Variant:
-    return Variant("mop", ("--parallel.strategy=mop", "--parallel.sequence=2", "--parallel.expert=2",
-                           "--parallel.vocab=2", "--parallel.expert_balance=llep",
-                           f"--parallel.llep_chunks={args.llep_chunks}",
-                           f"--parallel.attention_head_chunks={args.head_chunks}",
-                           f"--parallel.vocab_token_block={args.token_block}", f"--train.micro_batch={SEQUENCES}",
-                           "--train.activation_checkpointing=full", "--train.offload_activations=true",
-                           "--optim.offload=true"))
+def _options(name: str, known: dict, kind: str) -> list[str]:
+    options = [] if name == "plain" else name.split("+")
+    unknown = [o for o in options if o not in known]
+    if unknown:
+        raise ConfigError(f"--{kind}-configs", f"unknown option {unknown[0]!r} in {name!r}; use 'plain' or "
+                                               f"'+'-joined options of {', '.join(known)}")
+    return options
+
+
+def mop_variant(args, name: str) -> Variant:
+    """mop's full layout (Ulysses, LLEP, the vocabulary-parallel loss, the host optimizer) with `name`'s options."""
+    options = _options(name, MOP_OPTIONS, "mop")
+    chosen = {**MOP_OPTIONS, "chunked": [f"--parallel.llep_chunks={args.llep_chunks}"]}
+    settings = ["--parallel.strategy=mop", "--parallel.sequence=2", "--parallel.expert=2", "--parallel.vocab=2",
+                "--parallel.expert_balance=llep", f"--parallel.attention_head_chunks={args.head_chunks}",
+                f"--parallel.vocab_token_block={args.token_block}", f"--train.micro_batch={SEQUENCES}",
+                "--optim.offload=true", *itertools.chain.from_iterable(chosen[o] for o in options)]
+    return Variant(f"mop {name}", tuple(settings))
 
 
 def fsdp2_variant(name: str) -> Variant:
-    options = [] if name == "plain" else name.split("+")
-    unknown = [o for o in options if o not in FSDP2_OPTIONS]
-    if unknown:
-        raise ValueError(f"unknown fsdp2 option {unknown[0]!r}; choose from {', '.join(FSDP2_OPTIONS)}")
+    options = _options(name, FSDP2_OPTIONS, "fsdp2")
     settings = ["--parallel.strategy=fsdp2", *itertools.chain.from_iterable(FSDP2_OPTIONS[o] for o in options)]
     return Variant(f"fsdp2 {name}", tuple(settings))
 
@@ -338,7 +363,7 @@ def contexts(args) -> list[int]:
 
 
 def sweep(args, variants: list[Variant]) -> list[dict]:
-    """Every configuration at doubling contexts until it is OOM; stops after the context where mop is."""
+    """Every configuration at doubling contexts until it is OOM; stops after the context where every mop one is."""
     rows, running = [], {v.name for v in variants}
     for context in contexts(args):
         for variant in (v for v in variants if v.name in running):
@@ -348,28 +373,37 @@ def sweep(args, variants: list[Variant]) -> list[dict]:
             print(f"  S={context:<6} {variant.name:<28} {row['device'] / MIB:8.1f} MiB  {speed}", flush=True)
             if not row["fits"]:
                 running.discard(variant.name)
-        if "mop" not in running:
+        if not any(is_mop(name) for name in running):
             break
     return rows
 
 
+def is_mop(name: str) -> bool:
+    return name.startswith("mop ")
+
+
+def fastest(rows: list[dict]) -> dict | None:
+    return max(rows, key=lambda r: r["tokens_per_s_per_rank"], default=None)
+
+
 def summary(rows: list[dict]) -> list[dict]:
-    """Table 1's rows: per context, mop against the fastest fsdp2 configuration that fits."""
+    """Table 1's rows: per context, the fastest mop configuration that fits against the fastest fsdp2 one."""
     out = []
     for context in dict.fromkeys(r["context"] for r in rows):
         fitting = [r for r in rows if r["context"] == context and r["fits"]]
-        mop = next((r["tokens_per_s_per_rank"] for r in fitting if r["config"] == "mop"), None)
-        best = max((r for r in fitting if r["config"] != "mop"), key=lambda r: r["tokens_per_s_per_rank"], default=None)
-        fsdp2 = best["tokens_per_s_per_rank"] if best else None
-        out.append({"context": context, "mop_tokens_per_s": mop, "fsdp2_best": best["config"] if best else None,
-                    "fsdp2_best_tokens_per_s": fsdp2, "speedup": mop / fsdp2 if mop and fsdp2 else None})
+        mop = fastest([r for r in fitting if is_mop(r["config"])])
+        fsdp2 = fastest([r for r in fitting if not is_mop(r["config"])])
+        mop_speed, fsdp2_speed = (r["tokens_per_s_per_rank"] if r else None for r in (mop, fsdp2))
+        out.append({"context": context, "mop_best": mop["config"] if mop else None, "mop_best_tokens_per_s": mop_speed,
+                    "fsdp2_best": fsdp2["config"] if fsdp2 else None, "fsdp2_best_tokens_per_s": fsdp2_speed,
+                    "speedup": mop_speed / fsdp2_speed if mop_speed and fsdp2_speed else None})
     return out
 
 
 def targets(args, table1: list[dict]) -> dict:
-    """Issue 7's targets: mop trains at 8x fsdp2-best's longest context; where both fit, mop is as fast."""
+    """Issue 7's targets: mop trains at 8x fsdp2-best's longest context; where both fit, mop-best is as fast."""
     fsdp2_longest = max((r["context"] for r in table1 if r["fsdp2_best"]), default=None)
-    mop_longest = max((r["context"] for r in table1 if r["mop_tokens_per_s"]), default=None)
+    mop_longest = max((r["context"] for r in table1 if r["mop_best"]), default=None)
     ratio = mop_longest / fsdp2_longest if mop_longest and fsdp2_longest else None
     common = [r for r in table1 if r["speedup"] is not None]
     speedup = common[-1]["speedup"] if common else None
@@ -380,11 +414,24 @@ def targets(args, table1: list[dict]) -> dict:
             "speedup_at_longest_common_context": speedup, "speedup_target_met": speedup is not None and speedup >= 1}
 
 
+def configurations(args) -> list[Variant]:
+    """Every configuration to sweep, each checked against the config loader here, before any rank starts."""
+    chosen = [*(mop_variant(args, name) for name in args.mop_configs.split(",")),
+              *(fsdp2_variant(name) for name in fsdp2_names(args.fsdp2_configs))]
+    for variant in chosen:
+        try:
+            load_config(None, [*base_settings(args), f"--data.seq_len={args.min_context}", *variant.settings])
+        except ConfigError as err:
+            kind, name = variant.name.split(" ", 1)
+            raise ConfigError(f"--{kind}-configs", f"{name!r} makes an invalid config ({err})") from None
+    return chosen
+
+
 def run(args) -> dict:
-    variants = [mop_variant(args), *(fsdp2_variant(name) for name in fsdp2_names(args.fsdp2_configs))]
-    rows = sweep(args, variants)
+    chosen = configurations(args)
+    rows = sweep(args, chosen)
     table1 = summary(rows)
-    return {"configs": {v.name: list(v.settings) for v in variants}, "points": rows, "table1": table1,
+    return {"configs": {v.name: list(v.settings) for v in chosen}, "points": rows, "table1": table1,
             "targets": targets(args, table1)}
 
 
@@ -396,11 +443,11 @@ def plot(path: Path, rows: list[dict], budget_gib: float) -> Path:
     import matplotlib.pyplot as plt
 
     fig, (memory, speed) = plt.subplots(1, 2, figsize=(14, 5.5))
-    colors = plt.get_cmap("tab20").colors
+    colors, mop_lines = plt.get_cmap("tab20").colors, ["-", "--", ":"]
     for index, name in enumerate(dict.fromkeys(r["config"] for r in rows)):
         mine = [r for r in rows if r["config"] == name]
-        style = {"linewidth": 3, "color": "black", "zorder": 3} if name == "mop" else {
-            "linewidth": 1, "color": colors[index % len(colors)]}
+        style = {"linewidth": 3, "color": "black", "zorder": 3, "linestyle": mop_lines[index % 3]} if is_mop(name) \
+            else {"linewidth": 1, "color": colors[index % len(colors)]}
         memory.plot([r["context"] for r in mine], [r["device"] / MIB for r in mine], marker="o", label=name, **style)
         timed = [r for r in mine if r["fits"]]
         speed.plot([r["context"] for r in timed], [r["tokens_per_s_per_rank"] for r in timed], marker="o", **style)
@@ -429,9 +476,10 @@ def _cell(value):
 
 def report(args, results: dict) -> None:
     print(table(f"tokens/s per rank, W={WORLD}, budget {args.budget_gib:g} GiB per rank (the paper's Table 1)",
-                ["context", "mop", "fsdp2-best", "fsdp2-best config", "speedup"],
-                [[r["context"], r["mop_tokens_per_s"] or "OOM", r["fsdp2_best_tokens_per_s"] or "OOM",
-                  _cell(r["fsdp2_best"]), _cell(r["speedup"])] for r in results["table1"]]))
+                ["context", "mop-best", "mop-best config", "fsdp2-best", "fsdp2-best config", "speedup"],
+                [[r["context"], r["mop_best_tokens_per_s"] or "OOM", _cell(r["mop_best"]),
+                  r["fsdp2_best_tokens_per_s"] or "OOM", _cell(r["fsdp2_best"]), _cell(r["speedup"])]
+                 for r in results["table1"]]))
     print()
     print(table("every configuration: per-rank device MiB (step peak includes the gradients)",
                 ["context", "config", "params", "optimizer", "step peak", "of it grads", "device", "tok/s/rank",
@@ -443,7 +491,7 @@ def report(args, results: dict) -> None:
     mop_longest = f"{t['mop_longest_context']}{' (--max-context)' if t['mop_stopped_by_max_context'] else ''}"
     print(f"\nlongest context that fits: fsdp2-best {t['fsdp2_best_longest_context']}, mop {mop_longest}: "
           f"{_cell(t['context_ratio'])}x (target 8x: {'met' if t['context_target_met'] else 'NOT met'})")
-    print(f"mop / fsdp2-best tokens/s at the longest context both fit ({t['longest_common_context']}): "
+    print(f"mop-best / fsdp2-best tokens/s at the longest context both fit ({t['longest_common_context']}): "
           f"{_cell(t['speedup_at_longest_common_context'])} "
           f"(target 1: {'met' if t['speedup_target_met'] else 'NOT met'})")
     path = write_json(args.out, "e2e", {k: str(v) for k, v in vars(args).items() if k != "func"}, results)
