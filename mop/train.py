@@ -177,11 +177,16 @@ def apply_update(model: torch.nn.Module, optimizer, max_norm: float, runtime: Ru
 
 
 def host_update(model: torch.nn.Module, host: HostAdamW, feed: GradientFeed, max_norm: float, runtime: Runtime):
-    """Validate the host optimizer's speculative updates against the global norm (see HostAdamW)."""
+    """Validate the host optimizer's speculative updates against the global norm (see HostAdamW).
+
+    `optimizer_exposed_s` is the optimizer time on this step's critical path: `finish` (deciding and
+    queueing the updates) plus the time this step's forward waited for the previous step's updates.
+    """
     grad_norm = clip_gradients(model, 0.0, runtime)  # the norm only: the host applies the coefficient
     start = time.perf_counter()
     redone = host.finish(grad_norm, max_norm)
-    exposed = time.perf_counter() - start
+    exposed = time.perf_counter() - start + feed.wait_s
+    feed.wait_s = 0.0
     model.zero_grad(set_to_none=True)
     skipped = not math.isfinite(grad_norm)
     return grad_norm, skipped, {"rollback": redone and not skipped, "optimizer_exposed_s": exposed,
@@ -248,21 +253,22 @@ def micro_batch_objective(model: MoETransformer, batch: dict, global_targets: in
     return terms, model.objective(terms, global_targets, global_batch * copies)
 
 
-def train_step(model: MoETransformer, data, config: Config, runtime: Runtime, autocast,
-               feed: GradientFeed | None = None) -> dict:
-    """Forward/backward over this rank's share of the step; returns the globally reduced losses.
+def forward_backward(model: MoETransformer, batches: list[dict], global_targets: int, global_batch: int,
+                     runtime: Runtime, autocast=nullcontext(), feed: GradientFeed | None = None) -> tuple[float, float]:
+    """Forward and backward of this rank's micro-batches, accumulating gradients; returns this
+    rank's (ce, aux) shares of the step loss.
 
-    With a gradient feed (host optimizer), the last micro-batch's backward hands each gradient to
-    the optimizer as soon as it is final.
+    With a gradient feed (host optimizer), the forward waits only for the parameters whose update
+    is not finished yet, and the last micro-batch's backward hands each gradient to the optimizer
+    as soon as it is final.
     """
-    batches = local_batches(data, config, runtime)
-    local_targets = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
-    global_targets = int(sum_over_ranks([local_targets], runtime)[0])
     ce_total, aux_total = 0.0, 0.0
+    if feed is not None:
+        feed.before_forward()
     for index, batch in enumerate(batches):
-        batch = {key: value.to(runtime.device) for key, value in batch.items()}
+        batch = {key: value.to(runtime.device) if value is not None else None for key, value in batch.items()}
         with autocast:
-            terms, loss = micro_batch_objective(model, batch, global_targets, config.train.global_batch, runtime.layout)
+            terms, loss = micro_batch_objective(model, batch, global_targets, global_batch, runtime.layout)
         if feed is not None and index == len(batches) - 1:
             feed.arm()
         loss.backward()
@@ -271,7 +277,17 @@ def train_step(model: MoETransformer, data, config: Config, runtime: Runtime, au
         aux_total += loss.item() - ce_part
     if feed is not None:
         feed.flush()
-    ce_loss, aux_loss = sum_over_ranks([ce_total, aux_total], runtime)
+    return ce_total, aux_total
+
+
+def train_step(model: MoETransformer, data, config: Config, runtime: Runtime, autocast,
+               feed: GradientFeed | None = None) -> dict:
+    """Forward/backward over this rank's share of the step; returns the globally reduced losses."""
+    batches = local_batches(data, config, runtime)
+    local_targets = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
+    global_targets = int(sum_over_ranks([local_targets], runtime)[0])
+    shares = forward_backward(model, batches, global_targets, config.train.global_batch, runtime, autocast, feed)
+    ce_loss, aux_loss = sum_over_ranks(list(shares), runtime)
     return {"loss": ce_loss + aux_loss, "ce_loss": ce_loss, "aux_loss": aux_loss, "targets": global_targets}
 
 
@@ -344,6 +360,8 @@ def _train(config: Config, runtime: Runtime) -> list[dict]:
         if config.checkpoint.every and (done % config.checkpoint.every == 0 or done == config.train.steps):
             checkpoint.save(checkpoint.checkpoint_dir(config, run_dir), done, model, optimizer, host, views,
                             data.stream.state_dict(), config, config.checkpoint.keep)
+    if host is not None:
+        host.synchronize()  # the last step's updates, before the model is returned or read
     if logger is not None:
         logger.close()
         if config.log.plot:

@@ -1,6 +1,7 @@
 """The host optimizer against torch.optim.AdamW: speculative updates, rollback under clipping, skips."""
 
 import math
+import time
 
 import pytest
 import torch
@@ -71,6 +72,7 @@ def test_matches_torch_adamw_with_clipping_and_a_skipped_step(arrival, speculati
         if timing == "settled":
             wait_for_speculation(host)
         redone.append(host.finish(norm.item(), 1.0))
+        host.synchronize()  # finish only queues the settling
         for index, (ref, got) in enumerate(zip(reference, mine)):
             assert_close(got.detach(), ref.detach(), atol=1e-6, rtol=1e-6, msg=f"step {step} param {index}")
     # Speculation is rolled back on the clipped steps (1 and 4); a skipped step restores, it is no rollback.
@@ -100,13 +102,24 @@ def groups_by_dim(model):
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
 
 
+class SlowSettling(HostAdamW):
+    """Settles every shard 20 ms late: a forward that did not wait for its parameters would read stale weights."""
+
+    def _settle(self, *args):
+        time.sleep(0.02)
+        super()._settle(*args)
+
+
 def _fsdp_host_steps(rank, world, steps):
     """HostAdamW on FSDP2 shards, and torch.optim.AdamW on full copies fed the same (gathered) gradients.
 
     Feeding the reference FSDP2's own gradients keeps the reduction order out of the comparison:
     Adam turns a rounding-level gradient difference in a barely used row into a full-size step, so
-    only identical gradients can show that the optimizer itself is exact.
+    only identical gradients can show that the optimizer itself is exact. The updates are settled
+    late and the next forward is not synchronised by hand: only the feed's waits keep it exact.
     """
+    import torch.distributed as dist
+
     from mop.optim.pipeline import GradientFeed
     from mop.parallel import DistLayout, Layout
     from mop.parallel.fsdp import shard_dense
@@ -115,7 +128,7 @@ def _fsdp_host_steps(rank, world, steps):
     layout = DistLayout(Layout(world), torch.device("cpu"))
     model, reference = build_model(SMALL, seed=4), build_model(SMALL, seed=4)
     shard_dense(model, layout)
-    host = HostAdamW(groups_by_dim(model), betas=(0.9, 0.95))
+    host = SlowSettling(groups_by_dim(model), betas=(0.9, 0.95))
     torch_opt = torch.optim.AdamW(groups_by_dim(reference), lr=1e-2, betas=(0.9, 0.95))
     feed = GradientFeed(model, host)
     runtime = Runtime(rank, world, torch.device("cpu"), layout)
@@ -127,16 +140,31 @@ def _fsdp_host_steps(rank, world, steps):
         pending_at_hand_over.append(sum(p.grad is None for p in first_block))
         deliver(param, grad)
 
+    def compare(when):
+        for (name, param), ref in zip(model.named_parameters(), reference.parameters()):
+            try:
+                assert_close(param.full_tensor(), ref.detach(), atol=1e-6, rtol=1e-6)
+            except AssertionError as err:
+                mismatches.append(f"{when} {name}: {err}")
+
     host.gradient_ready = recording_gradient_ready
-    early, clipped, mismatches = [], [], []
+    early, clipped, losses, mismatches = [], [], [], []
     for step in range(steps):
         ids = torch.randint(0, SMALL.vocab_size, (2 * world, 17), generator=torch.Generator().manual_seed(step))
         mine = ids[2 * rank:2 * rank + 2]
         host.begin_step(1e-2)
+        feed.before_forward()
+        ce_sum = model.loss_terms(mine[:, :-1], mine[:, 1:]).ce_sum
+        compare(f"after the forward of step {step}")  # the forward waited for every block
+        with torch.no_grad():
+            reference_ce_sum = reference.loss_terms(ids[:, :-1], ids[:, 1:]).ce_sum
         feed.arm()
-        (model.loss_terms(mine[:, :-1], mine[:, 1:]).ce_sum / (ids.shape[0] * 16)).backward()
+        (ce_sum / (ids.shape[0] * 16)).backward()
         early.append(feed.early)
         feed.flush()
+        total = ce_sum.detach().clone()
+        dist.all_reduce(total)
+        losses.append((total.item(), reference_ce_sum.item()))
         for param, ref in zip(model.parameters(), reference.parameters()):
             ref.grad = param.grad.full_tensor()
         max_norm = 0.05 if step == CLIPPED_STEP else 100.0
@@ -146,20 +174,19 @@ def _fsdp_host_steps(rank, world, steps):
         torch_opt.step()
         torch_opt.zero_grad()
         model.zero_grad(set_to_none=True)
-        for (name, param), ref in zip(model.named_parameters(), reference.parameters()):
-            try:
-                assert_close(param.full_tensor(), ref.detach(), atol=1e-6, rtol=1e-6)
-            except AssertionError as err:
-                mismatches.append(f"step {step} {name}: {err}")
-    return early, clipped, pending_at_hand_over[0], mismatches
+    host.synchronize()
+    compare("at the end")
+    return early, clipped, losses, pending_at_hand_over[0], mismatches
 
 
 def test_fsdp2_sharded_parameters_end_where_torch_adamw_takes_them():
     from mop.testing import run_distributed
 
     count = len(list(build_model(SMALL, seed=4).parameters()))
-    for early, clipped, pending, mismatches in run_distributed(_fsdp_host_steps, 2, 3):
+    for early, clipped, losses, pending, mismatches in run_distributed(_fsdp_host_steps, 2, 3):
         assert mismatches == []
+        for mine, reference in losses:  # each forward saw the updated weights
+            assert_close(mine, reference, atol=0, rtol=1e-6)
         assert clipped == [step == CLIPPED_STEP for step in range(3)]
         # Every FSDP2-managed gradient was handed over from inside the backward, the first of them
         # while block 0's gradients were still to be computed.

@@ -8,7 +8,7 @@ Training. For each configuration and context, `run_distributed` starts two ranks
 thread each). Each builds its config with `mop.config.load_config`, every parallel degree and
 memory option given explicitly (`base_settings`, then the configuration's own), the model with
 `build_model`, applies `parallelize` (mop) or `parallelize_fsdp2` (fsdp2) and runs optimizer steps:
-forward + backward of each micro-batch through `mop.train.micro_batch_objective`, then
+forward + backward of each micro-batch through `mop.train.forward_backward`, then
 `mop.train.apply_update` (torch AdamW from `build_optimizer`) or, with `optim.offload`, `HostAdamW`
 fed by `GradientFeed` during the backward and `mop.train.host_update`. fp32, clipping at 1.0.
 
@@ -95,7 +95,7 @@ from mop.parallel import DistLayout, Layout
 from mop.parallel.baseline import parallelize_fsdp2
 from mop.parallel.parallelize import parallelize
 from mop.testing import run_distributed
-from mop.train import Runtime, apply_update, build_optimizer, host_update, micro_batch_objective
+from mop.train import Runtime, apply_update, build_optimizer, forward_backward, host_update
 
 GIB = 2**30
 WORLD = 2
@@ -278,14 +278,8 @@ class Trainer:
     def backward(self) -> None:
         if self.host is not None:
             self.host.begin_step(self.config.optim.lr)
-        for index, batch in enumerate(self.batches):
-            _, loss = micro_batch_objective(self.model, batch, self.targets, self.config.train.global_batch,
-                                            self.runtime.layout)
-            if self.feed is not None and index == len(self.batches) - 1:
-                self.feed.arm()
-            loss.backward()
-        if self.feed is not None:
-            self.feed.flush()
+        forward_backward(self.model, self.batches, self.targets, self.config.train.global_batch, self.runtime,
+                         feed=self.feed)
 
     def update(self) -> None:
         clip = self.config.train.grad_clip
@@ -344,6 +338,8 @@ def measure_rank(rank: int, world: int, settings: list[str], budget_bytes: int, 
         start = time.perf_counter()
         for _ in range(steps):
             trainer.step()
+        if trainer.host is not None:
+            trainer.host.synchronize()  # the last step's deferred updates count too
         result["seconds"] = (time.perf_counter() - start) / steps
     return result
 

@@ -18,28 +18,37 @@ One optimizer step:
    and applies a speculative AdamW update with torch's fused kernel (`torch._fused_adamw_`), using
    the step count + 1 (the count itself is only committed in `finish`). Nothing waits for the
    rest of the backward.
-3. `finish(grad_norm, max_norm)`, once the global gradient norm is known: the speculation
-   assumed no clipping. If the norm is not finite, every shard is restored from its spare (the
-   step is skipped, state untouched). If clipping applies (max_norm / norm < 1), every shard is
-   restored and updated again with its gradient scaled by the clip coefficient: a rollback.
-   Otherwise the speculative updates stand. Pieces whose speculation had not started yet are
-   cancelled and updated directly with the known coefficient (no spare copy). The step count
-   advances unless the step is skipped. Finally the masters are copied into the working
-   weights (asynchronously on CUDA, on the current stream, so the next forward is ordered after).
-   After a step that clipped, the next step does not speculate (clipping tends to persist, and
-   its speculation would only be rolled back): its shards are updated in `finish`.
+3. `finish(grad_norm, max_norm)`, once the global gradient norm is known, decides and returns at
+   once: the speculation assumed no clipping. If the norm is not finite, every shard is restored
+   from its spare (the step is skipped, state untouched). If clipping applies (max_norm / norm < 1),
+   every speculated piece is restored and updated again with its gradient scaled by the clip
+   coefficient: a rollback. Otherwise the speculative updates stand. Pieces whose speculation had
+   not started are cancelled and updated directly with the known coefficient (no spare copy). The
+   step count advances unless the step is skipped. This settling, and the copy of each master into
+   its working weight (asynchronous on CUDA, on the stream that was current at `finish`, so work
+   queued after it on that stream is ordered after the copy), runs on the worker thread(s), one
+   shard after another in the forward's order (`settle_in_order`).
+4. `wait_for(params)` blocks until those shards are settled; `GradientFeed` calls it just before
+   the module that reads them runs its next forward (and before FSDP2 gathers it), so the update
+   of a later block overlaps the next forward of the earlier ones. `synchronize()` waits for all
+   (before a checkpoint is written or the state is read).
+After a step that clipped, the next step does not speculate (clipping tends to persist, and its
+speculation would only be rolled back): its shards are updated after the norm is known, still off
+the critical path, overlapped with the next forward. So clipping never switches the overlap off.
 
-Invariant: after `finish` the state is exactly what `torch.optim.AdamW` reaches with the clipped
-gradients (or untouched on a skipped step), whatever the order in which shards arrived; the
-speculation only changes when the work happens. A host master is written only by the worker of
-the next step, which waits on a gradient event that follows the next forward on the device, so
-the asynchronous copy-back has always finished reading it.
+Invariant: once a shard is settled its state is exactly what `torch.optim.AdamW` reaches with the
+clipped gradients (or untouched on a skipped step), whatever the order in which shards arrived or
+were settled; the speculation and the deferral only change when the work happens. A shard's next
+hand-over waits for its settling. A host master is written only by the worker of the next step,
+which waits on a gradient event that follows the next forward on the device, so the asynchronous
+copy-back has always finished reading it.
 """
 
 from __future__ import annotations
 
 import math
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -76,8 +85,10 @@ class ShardState:
     grad_copied: torch.Event | None = None  # set while an asynchronous device-to-host copy is in flight
     host_grad: torch.Tensor | None = None  # persistent pinned buffer for device gradients
     next_step: torch.Tensor | None = None  # the count this step's update uses
+    lr: float = 0.0  # this step's learning rate (the next step may begin before this one is settled)
     speculated: list[bool] = field(default_factory=list)  # per piece
-    pending: list[Future] = field(default_factory=list, repr=False)
+    pending: list[Future] = field(default_factory=list, repr=False)  # this step's speculation, per piece
+    settled: Future | None = field(default=None, repr=False)  # the last step's settling
 
     pieces: list[tuple[torch.Tensor, ...]] = field(default_factory=list)  # views of (master, exp_avg, exp_avg_sq)
     spare_pieces: list[tuple[torch.Tensor, ...]] = field(default_factory=list)
@@ -97,12 +108,16 @@ class ShardState:
         if event is not None:
             event.synchronize()
 
+    def wait_settled(self) -> None:
+        if self.settled is not None:
+            self.settled.result()  # re-raises a worker's error here
+
 
 class HostAdamW:
     """See the module docstring. `groups`: dicts with "params" and "weight_decay", as for torch.optim."""
 
     def __init__(self, groups: list[dict], betas=(0.9, 0.999), eps: float = 1e-8, workers: int = 1,
-                 speculative: bool = True, piece_elements: int = 1 << 18):
+                 speculative: bool = True, piece_elements: int = 1 << 20):
         self.speculative = speculative  # False: update only in finish, once the norm is known (no rollback buffers)
         self.last_clipped = False
         self.beta1, self.beta2 = betas
@@ -136,10 +151,12 @@ class HostAdamW:
     def gradient_ready(self, param: torch.Tensor, grad: torch.Tensor) -> None:
         """`param`'s gradient is final: copy it to the host and start its speculative update."""
         shard = self.shard_of(param)
+        shard.wait_settled()  # the last step's update of this shard (normally long done: the forward waited)
         grad = _local(grad).detach()
         if grad.device.type == "cpu" and grad.dtype == torch.float32:
-            # Already a host fp32 tensor; the trainer releases gradients (set_to_none) and never
-            # writes into them between the hand-over and `finish`.
+            # Already a host fp32 tensor, lent to the optimizer until the shard is settled (a
+            # clipped step scales it in place); the trainer releases gradients (set_to_none) and
+            # never reads or writes them in between.
             shard.grad = grad
         else:
             if shard.host_grad is None:
@@ -149,6 +166,7 @@ class HostAdamW:
             if grad.device.type != "cpu":
                 shard.grad_copied = torch.Event(grad.device)
                 shard.grad_copied.record()
+        shard.lr = self.lr
         shard.next_step = shard.step + 1  # the fused kernel reads the incremented count, as torch.optim.AdamW passes it
         shard.grad_pieces = _pieces(shard.grad, shard.piece_elements)
         count = len(shard.pieces)
@@ -165,55 +183,85 @@ class HostAdamW:
         shard.speculated[index] = True
         self._update(shard, state, shard.grad_pieces[index])
 
-    def _update(self, shard: ShardState, state: tuple[torch.Tensor, ...], grad: torch.Tensor) -> None:
+    def _update(self, shard: ShardState, state: tuple[torch.Tensor, ...], grad: torch.Tensor,
+                grad_scale: torch.Tensor | None = None) -> None:
         master, exp_avg, exp_avg_sq = state
         torch._fused_adamw_([master], [grad], [exp_avg], [exp_avg_sq], [], [shard.next_step],
-                            lr=self.lr, beta1=self.beta1, beta2=self.beta2, weight_decay=shard.weight_decay,
-                            eps=self.eps, amsgrad=False, maximize=False)
+                            lr=shard.lr, beta1=self.beta1, beta2=self.beta2, weight_decay=shard.weight_decay,
+                            eps=self.eps, amsgrad=False, maximize=False, grad_scale=grad_scale)
+
+    def settle_in_order(self, params: list[torch.Tensor]) -> None:
+        """Settle shards in the order of `params` (the order the forward reads them); others after."""
+        first = [self._by_param[id(p)] for p in params if id(p) in self._by_param]
+        placed = {id(shard) for shard in first}
+        self.shards = first + [shard for shard in self.shards if id(shard) not in placed]
 
     def finish(self, grad_norm: float, max_norm: float) -> bool:
-        """Validate the speculative updates against the global norm; returns True if pieces were rolled back."""
-        for shard in self.shards:
-            for future in shard.pending:
-                # A speculation the worker has not started yet is cancelled: now that the norm is
-                # known, the loop below updates that piece directly, with no rollback copy.
-                if not future.cancel():
-                    future.result()
+        """Decide the step from the global norm and queue every shard's settling (see the module
+        docstring); returns at once, True if speculative updates are being rolled back."""
         finite = math.isfinite(grad_norm)
         coefficient = min(1.0, max_norm / (grad_norm + 1e-6)) if max_norm > 0 and finite else 1.0
-        redo = not finite or coefficient < 1.0
-        rolled_back = redo and finite and any(any(s.speculated) for s in self.shards)
+        # The stream later device work is queued on: the copy-back goes there too.
+        stream = next((torch.accelerator.current_stream(s.working.device) for s in self.shards
+                       if s.working.device.type != "cpu"), None)
+        speculated = False
         for shard in self.shards:
-            if shard.grad is not None:
-                shard.wait_for_grad()
-                self._settle(shard, finite, coefficient)
-                if shard.working is not shard.master:
-                    shard.working.copy_(shard.master, non_blocking=True)
-            shard.grad, shard.grad_copied, shard.grad_pieces, shard.speculated, shard.pending = None, None, [], [], []
+            if shard.grad is None:
+                continue
+            # A speculation not started yet is cancelled (its piece is updated directly); the
+            # others have run or are running: their pieces are validated once they finish.
+            started = [future for future in shard.pending if not future.cancel()]
+            speculated = speculated or bool(started)
+            shard.settled = self.pool.submit(self._settle, shard, started, finite, coefficient, stream)
+        rolled_back = speculated and finite and coefficient < 1.0
         self.rollbacks += int(rolled_back)
         self.last_clipped = finite and coefficient < 1.0
         return rolled_back
 
-    def _settle(self, shard: ShardState, finite: bool, coefficient: float) -> None:
-        """Bring every piece of `shard` to the state the validated step defines."""
-        grads = shard.grad_pieces if coefficient == 1.0 else _pieces(shard.grad * coefficient, shard.piece_elements)
-        spares = shard.spare_pieces or [None] * len(grads)
-        for state, spare, piece_grad, speculated in zip(shard.pieces, spares, grads, shard.speculated):
+    def _settle(self, shard: ShardState, started: list[Future], finite: bool, coefficient: float,
+                stream: torch.Stream | None) -> None:
+        """Bring every piece of `shard` to the state the validated step defines; refresh its working weight."""
+        for future in started:
+            future.result()
+        shard.wait_for_grad()
+        # The kernel divides the gradient by grad_scale as it reads it (and stores the quotient back:
+        # the hand-over lent the buffer until now), which clips without a scaled copy.
+        grad_scale = None if coefficient == 1.0 else torch.tensor(1.0 / coefficient)
+        spares = shard.spare_pieces or [None] * len(shard.pieces)
+        for state, spare, piece_grad, speculated in zip(shard.pieces, spares, shard.grad_pieces, shard.speculated):
             if speculated and (not finite or coefficient < 1.0):
                 torch._foreach_copy_(list(state), list(spare))  # roll back
                 speculated = False
             if not speculated and finite:
-                self._update(shard, state, piece_grad)
+                self._update(shard, state, piece_grad, grad_scale)
         if finite:
             shard.step.copy_(shard.next_step)
+        if shard.working is not shard.master:
+            with stream if stream is not None else nullcontext():
+                shard.working.copy_(shard.master, non_blocking=True)
+        shard.grad, shard.grad_copied, shard.grad_pieces, shard.speculated, shard.pending = None, None, [], [], []
+
+    def wait_for(self, params) -> None:
+        """Block until the last step's update of `params` (and their working weights) is complete."""
+        for param in params:
+            shard = self._by_param.get(id(param))
+            if shard is not None:
+                shard.wait_settled()
+
+    def synchronize(self) -> None:
+        """Block until every shard's last update is complete."""
+        for shard in self.shards:
+            shard.wait_settled()
 
     def state_of(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
         """`param`'s AdamW state, named as torch.optim.AdamW names it (local shard tensors, loadable in place)."""
         shard = self.shard_of(param)
+        shard.wait_settled()
         return {"exp_avg": shard.exp_avg, "exp_avg_sq": shard.exp_avg_sq, "step": shard.step}
 
     def masters_from_working(self) -> None:
         """After the working weights were loaded (a checkpoint): make the masters equal them."""
+        self.synchronize()
         for shard in self.shards:
             if shard.working is not shard.master:
                 shard.master.copy_(shard.working)

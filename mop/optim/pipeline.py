@@ -1,21 +1,31 @@
-"""Feeding `HostAdamW` while the backward runs: which gradients are final, and when.
+"""Feeding `HostAdamW` while the backward runs, and waiting for its updates in the next forward.
 
-FSDP2 assigns a sharded parameter's gradient in its post-backward, right after the unit's
-reduce-scatter (with the LLEP helpers' foreign-weight gradients already added into the expert
-partitions), and then calls the parameter's post-accumulate-grad hooks, on the stream that
+Hand-over. FSDP2 assigns a sharded parameter's gradient in its post-backward, right after the
+unit's reduce-scatter (with the LLEP helpers' foreign-weight gradients already added into the
+expert partitions), and then calls the parameter's post-accumulate-grad hooks, on the stream that
 produced the gradient. That gradient is final once the last micro-batch's backward has passed the
 unit, so a hook on every FSDP2-managed parameter hands it to the optimizer there, while the
 backward goes on below. On CUDA the hook runs under FSDP2's post-reduce stream, so the optimizer's
 device-to-host copy is queued behind the reduce-scatter without a wait on the compute stream (see
 `HostAdamW.gradient_ready`). Autograd itself never accumulates into FSDP2's sharded parameters
-(the graph uses the unsharded ones), so only FSDP2 fires these hooks.
+(the graph uses the unsharded ones), so only FSDP2 fires these hooks. Every parameter FSDP2 does
+not manage (its `.grad` may still be accumulating from several uses) is handed over when
+`loss.backward()` returns (`flush`). Only the last micro-batch of a step is armed: earlier ones
+only accumulate.
 
-Every parameter FSDP2 does not manage (its `.grad` may still be accumulating from several uses)
-is handed over when `loss.backward()` returns (`flush`). Only the last micro-batch of a step is
-armed: earlier ones only accumulate.
+Waiting. `HostAdamW.finish` returns before the updates are done; they are settled on the worker
+thread in the forward's order: the parameters outside the blocks (embedding, final norm, output
+head) first, then block by block. The next forward waits only for what it is about to read: a
+forward pre-hook on every block, prepended so that it runs before FSDP2's own (which gathers the
+block's shards), waits for that block's parameters, and `before_forward` waits for the rest
+before the step's first forward. So block k's update runs while blocks < k compute. `wait_s`
+accumulates the time the forward spent waiting: the optimizer time the step could not hide.
 """
 
 from __future__ import annotations
+
+import time
+from functools import partial
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -24,17 +34,25 @@ from mop.optim.host_adamw import HostAdamW
 
 
 class GradientFeed:
-    """Delivers each parameter's final gradient to `optimizer` exactly once per step."""
+    """Delivers each parameter's final gradient to `optimizer` exactly once per step, and holds the
+    next forward back only where it would read a parameter whose update is not finished."""
 
     def __init__(self, model: torch.nn.Module, optimizer: HostAdamW):
         self.optimizer = optimizer
         self.armed = False
         self.delivered: set[int] = set()
         self.early = 0  # parameters delivered from inside the last backward (a metric)
+        self.wait_s = 0.0  # time forwards spent waiting for updates (a metric; the caller resets it)
         self.params = [p for p in model.parameters() if p.requires_grad]
         for param in self.params:
             if isinstance(param, DTensor):  # FSDP2-sharded: final when FSDP2 assigns it
                 param.register_post_accumulate_grad_hook(self._hook)
+        in_blocks = [list(block.parameters()) for block in model.layers]
+        block_ids = {id(p) for params in in_blocks for p in params}
+        self.outer = [p for p in self.params if id(p) not in block_ids]
+        optimizer.settle_in_order(self.outer + [p for params in in_blocks for p in params])
+        for block, params in zip(model.layers, in_blocks):
+            block.register_forward_pre_hook(partial(self._wait_before_block, params), prepend=True)
 
     def _hook(self, param: torch.Tensor) -> None:
         if self.armed:
@@ -48,6 +66,18 @@ class GradientFeed:
                 self.optimizer.gradient_ready(param, param.grad)
                 count += 1
         return count
+
+    def _wait(self, params) -> None:
+        start = time.perf_counter()
+        self.optimizer.wait_for(params)
+        self.wait_s += time.perf_counter() - start
+
+    def _wait_before_block(self, params, _module, _args) -> None:
+        self._wait(params)
+
+    def before_forward(self) -> None:
+        """Before a step's first forward: wait for the parameters outside the blocks."""
+        self._wait(self.outer)
 
     def arm(self) -> None:
         """The next backward is the step's last: deliver gradients as they become final."""
