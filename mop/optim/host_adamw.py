@@ -25,9 +25,13 @@ One optimizer step:
    coefficient: a rollback. Otherwise the speculative updates stand. Pieces whose speculation had
    not started are cancelled and updated directly with the known coefficient (no spare copy). The
    step count advances unless the step is skipped. This settling, and the copy of each master into
-   its working weight (asynchronous on CUDA, on the stream that was current at `finish`, so work
-   queued after it on that stream is ordered after the copy), runs on the worker thread(s), one
-   shard after another in the forward's order (`settle_in_order`).
+   its working weight, runs on the worker thread(s), one shard after another in the forward's
+   order (`settle_in_order`). On CUDA the copy runs on a side stream and the worker waits for it
+   before the shard counts as settled: FSDP2 gathers a block's shards on its own streams, which
+   are ordered after the compute stream only once per forward (at the root), so the copy must be
+   complete, not merely queued, when the forward reaches the block. The side stream needs no
+   ordering against the compute stream: `finish` comes after the norm, a host value, so every
+   earlier read of the working weights has run.
 4. `wait_for(params)` blocks until those shards are settled; `GradientFeed` calls it just before
    the module that reads them runs its next forward (and before FSDP2 gathers it), so the update
    of a later block overlaps the next forward of the earlier ones. `synchronize()` waits for all
@@ -38,17 +42,14 @@ the critical path, overlapped with the next forward. So clipping never switches 
 
 Invariant: once a shard is settled its state is exactly what `torch.optim.AdamW` reaches with the
 clipped gradients (or untouched on a skipped step), whatever the order in which shards arrived or
-were settled; the speculation and the deferral only change when the work happens. A shard's next
-hand-over waits for its settling. A host master is written only by the worker of the next step,
-which waits on a gradient event that follows the next forward on the device, so the asynchronous
-copy-back has always finished reading it.
+were settled, and its working weight equals its master; the speculation and the deferral only
+change when the work happens. A shard's next hand-over waits for its settling.
 """
 
 from __future__ import annotations
 
 import math
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -140,6 +141,7 @@ class HostAdamW:
                 self.shards.append(shard)
                 self._by_param[id(param)] = shard
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="host-adamw")
+        self._copy_streams: dict[torch.device, torch.Stream] = {}  # per device, for the copies back
         self.rollbacks = 0
 
     def shard_of(self, param: torch.Tensor) -> ShardState:
@@ -201,9 +203,6 @@ class HostAdamW:
         docstring); returns at once, True if speculative updates are being rolled back."""
         finite = math.isfinite(grad_norm)
         coefficient = min(1.0, max_norm / (grad_norm + 1e-6)) if max_norm > 0 and finite else 1.0
-        # The stream later device work is queued on: the copy-back goes there too.
-        stream = next((torch.accelerator.current_stream(s.working.device) for s in self.shards
-                       if s.working.device.type != "cpu"), None)
         speculated = False
         for shard in self.shards:
             if shard.grad is None:
@@ -212,14 +211,13 @@ class HostAdamW:
             # others have run or are running: their pieces are validated once they finish.
             started = [future for future in shard.pending if not future.cancel()]
             speculated = speculated or bool(started)
-            shard.settled = self.pool.submit(self._settle, shard, started, finite, coefficient, stream)
+            shard.settled = self.pool.submit(self._settle, shard, started, finite, coefficient)
         rolled_back = speculated and finite and coefficient < 1.0
         self.rollbacks += int(rolled_back)
         self.last_clipped = finite and coefficient < 1.0
         return rolled_back
 
-    def _settle(self, shard: ShardState, started: list[Future], finite: bool, coefficient: float,
-                stream: torch.Stream | None) -> None:
+    def _settle(self, shard: ShardState, started: list[Future], finite: bool, coefficient: float) -> None:
         """Bring every piece of `shard` to the state the validated step defines; refresh its working weight."""
         for future in started:
             future.result()
@@ -237,9 +235,22 @@ class HostAdamW:
         if finite:
             shard.step.copy_(shard.next_step)
         if shard.working is not shard.master:
-            with stream if stream is not None else nullcontext():
-                shard.working.copy_(shard.master, non_blocking=True)
+            self._copy_to_working(shard)
         shard.grad, shard.grad_copied, shard.grad_pieces, shard.speculated, shard.pending = None, None, [], [], []
+
+    def _copy_to_working(self, shard: ShardState) -> None:
+        """The new master into the working weight; returns once the copy is complete."""
+        device = shard.working.device
+        if device.type == "cpu":  # a low-precision working weight on a CPU-only machine
+            shard.working.copy_(shard.master)
+            return
+        if device not in self._copy_streams:
+            self._copy_streams[device] = torch.Stream(device)
+        with self._copy_streams[device]:
+            shard.working.copy_(shard.master, non_blocking=True)
+            done = torch.Event(device)
+            done.record()
+        done.synchronize()
 
     def wait_for(self, params) -> None:
         """Block until the last step's update of `params` (and their working weights) is complete."""

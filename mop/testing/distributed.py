@@ -77,10 +77,11 @@ def run_distributed(
                 p.start()
             exit_order = _wait(procs, timeout)
         finally:
-            for p in procs:
+            started = [p for p in procs if p.pid is not None]  # start() itself may have raised
+            for p in started:
                 if p.exitcode is None:
                     p.kill()
-            for p in procs:
+            for p in started:
                 p.join()
         outcomes = {rank: _read(paths[rank]) for rank in exit_order}
 
