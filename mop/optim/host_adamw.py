@@ -246,11 +246,10 @@ class HostAdamW:
             return
         if device not in self._copy_streams:
             self._copy_streams[device] = torch.Stream(device)
-        with self._copy_streams[device]:
+        stream = self._copy_streams[device]
+        with stream:  # a worker thread's current device may not be the shard's: name the stream
             shard.working.copy_(shard.master, non_blocking=True)
-            done = torch.Event(device)
-            done.record()
-        done.synchronize()
+        stream.record_event().synchronize()
 
     def wait_for(self, params) -> None:
         """Block until the last step's update of `params` (and their working weights) is complete."""
