@@ -13,11 +13,21 @@ from pathlib import Path
 import torch
 
 
-def peak_memory_bytes(device: torch.device) -> int:
-    """Peak memory of this rank: allocator peak on CUDA; on CPU the process's peak resident set size.
+def reset_peak_memory(device: torch.device, offload_store=None) -> None:
+    """Start a step's peak: the allocator's on CUDA and the activation offload's host bytes."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    if offload_store is not None:
+        offload_store.peak_bytes = offload_store.live_bytes
 
-    The CPU number is a process-lifetime high-water mark (it never decreases), which is what the
-    operating system can report without instrumenting every allocation.
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """This rank's peak memory: on CUDA the allocator's peak since `reset_peak_memory` (the step's);
+    on CPU the process's peak resident set size.
+
+    The CPU number is a process-lifetime high-water mark (it never decreases) of everything the
+    process holds, which is what the operating system can report without instrumenting every
+    allocation (`mop bench e2e` does instrument them).
     """
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
@@ -97,10 +107,11 @@ def plot_run(metrics_path: Path, png_path: Path) -> None:
 
     records = read_metrics(metrics_path)
     steps = [r["step"] for r in records]
-    panels = [("training loss", "loss", ["loss"]), ("throughput", "tokens/s", ["tokens_per_s"]),
-              ("memory, worst rank", "MiB", ["peak_mem_bytes", "mem_param_shards_bytes", "mem_grad_shards_bytes",
-                                             "mem_optimizer_state_bytes"])]
     present = set().union(*records)  # a resumed run may have changed layout midway
+    memory = ["peak_mem_bytes", "mem_param_shards_bytes", "mem_grad_shards_bytes", "mem_optimizer_state_bytes",
+              "mem_offloaded_activations_bytes"]
+    panels = [("training loss", "loss", ["loss"]), ("throughput", "tokens/s", ["tokens_per_s"]),
+              ("memory, worst rank", "MiB", [key for key in memory if key in present])]
     if "rank_load_imbalance_before" in present:
         panels.append(("expert load, max/mean over ranks", "imbalance",
                        ["rank_load_imbalance_before", "rank_load_imbalance_after"]))

@@ -37,7 +37,7 @@ from tqdm import tqdm
 from mop import checkpoint
 from mop.config import Config, ConfigError, resolve, validate
 from mop.data import DataError, build_data, group_slice, load_batch, micro_batches, sequence_shard
-from mop.metrics import MetricsLogger, peak_memory_bytes, plot_run, state_bytes
+from mop.metrics import MetricsLogger, peak_memory_bytes, plot_run, reset_peak_memory, state_bytes
 from mop.models.transformer import IGNORE_INDEX, MoETransformer, build_model
 from mop.parallel.mesh import DistLayout, Layout, LayoutError, TorchrunEnv, device_for, init_distributed, set_rank_threads
 from mop.optim.host_adamw import HostAdamW
@@ -219,6 +219,26 @@ def sum_over_ranks(values: list[float], runtime: Runtime, op=dist.ReduceOp.SUM) 
     return tensor.tolist()
 
 
+def per_rank(value: float, runtime: Runtime) -> list[float]:
+    """`value` of every rank, in rank order."""
+    tensor = torch.tensor([value], dtype=torch.float64, device=runtime.device)
+    if runtime.layout is None:
+        return tensor.tolist()
+    gathered = [torch.empty_like(tensor) for _ in range(runtime.world)]
+    dist.all_gather(gathered, tensor, group=runtime.layout.world_group)
+    return torch.cat(gathered).tolist()
+
+
+def step_memory(runtime: Runtime, offload_store) -> dict:
+    """The step's peak memory per rank and on the worst rank (see `peak_memory_bytes`), and the
+    activations the checkpoint offload held in host memory at the step's peak."""
+    peaks = [int(v) for v in per_rank(peak_memory_bytes(runtime.device), runtime)]
+    record = {"peak_mem_bytes": max(peaks), "peak_mem_bytes_per_rank": peaks}
+    if offload_store is not None:
+        record["mem_offloaded_activations_bytes"] = int(max(per_rank(offload_store.peak_bytes, runtime)))
+    return record
+
+
 def worst_rank_state(model, optimizer, host, runtime: Runtime) -> dict:
     """`state_bytes` of the rank that holds the most of each category."""
     state = state_bytes(model, optimizer, host)
@@ -332,7 +352,9 @@ def _train(config: Config, runtime: Runtime) -> list[dict]:
     tokens_per_step = config.train.global_batch * config.data.seq_len
     bar = tqdm(range(first_step, config.train.steps), disable=not (runtime.is_main and config.log.progress),
                unit="step", dynamic_ncols=True, file=sys.stdout, initial=first_step, total=config.train.steps)
+    offload_store = getattr(model, "activation_offload", None)
     for step in bar:
+        reset_peak_memory(runtime.device, offload_store)
         start = time.perf_counter()
         lr = learning_rate(config, step)
         for group in optimizer.param_groups:
@@ -349,9 +371,8 @@ def _train(config: Config, runtime: Runtime) -> list[dict]:
         elapsed = time.perf_counter() - start
         record = {"step": step, **losses, "lr": lr, "grad_norm": grad_norm, "skipped": skipped,
                   "tokens_per_s": tokens_per_step / elapsed, "step_time_s": elapsed,
-                  "peak_mem_bytes": int(sum_over_ranks([peak_memory_bytes(runtime.device)], runtime,
-                                                       op=dist.ReduceOp.MAX)[0]),
-                  **state_memory, **rollback, **expert_metrics(model, runtime, config.parallel.expert)}
+                  **step_memory(runtime, offload_store), **state_memory, **rollback,
+                  **expert_metrics(model, runtime, config.parallel.expert)}
         records.append(record)
         bar.set_postfix(loss=f"{losses['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
         if logger is not None:

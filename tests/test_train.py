@@ -92,6 +92,11 @@ def test_every_technique_at_once_matches_the_reference(tmp_path, reference):
                   "--train.activation_checkpointing=full",
                   "--train.offload_activations=true")
     assert losses(records) == pytest.approx(losses(reference), rel=1e-5)
+    # Each rank's micro-batch is 2 sequences of 16 of its 32 tokens: both blocks' fp32 inputs
+    # ([2, 16, 32]) are in host memory at the peak, between the forward and the backward.
+    assert all(r["mem_offloaded_activations_bytes"] >= 2 * (2 * 16 * 32 * 4) for r in records)
+    assert all(len(r["peak_mem_bytes_per_rank"]) == 2 and max(r["peak_mem_bytes_per_rank"]) == r["peak_mem_bytes"]
+               for r in records)
 
 
 def test_host_optimizer_matches_the_reference(tmp_path, reference):
