@@ -36,8 +36,8 @@ from mop.testing import run_distributed
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--shards", type=int, default=16, help="parameter shards of part 1")
-    parser.add_argument("--shard-size", type=int, default=1 << 20, help="elements per shard")
+    parser.add_argument("--shards", type=int, default=8, help="parameter shards of part 1")
+    parser.add_argument("--shard-size", type=int, default=1 << 22, help="elements per shard")
     parser.add_argument("--update-steps", type=int, default=30, help="timed optimizer steps of part 1 (median)")
     parser.add_argument("--steps", type=int, default=6, help="timed training steps of part 2")
     parser.add_argument("--out", type=Path, default=Path("runs/bench/optimizer.json"))

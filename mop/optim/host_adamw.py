@@ -183,12 +183,13 @@ class HostAdamW:
         state = shard.pieces[index]
         torch._foreach_copy_(list(shard.spare_pieces[index]), list(state))
         shard.speculated[index] = True
-        self._update(shard, state, shard.grad_pieces[index])
+        self._update(shard, [state], [shard.grad_pieces[index]])
 
-    def _update(self, shard: ShardState, state: tuple[torch.Tensor, ...], grad: torch.Tensor,
+    def _update(self, shard: ShardState, states: list[tuple[torch.Tensor, ...]], grads: list[torch.Tensor],
                 grad_scale: torch.Tensor | None = None) -> None:
-        master, exp_avg, exp_avg_sq = state
-        torch._fused_adamw_([master], [grad], [exp_avg], [exp_avg_sq], [], [shard.next_step],
+        """One fused AdamW call over pieces of `shard` (the kernel only reads the step count)."""
+        masters, exp_avgs, exp_avg_sqs = (list(t) for t in zip(*states))
+        torch._fused_adamw_(masters, grads, exp_avgs, exp_avg_sqs, [], [shard.next_step] * len(grads),
                             lr=shard.lr, beta1=self.beta1, beta2=self.beta2, weight_decay=shard.weight_decay,
                             eps=self.eps, amsgrad=False, maximize=False, grad_scale=grad_scale)
 
@@ -226,12 +227,16 @@ class HostAdamW:
         # the hand-over lent the buffer until now), which clips without a scaled copy.
         grad_scale = None if coefficient == 1.0 else torch.tensor(1.0 / coefficient)
         spares = shard.spare_pieces or [None] * len(shard.pieces)
+        states, grads = [], []  # the pieces to update now, in one kernel call
         for state, spare, piece_grad, speculated in zip(shard.pieces, spares, shard.grad_pieces, shard.speculated):
             if speculated and (not finite or coefficient < 1.0):
                 torch._foreach_copy_(list(state), list(spare))  # roll back
                 speculated = False
             if not speculated and finite:
-                self._update(shard, state, piece_grad, grad_scale)
+                states.append(state)
+                grads.append(piece_grad)
+        if grads:
+            self._update(shard, states, grads, grad_scale)
         if finite:
             shard.step.copy_(shard.next_step)
         if shard.working is not shard.master:
