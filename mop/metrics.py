@@ -116,7 +116,7 @@ def plot_run(metrics_path: Path, png_path: Path) -> None:
         panels.append(("expert load, max/mean over ranks", "imbalance",
                        ["rank_load_imbalance_before", "rank_load_imbalance_after"]))
     if "optimizer_exposed_s" in present:
-        panels.append(("host optimizer after the backward", "seconds", ["optimizer_exposed_s"]))
+        panels.append(("host optimizer time the step waited for", "seconds", ["optimizer_exposed_s"]))
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.5), squeeze=False)
     for ax, (title, unit, keys) in zip(axes[0], panels):
         for key in keys:
