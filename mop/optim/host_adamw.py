@@ -3,9 +3,9 @@
 State. For every parameter shard this rank owns (the local tensor of an FSDP2 DTensor, or a plain
 tensor), host memory holds the fp32 master weight, the AdamW moments, the step count and a spare
 copy of the master and moments for rollback (pinned on CUDA machines, allocated once). A shard
-is updated in pieces of at most `piece_elements` (flat views; the update is elementwise), so the
-work still in flight when the norm arrives is one piece, not one whole shard. The device keeps only the
-working weight the model computes with. On a CPU-only machine an fp32 working weight already
+is speculated in pieces of at most `piece_elements` (flat views; the update is elementwise), so
+that speculation not started when the norm arrives is cancelled piece by piece and those pieces
+need no rollback copy. The device keeps only the working weight the model computes with. On a CPU-only machine an fp32 working weight already
 lives in host memory and is its own master.
 
 One optimizer step:
@@ -165,9 +165,8 @@ class HostAdamW:
                 shard.host_grad = _host_like(grad)
             shard.host_grad.copy_(grad, non_blocking=True)
             shard.grad = shard.host_grad
-            if grad.device.type != "cpu":
-                shard.grad_copied = torch.Event(grad.device)
-                shard.grad_copied.record()
+            if grad.device.type != "cpu":  # the copy was queued on the gradient device's current stream
+                shard.grad_copied = torch.accelerator.current_stream(grad.device).record_event()
         shard.lr = self.lr
         shard.next_step = shard.step + 1  # the fused kernel reads the incremented count, as torch.optim.AdamW passes it
         shard.grad_pieces = _pieces(shard.grad, shard.piece_elements)
