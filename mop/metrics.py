@@ -18,7 +18,7 @@ def reset_peak_memory(device: torch.device, offload_store=None) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     if offload_store is not None:
-        offload_store.peak_bytes = offload_store.live_bytes
+        offload_store.reset_peak()
 
 
 def peak_memory_bytes(device: torch.device) -> int:

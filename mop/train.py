@@ -185,8 +185,7 @@ def host_update(model: torch.nn.Module, host: HostAdamW, feed: GradientFeed, max
     grad_norm = clip_gradients(model, 0.0, runtime)  # the norm only: the host applies the coefficient
     start = time.perf_counter()
     redone = host.finish(grad_norm, max_norm)
-    exposed = time.perf_counter() - start + feed.wait_s
-    feed.wait_s = 0.0
+    exposed = time.perf_counter() - start + feed.take_wait_s()
     model.zero_grad(set_to_none=True)
     skipped = not math.isfinite(grad_norm)
     return grad_norm, skipped, {"rollback": redone and not skipped, "optimizer_exposed_s": exposed,
@@ -219,23 +218,25 @@ def sum_over_ranks(values: list[float], runtime: Runtime, op=dist.ReduceOp.SUM) 
     return tensor.tolist()
 
 
-def per_rank(value: float, runtime: Runtime) -> list[float]:
-    """`value` of every rank, in rank order."""
-    tensor = torch.tensor([value], dtype=torch.float64, device=runtime.device)
+def per_rank(values: list[float], runtime: Runtime) -> list[list[float]]:
+    """`values` of every rank, in rank order (one all-gather)."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=runtime.device)
     if runtime.layout is None:
-        return tensor.tolist()
+        return [tensor.tolist()]
     gathered = [torch.empty_like(tensor) for _ in range(runtime.world)]
     dist.all_gather(gathered, tensor, group=runtime.layout.world_group)
-    return torch.cat(gathered).tolist()
+    return torch.stack(gathered).tolist()
 
 
 def step_memory(runtime: Runtime, offload_store) -> dict:
     """The step's peak memory per rank and on the worst rank (see `peak_memory_bytes`), and the
     activations the checkpoint offload held in host memory at the step's peak."""
-    peaks = [int(v) for v in per_rank(peak_memory_bytes(runtime.device), runtime)]
+    offloaded = offload_store.peak_bytes if offload_store is not None else 0
+    ranks = per_rank([peak_memory_bytes(runtime.device), offloaded], runtime)
+    peaks = [int(peak) for peak, _ in ranks]
     record = {"peak_mem_bytes": max(peaks), "peak_mem_bytes_per_rank": peaks}
     if offload_store is not None:
-        record["mem_offloaded_activations_bytes"] = int(max(per_rank(offload_store.peak_bytes, runtime)))
+        record["mem_offloaded_activations_bytes"] = int(max(held for _, held in ranks))
     return record
 
 

@@ -11,7 +11,7 @@ every step. The rank computes with one intra-op thread, so the optimizer's worke
 machine's other core to itself: the situation of a GPU machine, where the device runs the
 backward and the host cores are idle. Exposed optimizer time is what the step waits for the
 optimizer: `optimizer.step()` for torch; for the host optimizer `HostAdamW.finish` plus the time
-the step's forward waited for the previous step's updates (`GradientFeed.wait_s`). The norm and
+the step's forward waited for the previous step's updates (`GradientFeed.take_wait_s`). The norm and
 clipping, which every variant computes after the backward, are reported apart. "hidden" is the
 share of the after-backward optimizer time that the pipelined variant removed. Device memory saved
 is the AdamW state torch would keep on the device (moments, 8 bytes per parameter) that now lives
@@ -120,7 +120,6 @@ def training_rank(rank: int, world: int, steps: int) -> list[dict]:
             start = time.perf_counter()
             if kind != "torch":
                 host.begin_step(1e-4)
-                feed.wait_s = 0.0
                 feed.before_forward()
                 feed.arm()
             model(ids[:, :-1], ids[:, 1:]).backward()
@@ -134,9 +133,10 @@ def training_rank(rank: int, world: int, steps: int) -> list[dict]:
             else:
                 rollbacks += host.finish(norm, max_norm(step)) and step > 0
             model.zero_grad(set_to_none=True)
+            waited = feed.take_wait_s() if kind != "torch" else 0.0  # this step's forward, for the last update
             if step > 0:  # the first step warms up
-                exposed += time.perf_counter() - after_norm + (feed.wait_s if kind != "torch" else 0.0)
-                waits += feed.wait_s if kind != "torch" else 0.0
+                exposed += time.perf_counter() - after_norm + waited
+                waits += waited
                 norm_s += after_norm - after_backward
                 total += time.perf_counter() - start
         if kind != "torch":

@@ -18,8 +18,8 @@ thread in the forward's order: the parameters outside the blocks (embedding, fin
 head) first, then block by block. The next forward waits only for what it is about to read: a
 forward pre-hook on every block, prepended so that it runs before FSDP2's own (which gathers the
 block's shards), waits for that block's parameters, and `before_forward` waits for the rest
-before the step's first forward. So block k's update runs while blocks < k compute. `wait_s`
-accumulates the time the forward spent waiting: the optimizer time the step could not hide.
+before the step's first forward. So block k's update runs while blocks < k compute.
+`take_wait_s` reports the time the forward spent waiting: the optimizer time the step could not hide.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class GradientFeed:
         self.armed = False
         self.delivered: set[int] = set()
         self.early = 0  # parameters delivered from inside the last backward (a metric)
-        self.wait_s = 0.0  # time forwards spent waiting for updates (a metric; the caller resets it)
+        self._wait_s = 0.0  # time forwards spent waiting for updates since `take_wait_s`
         self.params = [p for p in model.parameters() if p.requires_grad]
         for param in self.params:
             if isinstance(param, DTensor):  # FSDP2-sharded: final when FSDP2 assigns it
@@ -70,7 +70,12 @@ class GradientFeed:
     def _wait(self, params) -> None:
         start = time.perf_counter()
         self.optimizer.wait_for(params)
-        self.wait_s += time.perf_counter() - start
+        self._wait_s += time.perf_counter() - start
+
+    def take_wait_s(self) -> float:
+        """Seconds forwards waited for updates since the last call (the optimizer time not hidden)."""
+        waited, self._wait_s = self._wait_s, 0.0
+        return waited
 
     def _wait_before_block(self, params, _module, _args) -> None:
         self._wait(params)

@@ -54,6 +54,10 @@ class HostOffload(saved_tensors_hooks):
 
         super().__init__(pack, unpack)
 
+    def reset_peak(self) -> None:
+        """Start a new peak from what is held now (the trainer calls it at each step)."""
+        self.peak_bytes = self.live_bytes
+
     def _account(self, nbytes: int) -> None:
         self.live_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
