@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import signal
 import sys
 import typing
 
@@ -67,6 +68,18 @@ def run_bench(args) -> None:
     module.report(args, module.run(args))
 
 
+def launch_failure(failures: dict) -> str:
+    """One line on why launched ranks failed: a rank killed by SIGKILL without a traceback was, on
+    Linux, almost always stopped by the out-of-memory killer, which is what to say then."""
+    ranks = ", ".join(map(str, sorted(failures)))
+    if any(failure.exitcode == -signal.SIGKILL for failure in failures.values()):
+        return (f"rank(s) {ranks} failed and at least one was killed by SIGKILL, usually the out-of-memory killer: "
+                "lower data.seq_len or train.micro_batch, or set train.activation_checkpointing=full, "
+                "train.offload_activations=true and raise parallel.sequence / parallel.attention_head_chunks / "
+                "parallel.llep_chunks")
+    return f"rank(s) {ranks} failed; their tracebacks are above"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
@@ -103,8 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         codes = {failure.exitcode for failure in err.failures.values()}
         if codes == {2}:
             return 2  # a user error, already printed by rank 0
-        ranks = ", ".join(map(str, sorted(err.failures)))
-        print(f"mop: error: rank(s) {ranks} failed; their tracebacks are above", file=sys.stderr)
+        print(f"mop: error: {launch_failure(err.failures)}", file=sys.stderr)
         return 1
     return 0
 

@@ -32,7 +32,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from tqdm import tqdm
 
 from mop import checkpoint
 from mop.config import Config, ConfigError, resolve, validate
@@ -42,6 +41,7 @@ from mop.models.transformer import IGNORE_INDEX, MoETransformer, build_model
 from mop.parallel.mesh import DistLayout, Layout, LayoutError, TorchrunEnv, device_for, init_distributed, set_rank_threads
 from mop.optim.host_adamw import HostAdamW
 from mop.optim.pipeline import GradientFeed
+from mop.progress import StepProgress
 from mop.parallel.baseline import parallelize_fsdp2
 from mop.parallel.llep import drain_records
 from mop.parallel.parallelize import apply_memory_options, compute_dtype, parallelize
@@ -248,6 +248,13 @@ def worst_rank_state(model, optimizer, host, runtime: Runtime) -> dict:
     return {**state, **{k: int(v) for k, v in zip(keys, worst)}}
 
 
+def micro_batches_per_step(config: Config, runtime: Runtime) -> int:
+    """Forward passes per optimizer step on each rank: its data group's share of the global batch
+    (ranks of a sequence group share sequences) in micro-batches."""
+    groups = runtime.world // config.parallel.sequence
+    return config.train.global_batch // groups // config.train.micro_batch
+
+
 def local_batches(data, config: Config, runtime: Runtime) -> list[dict]:
     """This rank's micro-batches of the next step: its data group's sequences, its slice of each.
 
@@ -351,10 +358,10 @@ def _train(config: Config, runtime: Runtime) -> list[dict]:
     logger = MetricsLogger(run_dir, config.log.tensorboard, first_step) if runtime.is_main else None
     records = []
     tokens_per_step = config.train.global_batch * config.data.seq_len
-    bar = tqdm(range(first_step, config.train.steps), disable=not (runtime.is_main and config.log.progress),
-               unit="step", dynamic_ncols=True, file=sys.stdout, initial=first_step, total=config.train.steps)
+    progress = StepProgress(model.layers, first_step, config.train.steps, micro_batches_per_step(config, runtime),
+                            enabled=runtime.is_main and config.log.progress)
     offload_store = getattr(model, "activation_offload", None)
-    for step in bar:
+    for step in range(first_step, config.train.steps):
         reset_peak_memory(runtime.device, offload_store)
         start = time.perf_counter()
         lr = learning_rate(config, step)
@@ -375,13 +382,14 @@ def _train(config: Config, runtime: Runtime) -> list[dict]:
                   **step_memory(runtime, offload_store), **state_memory, **rollback,
                   **expert_metrics(model, runtime, config.parallel.expert)}
         records.append(record)
-        bar.set_postfix(loss=f"{losses['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+        progress.step_done(step, loss=f"{losses['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
         if logger is not None:
             logger.log(record)
         done = step + 1
         if config.checkpoint.every and (done % config.checkpoint.every == 0 or done == config.train.steps):
             checkpoint.save(checkpoint.checkpoint_dir(config, run_dir), done, model, optimizer, host, views,
                             data.stream.state_dict(), config, config.checkpoint.keep)
+    progress.close()
     if host is not None:
         host.synchronize()  # the last step's updates, before the model is returned or read
     if logger is not None:

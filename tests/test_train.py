@@ -4,13 +4,19 @@ Runs go through the real command line (in-process `main`, or torchrun in a subpr
 launcher, the config validation, the data split, metrics and plots are all exercised.
 """
 
+import signal
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
+import torch
 
-from mop.cli import main
+from mop.cli import launch_failure, main
 from mop.metrics import read_metrics
+from mop.models.config import ModelConfig
+from mop.models.transformer import build_model
+from mop.progress import StepProgress
 
 # The reference layout, explicitly: tests that run another strategy override only what they test.
 REFERENCE_LAYOUT = ["--parallel.strategy=reference", "--parallel.sequence=1", "--parallel.expert=1",
@@ -158,3 +164,24 @@ def test_bfloat16_autocast_trains_close_to_fp32(tmp_path, reference):
     low = run(tmp_path, "bf16", "--train.dtype=bfloat16")
     assert losses(low)[0] == pytest.approx(losses(reference)[0], abs=0.05)
     assert losses(low)[-1] < losses(low)[0]
+
+
+def test_a_rank_killed_by_the_kernel_is_reported_as_out_of_memory():
+    killed = launch_failure({0: SimpleNamespace(exitcode=-signal.SIGKILL), 1: SimpleNamespace(exitcode=1)})
+    assert "out-of-memory" in killed and "data.seq_len" in killed and "rank(s) 0, 1" in killed
+    assert launch_failure({1: SimpleNamespace(exitcode=1)}) == "rank(s) 1 failed; their tracebacks are above"
+
+
+def test_the_progress_bar_moves_within_a_step():
+    """Each block's forward and backward of each micro-batch is an equal part of the step."""
+    model = build_model(ModelConfig(vocab_size=97, hidden=16, layers=3, heads=2, kv_heads=1, head_dim=8, experts=4,
+                                    expert_intermediate=8), seed=0)
+    progress = StepProgress(model.layers, first_step=4, steps=10, micro_batches=2, enabled=True)
+    ids = torch.randint(0, 97, (1, 8))
+    loss = model(ids, ids)
+    assert progress.bar.n == pytest.approx(4.25)  # 3 of the step's 12 parts: the first micro-batch's forward
+    loss.backward()
+    assert progress.bar.n == pytest.approx(4.5)
+    progress.step_done(4, loss="1.0")
+    assert progress.bar.n == 5
+    progress.close()

@@ -14,6 +14,7 @@ from torch.testing import assert_close
 
 from mop.models.attention import Attention
 from mop.models.config import ModelConfig
+from mop.models.documents import Documents
 from mop.models.transformer import document_positions
 from mop.parallel import DistLayout, Layout
 from mop.parallel.ulysses import UlyssesAttention, head_plan, kv_index
@@ -47,7 +48,7 @@ def attention_case(heads, kv_heads, packed):
 
 def run_case(attention, x, upstream, documents, positions, rows=slice(None)):
     x = x[:, rows].clone().requires_grad_()
-    out = attention(x, positions[:, rows], None if documents is None else documents[:, rows])
+    out = attention(x, positions[:, rows], None if documents is None else Documents.from_ids(documents))
     (out * upstream[:, rows]).sum().backward()
     return out.detach(), x.grad, {n: p.grad for n, p in attention.named_parameters()}
 

@@ -8,7 +8,8 @@ Part 2, the whole model (embedding, blocks, loss), forward + backward, at one se
     no activation checkpointing, full checkpointing, and full checkpointing with host offload,
     at D=1 and D=2.
 
-Memory is the peak of the tensors created during forward + backward on each rank (parameters,
+Data: the first sequence of the shipped corpus packed as `mop train` packs it, with its document
+boundaries (`--documents single`: the same tokens as one document). Memory is the peak of the tensors created during forward + backward on each rank (parameters,
 inputs and pre-allocated gradients excluded; see `mop.bench.memory`), reported per rank (the max
 over ranks). With offload, the host copies are reported separately and not counted in the
 per-rank peak: on a GPU they live in host memory. Time is the mean wall time of forward +
@@ -26,7 +27,9 @@ import torch
 
 from mop.bench.memory import measure_step, preallocate_grads
 from mop.bench.report import MIB, table, write_json
+from mop.data import build_data, sequence_shard
 from mop.models.config import ModelConfig
+from mop.models.documents import Documents
 from mop.models.transformer import Block, IGNORE_INDEX, build_model, init_weights
 from mop.parallel import DistLayout, Layout
 from mop.parallel.checkpointing import apply_activation_checkpointing
@@ -45,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, default=4, help="blocks of the whole-model part")
     parser.add_argument("--head-chunks", type=int, default=4, help="head chunks of the chunked Ulysses variant")
     parser.add_argument("--repeats", type=int, default=2, help="timed forward+backward passes after a warm-up")
+    parser.add_argument("--documents", choices=["packed", "single"], default="packed",
+                        help="packed: the shipped corpus's packed documents, as mop train reads them; "
+                             "single: the same tokens as one document per sequence")
     parser.add_argument("--out", type=Path, default=Path("runs/bench/attention.json"))
 
 
@@ -53,7 +59,18 @@ def model_config(args) -> ModelConfig:
                        kv_heads=args.kv_heads, head_dim=args.head_dim, experts=8, top_k=2, expert_intermediate=args.hidden)
 
 
-def layer_rank(rank, world, cfg: ModelConfig, seq_len: int, chunks: int, repeats: int, piece: str) -> dict:
+def corpus_sequence(seq_len: int, documents: str) -> dict:
+    """The first packed sequence of the shipped corpus as a batch of one, as `mop train` reads it;
+    "single": its tokens as one document (no document ids, positions 0..S-1)."""
+    item = build_data("builtin", "byte", seq_len, seed=0).dataset[0]
+    batch = {key: value.unsqueeze(0) for key, value in item.items()}
+    if documents == "single":
+        batch["document_ids"], batch["position_ids"] = None, torch.arange(seq_len).unsqueeze(0)
+    return batch
+
+
+def layer_rank(rank, world, cfg: ModelConfig, seq_len: int, chunks: int, repeats: int, piece: str,
+               documents: str) -> dict:
     block = Block(cfg, layer=0)
     init_weights(block, seed=0, std=cfg.init_std)  # per-name seeds: the same weights on every rank
     if world > 1:
@@ -61,15 +78,17 @@ def layer_rank(rank, world, cfg: ModelConfig, seq_len: int, chunks: int, repeats
         block.attention.core = UlyssesAttention(layout.sequence_group, cfg.heads, cfg.kv_heads, chunks)
     preallocate_grads(block)
     tokens = seq_len // world
-    positions = torch.arange(rank * tokens, (rank + 1) * tokens).unsqueeze(0)
+    sequence = sequence_shard(corpus_sequence(seq_len, documents), rank, world)
+    full_documents = Documents.from_ids(corpus_sequence(seq_len, documents)["document_ids"]) \
+        if documents == "packed" else None
     if piece == "core":
         inputs = [torch.randn(1, tokens, heads, cfg.head_dim, requires_grad=True)
                   for heads in (cfg.heads, cfg.kv_heads, cfg.kv_heads)]
-        forward = lambda: block.attention.core(*inputs, None)  # noqa: E731
+        forward = lambda: block.attention.core(*inputs, full_documents)  # noqa: E731
     else:
         x = torch.randn(1, tokens, cfg.hidden, requires_grad=True)
         layer = block if piece == "block" else block.attention
-        forward = lambda: layer(x, positions, None)  # noqa: E731
+        forward = lambda: layer(x, sequence["position_ids"], full_documents)  # noqa: E731
 
     def step():
         out = forward()
@@ -78,7 +97,8 @@ def layer_rank(rank, world, cfg: ModelConfig, seq_len: int, chunks: int, repeats
     return measure_step(step, repeats)
 
 
-def model_rank(rank, world, cfg: ModelConfig, seq_len: int, checkpointing: bool, offload: bool, repeats: int) -> dict:
+def model_rank(rank, world, cfg: ModelConfig, seq_len: int, checkpointing: bool, offload: bool, repeats: int,
+               documents: str) -> dict:
     model = build_model(cfg, seed=0)
     layout = None
     if world > 1:
@@ -86,13 +106,9 @@ def model_rank(rank, world, cfg: ModelConfig, seq_len: int, checkpointing: bool,
         apply_sequence_parallel(model, layout.sequence_group, 1)
     store = apply_activation_checkpointing(model, offload, pin_memory=False) if checkpointing else None
     preallocate_grads(model)
-    tokens = seq_len // world
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, cfg.vocab_size, (1, seq_len + 1), generator=g)
-    rows = slice(rank * tokens, (rank + 1) * tokens)
-    batch = {"input_ids": ids[:, :-1][:, rows], "labels": ids[:, 1:][:, rows],
-             "position_ids": torch.arange(seq_len)[rows].unsqueeze(0), "document_ids": None}
-    targets = seq_len - int((ids[:, 1:] == IGNORE_INDEX).sum())
+    full = corpus_sequence(seq_len, documents)
+    batch = sequence_shard(full, rank, world)
+    targets = int((full["labels"] != IGNORE_INDEX).sum())
 
     def step():
         _, loss = micro_batch_objective(model, batch, targets, 1, layout)
@@ -117,7 +133,7 @@ def run(args) -> dict:
             base = None
             for name, world, chunks in variants:
                 result = _worst(run_distributed(layer_rank, world, cfg, seq_len, chunks, args.repeats, piece,
-                                                timeout=1800))
+                                                args.documents, timeout=1800))
                 base = base or result
                 layer_rows.append({"layer": piece, "seq_len": seq_len,
                                    "variant": name, **result, "peak_vs_d1": result["peak_bytes"] / base["peak_bytes"],
@@ -127,16 +143,17 @@ def run(args) -> dict:
         base = None
         for name, checkpointing, offload in (("none", False, False), ("full", True, False), ("full+offload", True, True)):
             result = _worst(run_distributed(model_rank, world, cfg, args.model_seq_len, checkpointing, offload,
-                                            args.repeats, timeout=1800))
+                                            args.repeats, args.documents, timeout=1800))
             base = base or result
             model_rows.append({"D": world, "checkpointing": name, **result,
                                "peak_vs_none": result["peak_bytes"] / base["peak_bytes"],
                                "time_vs_none": result["seconds"] / base["seconds"]})
-    return {"layers": layer_rows, "model": model_rows}
+    return {"documents": args.documents, "layers": layer_rows, "model": model_rows}
 
 
 def report(args, results: dict) -> None:
-    print(table("attention core / attention layer / one block (attention + MoE), forward + backward, per rank",
+    print(table(f"attention core / attention layer / one block (attention + MoE), forward + backward, per rank, "
+                f"{args.documents} documents",
                 ["layer", "seq_len", "variant", "peak MiB", "vs D=1", "time s", "vs D=1"],
                 [[r["layer"], r["seq_len"], r["variant"], r["peak_bytes"] / MIB, r["peak_vs_d1"], r["seconds"],
                   r["time_vs_d1"]] for r in results["layers"]]))

@@ -12,12 +12,18 @@ forward + backward of each micro-batch through `mop.train.forward_backward`, the
 `mop.train.apply_update` (torch AdamW from `build_optimizer`) or, with `optim.offload`, `HostAdamW`
 fed by `GradientFeed` during the backward and `mop.train.host_update`. fp32, clipping at 1.0.
 
-Data. A step is 2 sequences of S random token ids, the same for every configuration, one document
-each: no document ids, so attention runs causal SDPA and no `[S, S]` mask is built. Without
-sequence parallelism each rank trains one sequence. With it (sequence = 2) each rank holds half of
-both sequences; fsdp2's "cp" runs them as two micro-batches (S/2 tokens per rank per forward: CP
+Data. A step is 2 sequences of S tokens of the shipped corpus (byte tokenizer), packed with
+document boundaries exactly as `mop train` packs them and split by the trainer's own
+`local_batches`: the same sequences for every configuration, and every configuration (mop and
+fsdp2 alike) attends within documents through the same kernel (`mop.models.documents`), never
+through an `[S, S]` mask. `--documents single` trains the same tokens as one document per row
+(causal attention over the whole row, no document ids); the JSON records which. Without sequence
+parallelism each rank trains one sequence. With it (sequence = 2) each rank holds half of both
+sequences; fsdp2's "cp" runs them as two micro-batches (S/2 tokens per rank per forward: CP
 with both in one micro-batch holds S tokens per rank, like fsdp2 without CP, and only adds the
 all-to-alls, so it is never the best and is not swept), mop as one micro-batch (S tokens per rank).
+At 64K and more the corpus (150K tokens) holds fewer sequences than a step needs and the packed
+stream repeats them: the work per step is the same.
 
 Configurations. Each system is swept over its own memory options and, per context, its fastest
 configuration that fits is reported (mop-best against fsdp2-best), so neither side is judged by a
@@ -92,15 +98,16 @@ from torch.distributed.tensor import DTensor
 from mop.bench.memory import PeakMemory
 from mop.bench.report import MIB, table, write_json
 from mop.config import ConfigError, load_config
-from mop.data import group_slice, micro_batches, sequence_shard
-from mop.models.transformer import build_model
+from mop.data import build_data
+from mop.models.transformer import IGNORE_INDEX, build_model
 from mop.optim.host_adamw import HostAdamW
 from mop.optim.pipeline import GradientFeed
 from mop.parallel import DistLayout, Layout
 from mop.parallel.baseline import parallelize_fsdp2
 from mop.parallel.parallelize import parallelize
 from mop.testing import run_distributed
-from mop.train import Runtime, apply_update, build_optimizer, forward_backward, host_update
+from mop.train import (Runtime, apply_update, build_optimizer, forward_backward, host_update, local_batches,
+                       sum_over_ranks)
 
 GIB = 2**30
 WORLD = 2
@@ -149,6 +156,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="timed steps per point (median), after a warm-up and a memory step")
     parser.add_argument("--rounds", type=int, default=5,
                         help="rematches of mop-best and fsdp2-best at the longest context both fit (median)")
+    parser.add_argument("--documents", choices=["packed", "single"], default="packed",
+                        help="packed: the shipped corpus packed with document masks, as mop train trains; "
+                             "single: the same tokens as one document per row (pure causal attention)")
     parser.add_argument("--out", type=Path, default=Path("runs/bench/e2e.json"), help="JSON; the PNG goes beside it")
 
 
@@ -170,7 +180,8 @@ def base_settings(args) -> list[str]:
             "--parallel.attention_head_chunks=1", "--parallel.vocab_token_block=0", "--parallel.fsdp_cpu_offload=false",
             "--train.activation_checkpointing=none", "--train.offload_activations=false", "--optim.offload=false",
             f"--train.global_batch={SEQUENCES}", "--train.micro_batch=1", "--train.dtype=float32",
-            "--train.grad_clip=1.0", "--train.device=cpu", "--train.seed=0"]
+            "--train.grad_clip=1.0", "--train.device=cpu", "--train.seed=0", "--data.source=builtin",
+            "--data.tokenizer=byte"]
 
 
 def _options(name: str, known: dict, kind: str) -> list[str]:
@@ -206,18 +217,20 @@ def fsdp2_names(spec: str) -> list[str]:
     return ["plain", *("+".join(c) for c in itertools.chain.from_iterable(combos))]
 
 
-def rank_batches(config, rank: int) -> list[dict]:
-    """This rank's micro-batches of the step: its data group's sequences, its slice of each."""
-    t, seq_len, d = config.train, config.data.seq_len, config.parallel.sequence
-    ids = torch.randint(0, config.model.vocab_size, (t.global_batch, seq_len + 1),
-                        generator=torch.Generator().manual_seed(t.seed))
-    rows = group_slice(list(range(t.global_batch)), rank // d, WORLD // d)
-    batches = []
-    for part in micro_batches(rows, t.micro_batch):
-        full = {"input_ids": ids[part, :-1], "labels": ids[part, 1:],
-                "position_ids": torch.arange(seq_len).expand(len(part), seq_len)}
-        batches.append({**sequence_shard(full, rank % d, d), "document_ids": None})
-    return batches
+def rank_batches(config, runtime: Runtime, documents: str) -> tuple[list[dict], int]:
+    """This rank's micro-batches of one step and the step's global target count: the shipped corpus
+    packed and split as `mop train` does it (`local_batches`). "single": the same tokens as one
+    document per row (no document ids, positions across the whole row)."""
+    d = config.data
+    batches = local_batches(build_data(d.source, d.tokenizer, d.seq_len, config.train.seed), config, runtime)
+    if documents == "single":
+        tokens = d.seq_len // config.parallel.sequence
+        first = runtime.rank % config.parallel.sequence * tokens
+        for batch in batches:
+            batch["document_ids"] = None
+            batch["position_ids"] = torch.arange(first, first + tokens).expand_as(batch["input_ids"])
+    local_targets = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
+    return batches, int(sum_over_ranks([local_targets], runtime)[0])
 
 
 class HostGradients:
@@ -264,7 +277,7 @@ def _host_optimizer_bytes(host: HostAdamW) -> int:
 class Trainer:
     """One rank's model, optimizer and batches; `backward()` then `update()` is one optimizer step."""
 
-    def __init__(self, config, rank: int):
+    def __init__(self, config, rank: int, documents: str):
         self.config = config
         p = config.parallel
         layout = DistLayout(Layout(WORLD, p.sequence, p.expert, p.vocab), torch.device("cpu"))
@@ -280,8 +293,7 @@ class Trainer:
             self.host = HostAdamW(self.optimizer.param_groups, betas=(o.beta1, o.beta2), eps=o.eps)
             self.feed = GradientFeed(self.model, self.host)
         self.optimizer_on_device = not (config.optim.offload or p.fsdp_cpu_offload)
-        self.batches = rank_batches(config, rank)
-        self.targets = config.train.global_batch * config.data.seq_len  # random ids: every label is a target
+        self.batches, self.targets = rank_batches(config, self.runtime, documents)
 
     def backward(self) -> None:
         if self.host is not None:
@@ -329,9 +341,9 @@ class Trainer:
         return memory.peak_bytes, gradients
 
 
-def measure_rank(rank: int, world: int, settings: list[str], budget_bytes: int, steps: int) -> dict:
+def measure_rank(rank: int, world: int, settings: list[str], documents: str, budget_bytes: int, steps: int) -> dict:
     """A warm-up step, a memory step, then `steps` timed steps if the worst rank fits the budget."""
-    trainer = Trainer(load_config(None, settings), rank)
+    trainer = Trainer(load_config(None, settings), rank, documents)
     trainer.step()
     state = trainer.persistent_state()
     peak, gradients = trainer.step_peak()
@@ -357,7 +369,8 @@ def measure_rank(rank: int, world: int, settings: list[str], budget_bytes: int, 
 def measure(args, variant: Variant, context: int) -> dict:
     """One configuration at one context: the worst rank's memory, the slowest rank's time."""
     settings = [*base_settings(args), f"--data.seq_len={context}", *variant.settings]
-    per_rank = run_distributed(measure_rank, WORLD, settings, int(args.budget_gib * GIB), args.steps, timeout=3600)
+    per_rank = run_distributed(measure_rank, WORLD, settings, args.documents, int(args.budget_gib * GIB), args.steps,
+                               timeout=3600)
     worst = max(per_rank, key=lambda r: r["device"])
     seconds = max(r["seconds"] for r in per_rank) if worst["fits"] else None
     return {"config": variant.name, "context": context, **worst, "seconds": seconds,
@@ -455,7 +468,8 @@ def run(args) -> dict:
     rows = sweep(args, chosen)
     table1 = summary(rows)
     head_to_head = rematch(args, chosen, table1)
-    return {"configs": {v.name: list(v.settings) for v in chosen}, "points": rows, "table1": table1,
+    return {"documents": args.documents, "configs": {v.name: list(v.settings) for v in chosen}, "points": rows,
+            "table1": table1,
             "rematch": head_to_head, "targets": targets(args, table1, head_to_head)}
 
 
@@ -499,7 +513,8 @@ def _cell(value):
 
 
 def report(args, results: dict) -> None:
-    print(table(f"tokens/s per rank, W={WORLD}, budget {args.budget_gib:g} GiB per rank (the paper's Table 1)",
+    print(table(f"tokens/s per rank, W={WORLD}, budget {args.budget_gib:g} GiB per rank, {args.documents} documents "
+                "(the paper's Table 1)",
                 ["context", "mop-best", "mop-best config", "fsdp2-best", "fsdp2-best config", "speedup"],
                 [[r["context"], r["mop_best_tokens_per_s"] or "OOM", _cell(r["mop_best"]),
                   r["fsdp2_best_tokens_per_s"] or "OOM", _cell(r["fsdp2_best"]), _cell(r["speedup"])]

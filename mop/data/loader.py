@@ -114,9 +114,11 @@ def micro_batches(indices: list[int], micro_batch: int) -> list[list[int]]:
 def sequence_shard(batch: dict[str, torch.Tensor], index: int, parts: int) -> dict[str, torch.Tensor]:
     """Rank ``index`` of a sequence group's slice ``[index*N, (index+1)*N)`` of every row, N = seq_len/parts.
 
-    Positions and document ids are sliced with the tokens, so they stay global (per document).
+    Positions and document ids are sliced with the tokens, so they stay global (per document); a
+    None entry (no document ids) stays None.
     """
-    return {key: value.chunk(parts, dim=-1)[index].contiguous() for key, value in batch.items()}
+    return {key: None if value is None else value.chunk(parts, dim=-1)[index].contiguous()
+            for key, value in batch.items()}
 
 
 def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

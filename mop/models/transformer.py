@@ -24,6 +24,7 @@ from torch import nn
 
 from mop.models.attention import Attention
 from mop.models.config import ModelConfig
+from mop.models.documents import DocumentBoundaries, Documents
 from mop.models.layers import RMSNorm, SwiGLU
 from mop.models.moe import MoE, RouterStats, load_balancing_loss
 
@@ -53,8 +54,8 @@ class Block(nn.Module):
         self.is_moe = layer >= cfg.dense_layers
         self.mlp = MoE(cfg) if self.is_moe else SwiGLU(cfg.hidden, cfg.dense_intermediate)
 
-    def forward(self, h, position_ids, document_ids):
-        h = h + self.attention(self.attn_norm(h), position_ids, document_ids)
+    def forward(self, h, position_ids, documents: Documents | None):
+        h = h + self.attention(self.attn_norm(h), position_ids, documents)
         if not self.is_moe:
             return h + self.mlp(self.mlp_norm(h)), None
         out, stats = self.mlp(self.mlp_norm(h))
@@ -98,6 +99,7 @@ class MoETransformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden)
+        self.documents = DocumentBoundaries()
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.layers))
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.lm_head = LMHead(cfg)
@@ -109,10 +111,11 @@ class MoETransformer(nn.Module):
         if position_ids is None:
             position_ids = document_positions(document_ids) if document_ids is not None else (
                 torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids))
+        documents = self.documents(document_ids)  # once per forward, shared by every layer
         h = self.embed(input_ids)
         router = None
         for block in self.layers:
-            h, stats = block(h, position_ids, document_ids)
+            h, stats = block(h, position_ids, documents)
             if stats is not None:
                 router = stats if router is None else router + stats
         return self.norm(h), router

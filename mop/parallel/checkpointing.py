@@ -1,14 +1,37 @@
 """Activation checkpointing per block, optionally with the saved block inputs kept in host memory.
 
 "full": each block's forward runs under non-reentrant `torch.utils.checkpoint`: only the block's
-inputs (the residual stream `[B, N, H]` and the small position/document tensors) stay alive until
-the backward, which re-runs the block's forward (collectives included, in the same order on every
-rank) and then its backward.
+inputs (the residual stream `[B, N, H]`, the positions and the micro-batch's `Documents`) stay
+alive until the backward, which re-runs the block's forward (collectives included, in the same
+order on every rank) and then its backward.
+
+Parts that recompute themselves. Head-chunked Ulysses attention (`parallel.attention_head_chunks
+> 1`) and chunked LLEP (`parallel.llep_chunks > 1`) already recompute their internals chunk by
+chunk in their own backward, saving only their inputs. Re-running them in the block's
+recomputation too would make three runs. So they are `KeepsForwardOutputs` parts: in the block's
+forward each keeps its output (and LLEP its count matrix) in the call's `ForwardOutputs`, and in
+the block's recomputation returns it without exchanging or computing anything (chunked LLEP only
+ships its helpers' expert weights again, which its backward needs). What runs, per block and
+micro-batch:
+
+| options                      | attention exchange + kernel | expert dispatch + GEMMs  | rest of the block |
+|------------------------------|-----------------------------|--------------------------|-------------------|
+| no checkpointing, unchunked  | forward                     | forward                  | forward           |
+| no checkpointing, chunked    | forward + backward recompute| forward + backward recompute | forward       |
+| checkpointing, unchunked     | forward + block recompute   | forward + block recompute| forward + block recompute |
+| checkpointing, chunked       | forward + backward recompute| forward + backward recompute | forward + block recompute |
+
+(attention and experts chunk independently: each column follows its own option.) Nothing runs a
+third time. The price under checkpointing: besides the block input, a chunked part's output stays
+alive until the backward (`[B, N, heads * head_dim]` for attention, `[B * N, H]` for the
+experts), offloaded with the input when offload is on. The LLEP count exchange is not repeated in
+any block recomputation (the counts are kept), and only the forward records routing metrics.
 
 Offload: the checkpoint saves its inputs as autograd saved tensors, outside the region whose own
 saved tensors the checkpoint discards; running the checkpoint call under the `HostOffload` saved-
 tensor hooks therefore moves exactly those inputs to host memory (pinned on CUDA) and brings each
-back when the backward reaches its block. The device then holds one block's activations plus the
+back when the backward reaches its block. The kept outputs of the parts above go through the
+same hooks. The device then holds one block's activations plus the
 residual stream being computed. `HostOffload` is torch's `save_on_cpu` plus a count of the bytes
 it holds, which the memory benchmarks and metrics report (on a CPU-only machine host and device
 are the same memory: the option runs and is exact, and the count is how its effect is shown).
@@ -23,11 +46,15 @@ prefix from `state_dict` keys, but `model.named_parameters()` shows it inside ea
 from __future__ import annotations
 
 import weakref
+from contextlib import nullcontext
+from dataclasses import dataclass
 from functools import partial
 
 import torch
+from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX, checkpoint_wrapper
+from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import checkpoint
 
 from mop.models.transformer import MoETransformer
@@ -71,16 +98,92 @@ def canonical_name(name: str) -> str:
     return name.replace(_CHECKPOINT_PREFIX, "")
 
 
-def _offloaded_checkpoint(module, *args, offload: HostOffload, **kwargs):
-    with offload:
-        return checkpoint(module, *args, use_reentrant=False, **kwargs)
+class ForwardOutputs:
+    """The outputs that one checkpointed block call's self-recomputing parts produced in its forward,
+    handed back to them in the block's recomputation (see the module docstring).
+
+    `replaying` is False during the forward (parts `keep` their outputs) and True during the
+    recomputation (parts `take` them instead of computing). Tensors are held through the block's
+    offload hooks when it has them, like the block's own saved input.
+    """
+
+    def __init__(self, offload: HostOffload | None):
+        self.replaying = False
+        self._offload = offload
+        self._kept: dict[int, object] = {}
+
+    def keep(self, part: nn.Module, value) -> None:
+        self._kept[id(part)] = tree_map(self._hold, value)
+
+    def take(self, part: nn.Module):
+        return tree_map(lambda leaf: self._release(leaf) if isinstance(leaf, _Held) else leaf, self._kept.pop(id(part)))
+
+    def _hold(self, leaf):
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        leaf = leaf.detach()
+        return _Held(self._offload.pack_hook(leaf) if self._offload is not None else leaf)
+
+    def _release(self, held: _Held) -> torch.Tensor:
+        return self._offload.unpack_hook(held.value) if self._offload is not None else held.value
+
+
+@dataclass
+class _Held:
+    value: object  # a tensor, or the offload hooks' packed form of one
+
+
+def forward_autocast(device: torch.device):
+    """The autocast state in effect now on `device`'s type, as a factory of a context to re-enter in a
+    backward that recomputes part of this forward (autograd runs backward outside autocast)."""
+    kind = device.type
+    return partial(torch.autocast, kind, dtype=torch.get_autocast_dtype(kind), enabled=torch.is_autocast_enabled(kind))
+
+
+class KeepsForwardOutputs:
+    """Mixin of a module that recomputes its own internals in its backward (head-chunked Ulysses,
+    chunked LLEP): inside a checkpointed block it keeps its output from the forward and returns it in
+    the block's recomputation instead of running a second time. `block_outputs` is set by the
+    block's checkpoint around each call and is None outside one."""
+
+    block_outputs: ForwardOutputs | None = None
+
+    def kept_output(self):
+        """This call's output from the block's forward, when this call is the block's recomputation."""
+        outputs = self.block_outputs
+        return outputs.take(self) if outputs is not None and outputs.replaying else None
+
+    def keep_output(self, value) -> None:
+        """Keep `value` for the block's recomputation, when this call is the block's forward."""
+        outputs = self.block_outputs
+        if outputs is not None and not outputs.replaying:
+            outputs.keep(self, value)
+
+
+def _checkpoint_block(block: nn.Module, *args, offload: HostOffload | None, **kwargs):
+    """Non-reentrant checkpoint of one block call, with a fresh `ForwardOutputs` for its parts: the
+    first run of `run` is the forward, the second (in the backward) the recomputation."""
+    outputs = ForwardOutputs(offload)
+    parts = [m for m in block.modules() if isinstance(m, KeepsForwardOutputs)]
+
+    def run(*run_args, **run_kwargs):
+        for part in parts:
+            part.block_outputs = outputs
+        try:
+            return block(*run_args, **run_kwargs)
+        finally:
+            for part in parts:
+                part.block_outputs = None
+            outputs.replaying = True
+
+    with offload if offload is not None else nullcontext():
+        return checkpoint(run, *args, use_reentrant=False, **kwargs)
 
 
 def apply_activation_checkpointing(model: MoETransformer, offload: bool, pin_memory: bool) -> HostOffload | None:
     """Checkpoint every block; with `offload`, keep the checkpointed inputs in host memory (returned store)."""
     store = HostOffload(pin_memory) if offload else None
-    checkpoint_fn = partial(_offloaded_checkpoint, offload=store) if offload else None
     for index, block in enumerate(model.layers):
-        model.layers[index] = checkpoint_wrapper(block, checkpoint_fn=checkpoint_fn)
+        model.layers[index] = checkpoint_wrapper(block, checkpoint_fn=partial(_checkpoint_block, offload=store))
     model.activation_offload = store
     return store

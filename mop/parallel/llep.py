@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mop.models.moe import Experts, expert_order
+from mop.parallel.checkpointing import KeepsForwardOutputs
 from mop.parallel.comms import all_gather_rows, all_to_all
 from mop.parallel.llep_chunked import ChunkedExperts, chunk_job
 from mop.parallel.llep_plan import Plan, imbalance, plan_ep, plan_llep
@@ -94,7 +95,7 @@ class _Dispatch(torch.autograd.Function):
         return grad_x, None, None
 
 
-class ExpertParallel(nn.Module):
+class ExpertParallel(KeepsForwardOutputs, nn.Module):
     """Drop-in `Experts` for one rank of an expert group; see the module docstring."""
 
     def __init__(self, experts: Experts, layout: DistLayout, options: BalanceOptions):
@@ -113,15 +114,23 @@ class ExpertParallel(nn.Module):
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         top_k = expert_ids.shape[-1]
         order, counts = expert_order(expert_ids, self.num_experts)
-        count_matrix = all_gather_rows(counts.unsqueeze(0), self.group).tolist()
+        # In a checkpointed block's recomputation the counts (and the chunked path's output) are
+        # those of the forward: no count exchange, no second record, no third expert computation.
+        kept = self.kept_output()
+        count_matrix, kept_out = kept if kept is not None else (
+            all_gather_rows(counts.unsqueeze(0), self.group).tolist(), None)
         loads = [sum(column) for column in zip(*count_matrix)]
         plan = self.options.plan(loads, self.ranks)
         routing = build_routing(plan, count_matrix, self.rank)
         exchange = self._exchange(plan, routing)
-        self._record(plan, loads, x)
+        if kept is None:
+            self._record(plan, loads, x)
         if self.options.chunks > 1:
             job = chunk_job(plan, self.options.chunks, count_matrix, self.rank, order, exchange, top_k)
-            return ChunkedExperts.apply(x, weights.reshape(-1), (self.w_gate_up, self.w_down), job)
+            out = ChunkedExperts.apply(x, weights.reshape(-1), (self.w_gate_up, self.w_down), job, kept_out)
+            self.keep_output((count_matrix, out))
+            return out
+        self.keep_output((count_matrix, None))
         assignment = order[torch.tensor(routing.send_rows, dtype=torch.long, device=x.device)]
         received, foreign_gate_up, foreign_down = _Dispatch.apply(
             x[assignment // top_k], (self.w_gate_up, self.w_down), exchange)

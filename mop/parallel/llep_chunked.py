@@ -15,6 +15,9 @@ the computing rank recomputes the expert forward, takes its gradients, and retur
 gradients | outputs] in one all-to-all (the outputs give the routing weights' gradients at the
 source). The foreign experts' weight gradients accumulate over the chunks and return to their
 owners once, at the end, as in the unchunked path.
+In a checkpointed block's recomputation the node is given the forward's output (`kept`): it only
+ships the foreign weights again (its backward needs them) and returns it, so the expert
+computation runs twice in all, forward and backward (`mop.parallel.checkpointing`).
 
 Invariant: the same rows meet the same weights as in `ExpertParallel`, only in C groups, so the
 result matches it (and the single-device layer) up to summation order.
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from mop.parallel.checkpointing import forward_autocast
 from mop.parallel.llep_routing import (Exchange, Routing, build_routing, expert_outputs, finish_gradient_return,
                                       start_gradient_return, start_weight_shipping)
 from mop.parallel.llep_plan import Plan, Slice
@@ -77,9 +81,15 @@ class ChunkedExperts(torch.autograd.Function):
     the owned parameters' `.grad` directly (`add_to_grad`), chunk by chunk."""
 
     @staticmethod
-    def forward(ctx, x, weights_flat, owned: tuple[torch.Tensor, torch.Tensor], job: ChunkJob):
+    def forward(ctx, x, weights_flat, owned: tuple[torch.Tensor, torch.Tensor], job: ChunkJob, kept):
         ex = job.exchange
+        ctx.job, ctx.owned, ctx.autocast = job, owned, forward_autocast(x.device)
         foreign, weight_works = start_weight_shipping(owned, ex)
+        if kept is not None:  # a checkpointed block's recomputation: the backward needs the shipped weights only
+            for work in weight_works:
+                work.wait()
+            ctx.save_for_backward(x, weights_flat, *foreign)
+            return kept
         out = torch.zeros_like(x)
         pending = _dispatch(x, job, 0)
         for work in weight_works:
@@ -95,7 +105,6 @@ class ChunkedExperts(torch.autograd.Function):
             assignment = job.assignments[c]
             out.index_add_(0, assignment // job.top_k, back * weights_flat[assignment].unsqueeze(-1).to(back.dtype))
         ctx.save_for_backward(x, weights_flat, *foreign)
-        ctx.job, ctx.owned = job, owned
         return out
 
     @staticmethod
@@ -120,7 +129,7 @@ class ChunkedExperts(torch.autograd.Function):
             rows = received[:, :hidden].detach().requires_grad_()
             used = [rows] + (leaves[:2] if sum(routing.native_counts) else []) + (
                 leaves[2:] if routing.foreign_experts else [])
-            with torch.enable_grad():
+            with torch.enable_grad(), ctx.autocast():
                 y = expert_outputs(rows, routing, leaves)
                 torch.autograd.backward(y, received[:, hidden:], inputs=used)
             back, _ = _exchange_rows(torch.cat([rows.grad, y.detach()], dim=1), routing.send_splits,
@@ -129,7 +138,7 @@ class ChunkedExperts(torch.autograd.Function):
             grad_weights[assignment] = (grad_out[tokens] * back[:, hidden:]).sum(-1).to(grad_weights.dtype)
         returned, works = start_gradient_return([leaf.grad for leaf in leaves[2:]], owned, ex)
         finish_gradient_return(owned, ex, returned, works)
-        return grad_x, grad_weights, None, None
+        return grad_x, grad_weights, None, None, None
 
 
 def _dispatch(x: torch.Tensor, job: ChunkJob, c: int):

@@ -11,6 +11,24 @@ Order (each step touches only the modules it owns; later steps wrap what earlier
 5. FSDP2 shards whatever weights remain over the world mesh (last: `fully_shard` must see the
    final module tree).
 
+Per-rank sizes of what scales with the context S (N = S/D tokens per rank, B sequences per
+micro-batch, H hidden, h query and kv key/value heads of d dims, E experts, k per token, C_a
+attention head chunks, C_e LLEP chunks, P vocabulary ranks); none is O(S^2):
+- input ids, labels, positions: `[B, N]` int64 each; document ids `[B, N]` int32, all-gathered
+  once per forward to `[B, S]` int32 (transient) under Ulysses and turned into `Documents`:
+  O(documents) integers plus pack masks of at most 256 bytes per token of short documents;
+- RoPE tables: `[B, N, d]` cos and sin per layer; the residual stream and norms `[B, N, H]`;
+- attention: local q/k/v/out `[B, N, (h + 2 kv) d]`; head-sharded, one chunk at a time,
+  `[B, S, h/(D C_a), d]` (N h d / C_a elements) and the kernel's `[B, h/(D C_a), S]` statistics;
+- router: logits and probabilities `[B N, E]` fp32, top-k ids and weights `[B N, k]`, the
+  per-sequence sums `[B, E]`;
+- experts: the `[Ep, E]` count matrix, routing tables of B N k integers, dispatch buffers and
+  expert intermediates of about B N k (H + 2 I) / C_e elements;
+- vocabulary: one `[token_block, V/P]` fp32 logit tile (independent of S) and `[B N]` fp32
+  running statistics;
+- activation checkpointing: per block `[B, N, H]` (plus the outputs of chunked parts, see
+  `mop.parallel.checkpointing`), in host memory with offload.
+
 """
 
 from __future__ import annotations

@@ -11,12 +11,15 @@ each rank owns):
 1. one all-to-all sends, to each rank j, this rank's N tokens of the query heads j owns in chunk
    c together with the key/value heads those queries read (Q, K and V in one collective); rank j
    receives all S tokens of them (sequence-sharded -> head-sharded);
-2. causal attention with the packed-document mask (the reference's own `AttentionCore`) runs on
-   whole sequences for those heads;
+2. causal attention within each packed document (the reference's own `AttentionCore`, the same
+   kernel as every other strategy) runs on whole sequences for those heads;
 3. one all-to-all returns each rank's N tokens of the output heads (head-sharded -> sequence-
    sharded).
-The document ids of the whole sequence are all-gathered once per layer (integers, no gradient).
-Backward runs the inverse exchanges (`comms.all_to_all`).
+Documents: once per forward (not per layer or chunk), `SequenceDocumentBoundaries` all-gathers
+the slices' document ids (int32, 4 bytes per token of the whole sequence, transient) and derives
+the whole sequences' `Documents` (O(documents) host integers, cumulative lengths, and pack masks
+of at most `PACK_TOKENS` bytes per token of the short documents), which every layer and chunk
+reuses. Backward runs the inverse exchanges (`comms.all_to_all`).
 
 Grouped-query attention: query head h reads KV head h // (H / KV). Rank j's chunk needs only the
 KV heads its query heads read, so each KV head goes to exactly the ranks (and chunks) that need
@@ -24,10 +27,16 @@ it: once in total when KV >= D and the head groups align with the chunks; replic
 D/KV ranks sharing it when KV < D (the minimum, since each of them reads it); re-sent per chunk
 when several chunks of one rank read the same KV head (the price of holding one chunk at a time).
 
-Memory. Only one chunk's head-sharded Q/K/V/output and attention temporaries are live at a time
-in the forward. With C > 1 each chunk is also checkpointed: the backward re-runs its exchange and
-attention, so the backward too holds one chunk at a time (one extra exchange and attention
-forward per chunk). C = 1 is plain Ulysses and recomputes nothing.
+Memory per rank: the local q/k/v/output `[B, N, heads, d]` (O(N)); one chunk's head-sharded
+Q/K/V/output `[B, S, H/(D C), d]` (= N H d / C elements) and the kernel's statistics at a time,
+never an `[S, S]` tensor. C = 1 is plain Ulysses: autograd saves the head-sharded tensors and
+recomputes nothing. With C > 1 the chunks run inside one autograd node (`_HeadChunkedAttention`)
+that saves only the local q, k, v; its backward re-exchanges each chunk's Q/K/V, recomputes the
+chunk's attention with autograd, brings the chunk's output gradient over by the inverse exchange
+and backpropagates, so the backward too holds one chunk at a time (one extra Q/K/V exchange and
+attention forward per chunk). Under block activation checkpointing the block's recomputation
+reuses the forward's output instead of running the chunks a third time
+(`mop.parallel.checkpointing`).
 
 Invariants: heads are independent in attention, so the result equals the single-device
 computation up to floating-point summation order; every rank issues the same collectives in the
@@ -41,11 +50,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from mop.models.attention import AttentionCore
+from mop.models.documents import Documents
 from mop.models.moe import RouterStats
 from mop.models.transformer import MoETransformer
+from mop.parallel.checkpointing import KeepsForwardOutputs, forward_autocast
 from mop.parallel.comms import all_gather_rows, all_reduce_sum, all_to_all
 
 
@@ -79,7 +89,25 @@ def kv_index(query: tuple[int, int], kv: tuple[int, int], group: int) -> torch.T
     return index
 
 
-class UlyssesAttention(nn.Module):
+class SequenceDocumentBoundaries(nn.Module):
+    """`MoETransformer.documents` for a sequence group: the `Documents` of whole sequences, from the
+    ids of every rank's slice, all-gathered once per forward (not per layer or head chunk)."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        super().__init__()
+        self.group = group
+        self.ranks = dist.get_world_size(group)
+
+    def forward(self, document_ids: torch.Tensor | None) -> Documents | None:
+        if document_ids is None:
+            return None
+        gathered = all_gather_rows(document_ids, self.group)  # [D*B, N], rank-major
+        batch, tokens = document_ids.shape
+        full = gathered.view(self.ranks, batch, tokens).permute(1, 0, 2).reshape(batch, self.ranks * tokens)
+        return Documents.from_ids(full)
+
+
+class UlyssesAttention(KeepsForwardOutputs, nn.Module):
     """Drop-in `Attention.core` for a sequence group; see the module docstring."""
 
     def __init__(self, group: dist.ProcessGroup, heads: int, kv_heads: int, head_chunks: int):
@@ -91,29 +119,23 @@ class UlyssesAttention(nn.Module):
         self.plans = head_plan(heads, kv_heads, self.ranks, head_chunks)
         self.core = AttentionCore()
 
-    def forward(self, q, k, v, document_ids):
-        full_documents = None if document_ids is None else self._gather_sequence(document_ids)
-        batch, tokens, heads, dim = q.shape
+    def forward(self, q, k, v, documents: Documents | None):
+        if len(self.plans) == 1:
+            (q_chunk,) = self.query_chunks(q)
+            return self.to_sequence(self.attend(self.plans[0], q_chunk, k, v, documents)).flatten(2, 3)
+        kept = self.kept_output()
+        out = _HeadChunkedAttention.apply(q, k, v, self, documents, kept)
+        self.keep_output(out)
+        return out
+
+    def query_chunks(self, q: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Views `[D, B, N, heads per chunk, d]` of `q [B, N, H/.., d]`, one per chunk: destination
+        rank j's query heads of the chunk; global head = j*H/D + c*H/(DC) + i."""
         chunks = len(self.plans)
-        # Query heads grouped [chunk][destination rank] as views, split once: the backward then
-        # assembles q's gradient in one tensor instead of zero-padding one per chunk.
-        q_chunks = q.unflatten(2, (self.ranks, chunks, heads // (self.ranks * chunks))).permute(3, 2, 0, 1, 4, 5)
-        outputs = []
-        for plan, q_chunk in zip(self.plans, q_chunks.unbind(0)):
-            if chunks == 1:
-                outputs.append(self._chunk(plan, q_chunk, k, v, full_documents))
-            else:
-                outputs.append(checkpoint(self._chunk, plan, q_chunk, k, v, full_documents, use_reentrant=False))
-        # outputs[c]: [B, N, D, heads per chunk, d]; global head = j*H/D + c*H/(DC) + i.
-        return torch.stack(outputs, dim=3).flatten(2, 4)
+        return q.unflatten(2, (self.ranks, chunks, -1)).permute(3, 2, 0, 1, 4, 5).unbind(0)
 
-    def _gather_sequence(self, document_ids: torch.Tensor) -> torch.Tensor:
-        gathered = all_gather_rows(document_ids, self.group)  # [D*B, N], rank-major
-        batch, tokens = document_ids.shape
-        return gathered.view(self.ranks, batch, tokens).permute(1, 0, 2).reshape(batch, self.ranks * tokens)
-
-    def _chunk(self, plan: ChunkPlan, q_chunk, k, v, full_documents):
-        """One head chunk: `q_chunk [D, B, N, heads per chunk, d]` holds each destination's query heads."""
+    def attend(self, plan: ChunkPlan, q_chunk, k, v, documents: Documents | None) -> torch.Tensor:
+        """Exchange one chunk's Q/K/V to head-sharded and attend: `[B, S, queries, d]` on this rank."""
         batch, tokens, _, dim = k.shape
         # Send buffer, per destination rank: its query heads, then its K heads, then its V heads,
         # each [B, N, heads, d]; filled in place, so the buffer is the only copy.
@@ -135,16 +157,71 @@ class UlyssesAttention(nn.Module):
         if index is not None:
             index = index.to(k_heads.device)
             k_heads, v_heads = k_heads.index_select(2, index), v_heads.index_select(2, index)
-        out = self.core(q_heads, k_heads, v_heads, full_documents)  # [B, S, queries, d]
-        send_back = out.reshape(batch, self.ranks, tokens, mine[0], dim).transpose(0, 1).reshape(-1)
-        splits = [send_back.numel() // self.ranks] * self.ranks
-        returned = all_to_all(send_back, splits, splits, self.group)
-        return returned.view(self.ranks, batch, tokens, mine[0], dim).permute(1, 2, 0, 3, 4)
+        return self.core(q_heads, k_heads, v_heads, documents)
+
+    def to_sequence(self, out: torch.Tensor) -> torch.Tensor:
+        """Head-sharded `[B, S, queries, d]` -> this rank's tokens of every rank's heads `[B, N, D, queries, d]`."""
+        batch, seq, heads, dim = out.shape
+        tokens = seq // self.ranks
+        send = out.reshape(batch, self.ranks, tokens, heads, dim).transpose(0, 1).reshape(-1)
+        splits = [send.numel() // self.ranks] * self.ranks
+        returned = all_to_all(send, splits, splits, self.group)
+        return returned.view(self.ranks, batch, tokens, heads, dim).permute(1, 2, 0, 3, 4)
+
+    @torch.no_grad()
+    def from_sequence(self, grad_chunk: torch.Tensor) -> torch.Tensor:
+        """The inverse exchange of `to_sequence`, for an output gradient in `query_chunks` layout
+        `[D, B, N, queries, d]` (no autograd): returns `[B, S, queries, d]`."""
+        _, batch, tokens, heads, dim = grad_chunk.shape
+        send = grad_chunk.contiguous()
+        received = torch.empty_like(send)
+        dist.all_to_all_single(received, send, group=self.group)
+        return received.transpose(0, 1).reshape(batch, self.ranks * tokens, heads, dim)
+
+
+class _HeadChunkedAttention(torch.autograd.Function):
+    """Ulysses attention one head chunk at a time, saving only the local q, k, v.
+
+    Forward: per chunk, exchange, attend and return (`kept`, the block checkpoint's copy of this
+    output, skips all of it). Backward, per chunk: exchange the chunk's Q/K/V again and recompute
+    its attention with autograd, bring the chunk's output gradient to head-sharded layout, and
+    backpropagate through the attention and the exchange; q's gradient is written chunk by chunk,
+    k's and v's accumulate over the chunks that read them.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, core: UlyssesAttention, documents, kept):
+        ctx.core, ctx.documents, ctx.autocast = core, documents, forward_autocast(q.device)
+        ctx.save_for_backward(q, k, v)
+        if kept is not None:
+            return kept
+        batch, tokens, heads, dim = q.shape
+        chunks = len(core.plans)
+        out = q.new_empty(batch, tokens, core.ranks, chunks, heads // (core.ranks * chunks), dim)
+        for c, (plan, q_chunk) in enumerate(zip(core.plans, core.query_chunks(q))):
+            out[:, :, :, c] = core.to_sequence(core.attend(plan, q_chunk, k, v, documents))
+        return out.flatten(2, 4)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v = ctx.saved_tensors
+        core, documents = ctx.core, ctx.documents
+        grad_q = torch.empty_like(q)
+        k_leaf, v_leaf = k.detach().requires_grad_(), v.detach().requires_grad_()
+        chunks = zip(core.plans, core.query_chunks(q), core.query_chunks(grad_out), core.query_chunks(grad_q))
+        for plan, q_chunk, grad_chunk, grad_q_chunk in chunks:
+            q_leaf = q_chunk.detach().requires_grad_()
+            with torch.enable_grad(), ctx.autocast():
+                out_heads = core.attend(plan, q_leaf, k_leaf, v_leaf, documents)
+            torch.autograd.backward(out_heads, core.from_sequence(grad_chunk))
+            grad_q_chunk.copy_(q_leaf.grad)
+        return grad_q, k_leaf.grad, v_leaf.grad, None, None, None
 
 
 def apply_sequence_parallel(model: MoETransformer, group: dist.ProcessGroup, head_chunks: int) -> None:
     """Swap every block's attention core for the Ulysses core over `group`."""
     cfg = model.cfg
+    model.documents = SequenceDocumentBoundaries(group)
     for block in model.layers:
         block.attention.core = UlyssesAttention(group, cfg.heads, cfg.kv_heads, head_chunks)
 

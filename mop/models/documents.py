@@ -1,0 +1,183 @@
+"""Causal attention over packed documents without an `[S, S]` tensor, on CPU and CUDA.
+
+A micro-batch of B rows of S tokens is seen as one stream of B*S tokens cut into documents: a
+document never crosses a row, and a row is cut wherever its document id changes (the packer's ids
+are non-decreasing along a row). `Documents.from_ids` derives that cut once per micro-batch from
+the `[B, S]` document ids (one host copy of the ids; everything after it is O(documents) host
+work), and every layer and head chunk reuses it. A micro-batch whose every row holds a single
+document has no `Documents` (None): attention is plain causal SDPA with `is_causal`, no mask.
+
+Kernels (`document_attention`, one entry point that picks by device and dtype):
+- CUDA with bf16/fp16 inputs: `torch.nn.attention.varlen.varlen_attn` (flash attention over
+  cumulative document lengths, causal, GQA without repeating K/V), on the flattened stream.
+- Everywhere else (CPU; fp32 on CUDA): SDPA per segment of the stream, from `Documents.segments`:
+  * a run of consecutive documents of equal length L is one batched `is_causal` SDPA call on the
+    `[n, L]` view of the stream (no copy), so a whole row of one document, or equal-length
+    documents, costs one call;
+  * consecutive documents shorter than `SHORT_DOCUMENT` tokens are packed into groups of at most
+    `PACK_TOKENS` tokens, each one SDPA call with its own `[g, g]` block-diagonal causal mask
+    (g <= PACK_TOKENS), so a stream of tiny documents does not cost one call per document.
+  The segments' outputs are concatenated in stream order. GQA goes through SDPA's `enable_gqa`,
+  which the CPU flash kernel serves without repeating K/V in memory.
+FlexAttention was considered for CUDA and not built: it has no backward on CPU (torch 2.13), so
+it could not be tested here, and varlen_attn needs no compilation. The segment path is the
+fallback on CUDA (fp32, or a torch without varlen_attn).
+
+Memory per call, for T = B*S tokens, h query heads, kv key/value heads, head dim d: the output
+and the softmax statistics (O(T h d)); the pack masks (at most PACK_TOKENS bytes per token, built
+once per micro-batch and shared by every layer); no `[S, S]` tensor. Time follows the sum of the
+squared document lengths (plus at most PACK_TOKENS per token for the packs), not S^2.
+
+Invariant: every query attends exactly to the keys of its own document at positions <= its own,
+as the dense mask `causal & same_document` would say (the tests' oracle).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SHORT_DOCUMENT = 128  # documents shorter than this are packed with their neighbours...
+PACK_TOKENS = 256  # ...into groups of at most this many tokens, one masked SDPA call each
+
+
+@dataclass(frozen=True)
+class Segment:
+    """`count` consecutive documents of `length` tokens each; with a `mask`, one group of several
+    short documents (count 1) attended under that mask. A micro-batch's segments tile its stream
+    in order."""
+
+    count: int
+    length: int
+    mask: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Documents:
+    """The documents of one micro-batch of `rows` x `seq` tokens, as spans of its flattened stream."""
+
+    rows: int
+    seq: int
+    lengths: tuple[int, ...]
+    """Document lengths in stream order (each row's sum to `seq`)."""
+    segments: tuple[Segment, ...]
+    """The SDPA calls of the segment kernel (see the module docstring)."""
+    cu_seqlens: torch.Tensor
+    """int32 `[documents + 1]` cumulative lengths on the ids' device (for varlen_attn)."""
+
+    @property
+    def max_length(self) -> int:
+        return max(self.lengths)
+
+    @staticmethod
+    def from_ids(document_ids: torch.Tensor) -> Documents | None:
+        """The documents of `document_ids [B, S]`; None when every row is a single document."""
+        ids = document_ids.detach().cpu()
+        rows, seq = ids.shape
+        change = ids[:, 1:] != ids[:, :-1]
+        if not bool(change.any()):
+            return None
+        if bool((ids[:, 1:] < ids[:, :-1]).any()):
+            raise ValueError("document ids must be non-decreasing along each row (a change starts a new document)")
+        starts = torch.ones(rows, seq, dtype=torch.bool)
+        starts[:, 1:] = change
+        bounds = torch.cat([starts.flatten().nonzero().squeeze(1), torch.tensor([rows * seq])])
+        lengths = tuple(bounds.diff().tolist())
+        cu_seqlens = bounds.to(device=document_ids.device, dtype=torch.int32)
+        return Documents(rows, seq, lengths, plan_segments(lengths, document_ids.device), cu_seqlens)
+
+
+def plan_segments(lengths: tuple[int, ...], device: torch.device) -> tuple[Segment, ...]:
+    """Runs of equal-length documents and packs of short ones, in stream order."""
+    segments: list[Segment] = []
+    pack: list[int] = []
+
+    def close_pack():
+        if len(pack) > 1:
+            segments.append(Segment(1, sum(pack), pack_mask(pack, device)))
+        elif pack:
+            segments.append(Segment(1, pack[0]))
+        pack.clear()
+
+    for length in lengths:
+        if length < SHORT_DOCUMENT:
+            if sum(pack) + length > PACK_TOKENS:
+                close_pack()
+            pack.append(length)
+            continue
+        close_pack()
+        last = segments[-1] if segments else None
+        if last is not None and last.mask is None and last.length == length:
+            segments[-1] = Segment(last.count + 1, length)
+        else:
+            segments.append(Segment(1, length))
+    close_pack()
+    return tuple(segments)
+
+
+def pack_mask(lengths: list[int], device: torch.device) -> torch.Tensor:
+    """Boolean `[g, g]` mask of a pack of documents: causal within each, nothing across."""
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    size = ids.numel()
+    causal = torch.ones(size, size, dtype=torch.bool).tril_()
+    return (causal & (ids[:, None] == ids[None, :])).to(device)
+
+
+def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents | None) -> torch.Tensor:
+    """Causal attention of `q [B, S, h, d]` over `k, v [B, S, kv, d]` within each document."""
+    gqa = q.shape[2] != k.shape[2]
+    if documents is None:
+        return _sdpa(q, k, v, is_causal=True, gqa=gqa)
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _varlen_attn is not None:
+        return _varlen(q, k, v, documents, gqa)
+    return _segments(q, k, v, documents, gqa)
+
+
+def _sdpa(q, k, v, is_causal: bool, gqa: bool, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """SDPA on `[n, L, heads, d]` tensors, in and out."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                         is_causal=is_causal, enable_gqa=gqa)
+    return out.transpose(1, 2)
+
+
+def _segments(q, k, v, documents: Documents, gqa: bool) -> torch.Tensor:
+    # The segments tile the stream in order: one split per tensor (whose backward is one
+    # concatenation), not a slice per segment (whose backward would pad each gradient to the
+    # whole stream: O(segments x S)).
+    sizes = [s.count * s.length for s in documents.segments]
+    pieces = [t.reshape(-1, *t.shape[2:]).split(sizes) for t in (q, k, v)]  # of [B*S, heads, d]
+    outputs = []
+    for s, q_s, k_s, v_s in zip(documents.segments, *pieces):
+        shape = (s.count, s.length)
+        out = _sdpa(q_s.unflatten(0, shape), k_s.unflatten(0, shape), v_s.unflatten(0, shape),
+                    is_causal=s.mask is None, gqa=gqa, mask=s.mask)
+        outputs.append(out.flatten(0, 1))
+    out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+    return out.reshape(q.shape)
+
+
+try:
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+except ImportError:  # torch < 2.10
+    _varlen_attn = None
+
+
+def _varlen(q, k, v, documents: Documents, gqa: bool) -> torch.Tensor:
+    stream = [t.reshape(-1, *t.shape[2:]) for t in (q, k, v)]
+    cu, longest = documents.cu_seqlens, documents.max_length
+    out = _varlen_attn(*stream, cu, cu, longest, longest, window_size=(-1, 0), enable_gqa=gqa)
+    return out.view(q.shape)
+
+
+class DocumentBoundaries(nn.Module):
+    """The model's seam from a micro-batch's document ids to its `Documents`, called once per forward.
+
+    Sequence parallelism swaps it for one that first gathers the ids of whole sequences
+    (`mop.parallel.ulysses.SequenceDocumentBoundaries`).
+    """
+
+    def forward(self, document_ids: torch.Tensor | None) -> Documents | None:
+        return None if document_ids is None else Documents.from_ids(document_ids)

@@ -1,0 +1,159 @@
+"""Packed-document attention against the dense-mask oracle: the single-device kernel and the Ulysses
+core (D = 2, 4 gloo ranks, one or two head chunks), outputs and the gradients of q, k and v.
+
+The oracle is SDPA with the dense `[B, 1, S, S]` mask `causal & same_document`, the definition of
+packed-document attention; it lives here only, at small S. The layouts cover one-token documents,
+a document filling a whole row, documents crossing the Ulysses slice boundaries, runs of
+equal-length documents (one batched call) and packs of short ones (one masked call).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+from mop.models.documents import PACK_TOKENS, SHORT_DOCUMENT, Documents, document_attention
+from mop.parallel import DistLayout, Layout
+from mop.parallel.ulysses import UlyssesAttention
+from mop.testing import run_distributed
+
+SEQ, HEADS, DIM = 512, 8, 8
+
+
+def ids_from_lengths(*rows: list[int]) -> torch.Tensor:
+    """`[B, S]` document ids (0, 1, ... along each row) from each row's document lengths."""
+    out = []
+    for lengths in rows:
+        assert sum(lengths) == SEQ
+        out.append(torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)))
+    return torch.stack(out)
+
+
+def random_lengths(seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    lengths, left = [], SEQ
+    while left:
+        size = int(torch.randint(1, 4, (1,), generator=g)) if torch.rand(1, generator=g) < 0.5 else int(
+            torch.randint(1, 300, (1,), generator=g))
+        lengths.append(min(size, left))
+        left -= lengths[-1]
+    return lengths
+
+
+LAYOUTS = {
+    # A whole row one document; one-token documents, then a run of two equal long ones.
+    "whole-row+tiny": ids_from_lengths([SEQ], [1] * 40 + [200, 200, 72]),
+    # Documents crossing the slice boundaries of D=2 (256) and D=4 (128, 256, 384).
+    "crossing-slices": ids_from_lengths([100, 150, 130, 132], [3, 250, 259]),
+    "random": ids_from_lengths(random_lengths(1), random_lengths(2)),
+}
+CASES = [(layout, kv_heads, chunks) for layout in LAYOUTS for kv_heads in (1, 2, 4) for chunks in (1, 2)]
+
+
+def dense_oracle(q, k, v, document_ids):
+    seq = document_ids.shape[1]
+    mask = torch.ones(seq, seq, dtype=torch.bool).tril() & (document_ids[:, :, None] == document_ids[:, None, :])
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=mask.unsqueeze(1), enable_gqa=q.shape[2] != k.shape[2])
+    return out.transpose(1, 2)
+
+
+def inputs(kv_heads: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed + kv_heads)
+    batch = 2
+    q = torch.randn(batch, SEQ, HEADS, DIM, generator=g)
+    k, v = (torch.randn(batch, SEQ, kv_heads, DIM, generator=g) for _ in range(2))
+    upstream = torch.randn(batch, SEQ, HEADS, DIM, generator=g)
+    return q, k, v, upstream
+
+
+def output_and_grads(attend, q, k, v, upstream):
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    out = attend(q, k, v)
+    (out * upstream).sum().backward()
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def oracle_case(layout: str, kv_heads: int):
+    q, k, v, upstream = inputs(kv_heads)
+    return output_and_grads(lambda *t: dense_oracle(*t, LAYOUTS[layout]), q, k, v, upstream)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+def test_kernel_matches_the_dense_mask(layout, kv_heads):
+    q, k, v, upstream = inputs(kv_heads)
+    documents = Documents.from_ids(LAYOUTS[layout])
+    got = output_and_grads(lambda *t: document_attention(*t, documents), q, k, v, upstream)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, oracle_case(layout, kv_heads)):
+        assert_close(a, b, atol=1e-5, rtol=1e-5, msg=f"{name} {layout} kv_heads={kv_heads}")
+
+
+def test_one_document_per_row_is_plain_causal_attention():
+    assert Documents.from_ids(torch.zeros(2, SEQ, dtype=torch.int32)) is None
+    q, k, v, upstream = inputs(2)
+    got = output_and_grads(lambda *t: document_attention(*t, None), q, k, v, upstream)
+    want = output_and_grads(lambda *t: dense_oracle(*t, torch.zeros(2, SEQ)), q, k, v, upstream)
+    for a, b in zip(got, want):
+        assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_segments_batch_equal_runs_and_pack_short_documents():
+    documents = Documents.from_ids(LAYOUTS["whole-row+tiny"])
+    shapes = [(s.count, s.length, s.mask is not None) for s in documents.segments]
+    # The whole row alone; 40 one-token documents in one masked pack; two equal 200-token documents
+    # in one batched call; the 72-token tail (short, but alone in its pack: no mask).
+    assert shapes == [(1, SEQ, False), (1, 40, True), (2, 200, False), (1, 72, False)]
+    assert documents.lengths == (SEQ, *[1] * 40, 200, 200, 72)
+    assert documents.cu_seqlens.tolist() == [0, SEQ, *range(SEQ + 1, SEQ + 41), SEQ + 240, SEQ + 440, 2 * SEQ]
+    random = Documents.from_ids(LAYOUTS["random"])
+    for s in random.segments:
+        if s.mask is not None:
+            assert s.length <= PACK_TOKENS and s.mask.shape == (s.length, s.length)
+    assert sum(s.count * s.length for s in random.segments) == 2 * SEQ
+    assert any(s.mask is None and s.length >= SHORT_DOCUMENT for s in random.segments)
+
+
+def test_decreasing_document_ids_are_rejected():
+    with pytest.raises(ValueError, match="non-decreasing"):
+        Documents.from_ids(torch.tensor([[0, 0, 1, 1, 0]]))
+
+
+def _ulysses_cases(rank, world):
+    layout = DistLayout(Layout(world, sequence=world), torch.device("cpu"))
+    tokens = SEQ // world
+    rows = slice(rank * tokens, (rank + 1) * tokens)
+    results = []
+    for name, kv_heads, chunks in CASES:
+        core = UlyssesAttention(layout.sequence_group, HEADS, kv_heads, chunks)
+        documents = Documents.from_ids(LAYOUTS[name])
+        q, k, v, upstream = (t[:, rows] for t in inputs(kv_heads))
+        results.append(output_and_grads(lambda *t: core(*t, documents), q, k, v, upstream))
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ulysses_core_matches_the_dense_mask(world):
+    per_rank = run_distributed(_ulysses_cases, world)
+    tokens = SEQ // world
+    for index, (name, kv_heads, chunks) in enumerate(CASES):
+        want = oracle_case(name, kv_heads)
+        for rank, results in enumerate(per_rank):
+            rows = slice(rank * tokens, (rank + 1) * tokens)
+            for label, got, full in zip(("out", "dq", "dk", "dv"), results[index], want):
+                assert_close(got, full[:, rows], atol=1e-5, rtol=1e-5,
+                             msg=f"{label} D={world} {name} kv_heads={kv_heads} chunks={chunks} rank {rank}")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the varlen kernel needs a GPU")
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_cuda_varlen_kernel_matches_the_dense_mask(layout):
+    """bf16 flash varlen against the fp32 oracle on the same bf16 inputs: bf16 output rounding
+    (2^-8 relative) and bf16 gradient accumulation bound the difference."""
+    q, k, v, upstream = (t.cuda().bfloat16() for t in inputs(2))
+    ids = LAYOUTS[layout].cuda()
+    documents = Documents.from_ids(ids)
+    got = output_and_grads(lambda *t: document_attention(*t, documents), q, k, v, upstream)
+    want = output_and_grads(lambda *t: dense_oracle(*t, ids), *(t.float() for t in (q, k, v, upstream)))
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        assert_close(a.float(), b, atol=3e-2, rtol=2e-2, msg=f"{name} {layout}")

@@ -1,0 +1,149 @@
+"""Long packed-document context: O(S) attention memory, no third recomputation under activation
+checkpointing, and `mop train` on packed documents matching the reference on 2 and 4 ranks."""
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+from torch.testing import assert_close
+
+import mop.models.attention
+import mop.parallel.llep_chunked
+from mop.bench.memory import PeakMemory
+from mop.config import load_config, validate
+from mop.data import build_data
+from mop.models.attention import Attention
+from mop.models.config import ModelConfig
+from mop.models.documents import PACK_TOKENS, Documents
+from mop.models.transformer import IGNORE_INDEX, build_model, document_positions
+from mop.parallel import DistLayout, Layout
+from mop.parallel.checkpointing import canonical_name
+from mop.parallel.parallelize import parallelize
+from mop.testing import run_distributed
+from mop.train import Runtime, forward_backward
+from test_train import losses, run
+
+
+def document_lengths(total: int, seed: int) -> list[int]:
+    """Corpus-like documents: mostly hundreds to thousands of tokens, some very short."""
+    g = torch.Generator().manual_seed(seed)
+    lengths, left = [], total
+    while left:
+        long = torch.rand(1, generator=g) < 0.6
+        size = int(torch.randint(100, 3000, (1,), generator=g)) if long else int(torch.randint(1, 64, (1,), generator=g))
+        lengths.append(min(size, left))
+        left -= lengths[-1]
+    return lengths
+
+
+def test_attention_memory_is_linear_in_context():
+    """One attention layer, forward and backward, at S = 32K: an [S, S] tensor of even one byte per
+    element (1 GiB) cannot fit under the O(S) bound."""
+    seq = 32768
+    cfg = ModelConfig(hidden=64, heads=4, kv_heads=2, head_dim=16)
+    attention = Attention(cfg)
+    lengths = document_lengths(seq, seed=0)
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).unsqueeze(0)
+    x = torch.randn(1, seq, cfg.hidden, requires_grad=True)
+    positions = document_positions(ids)
+    with PeakMemory(torch.device("cpu")) as memory:
+        out = attention(x, positions, Documents.from_ids(ids))
+        out.sum().backward()
+    # Per token: the layer's input and its q, k, v (fp32), eight times over (projections, norms,
+    # RoPE, output and their gradients), plus at most one pack-mask byte per packed token pair.
+    per_token = 8 * 4 * (cfg.hidden + (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim) + PACK_TOKENS
+    bound = seq * per_token
+    assert bound < seq * seq // 4
+    assert memory.peak_bytes < bound, f"peak {memory.peak_bytes / 2**20:.0f} MiB over the O(S) bound"
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+MODEL = ["--model.vocab_size=64", "--model.hidden=32", "--model.layers=2", "--model.heads=4", "--model.kv_heads=2",
+         "--model.head_dim=8", "--model.experts=4", "--model.expert_intermediate=16", "--data.seq_len=64"]
+CHUNKED = ["--parallel.strategy=mop", "--parallel.nproc=2", "--parallel.sequence=2", "--parallel.expert=2",
+           "--parallel.vocab=1", "--parallel.expert_balance=llep", "--parallel.llep_min_chunk=4",
+           "--parallel.llep_gate=1.0", "--parallel.llep_chunks=2", "--parallel.attention_head_chunks=2",
+           "--optim.offload=false", "--train.global_batch=2", "--train.micro_batch=1"]
+
+
+def packed_batch(seq: int) -> dict:
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 64, (1, seq + 1), generator=g)
+    documents = torch.repeat_interleave(torch.arange(5), torch.tensor([5, 30, 1, 20, 8])).unsqueeze(0)
+    labels = ids[:, 1:].clone()
+    labels[0, 4] = IGNORE_INDEX
+    return {"input_ids": ids[:, :-1], "labels": labels, "position_ids": document_positions(documents),
+            "document_ids": documents}
+
+
+def _count_passes(rank, world, extra):
+    """One micro-batch's forward and backward, counting the attention kernel and expert-chunk calls."""
+    config = validate(load_config(None, [*MODEL, *CHUNKED, *extra]), world)
+    counts = {"attention": 0, "expert chunks": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            counts[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    mop.models.attention.document_attention = counted("attention", mop.models.attention.document_attention)
+    mop.parallel.llep_chunked.expert_outputs = counted("expert chunks", mop.parallel.llep_chunked.expert_outputs)
+    layout = DistLayout(Layout(world, 2, 2, 1), torch.device("cpu"))
+    model = parallelize(build_model(config.model, seed=4), layout, config)
+    batch = packed_batch(config.data.seq_len)
+    tokens = config.data.seq_len // world
+    mine = {k: v[:, rank * tokens:(rank + 1) * tokens] for k, v in batch.items()}
+    forward_backward(model, [mine], int((batch["labels"] != IGNORE_INDEX).sum()), 1,
+                     Runtime(rank, world, layout.device, layout))
+    grads = {canonical_name(n): (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
+             for n, p in model.named_parameters()}
+    return counts, grads
+
+
+@pytest.mark.parametrize("checkpointing", [["--train.activation_checkpointing=full"],
+                                           ["--train.activation_checkpointing=full",
+                                            "--train.offload_activations=true"]])
+def test_checkpointed_blocks_do_not_recompute_chunked_parts_twice(checkpointing):
+    """Head-chunked attention and chunked LLEP recompute themselves in their backward; a checkpointed
+    block hands them their forward outputs in its recomputation, so each still runs exactly twice
+    (forward, backward), as without checkpointing, and the gradients are the same."""
+    plain = run_distributed(_count_passes, 2, [])
+    checkpointed = run_distributed(_count_passes, 2, checkpointing)
+    layers, chunks = 2, 2
+    for (counts, grads), (counts_ac, grads_ac) in zip(plain, checkpointed):
+        assert counts == {"attention": 2 * layers * chunks, "expert chunks": 2 * layers * chunks}
+        assert counts_ac == counts
+        for name, grad in grads.items():
+            assert_close(grads_ac[name], grad, atol=1e-6, rtol=1e-6, msg=name)
+
+
+def short_document_corpus(path) -> str:
+    """A text corpus of short documents (1 to 40 bytes) so that every 64-token sequence holds several."""
+    g = torch.Generator().manual_seed(11)
+    letters = "abcdefghij klmnopqrstuvwxyz"
+    docs = ["".join(letters[i] for i in torch.randint(0, len(letters), (int(n),), generator=g).tolist()).strip() or "x"
+            for n in torch.randint(1, 40, (300,), generator=g)]
+    path.write_text("\n\n".join(docs) + "\n")
+    return str(path)
+
+
+PACKED = ["--data.seq_len=64", "--model.heads=4", "--model.kv_heads=2", "--model.head_dim=8", "--train.micro_batch=1"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world, layout", [
+    (2, ["--parallel.sequence=2", "--parallel.expert=2", "--parallel.vocab=2", "--parallel.attention_head_chunks=2",
+         "--parallel.llep_chunks=2", "--train.activation_checkpointing=full", "--train.offload_activations=true",
+         "--optim.offload=true"]),
+    (4, ["--parallel.sequence=4", "--parallel.expert=2", "--parallel.vocab=2", "--optim.offload=false"]),
+])
+def test_packed_documents_train_like_the_reference(tmp_path, world, layout):
+    corpus = short_document_corpus(tmp_path / "short.txt")
+    data = build_data(corpus, "byte", 64, seed=0)
+    assert min(int(data.dataset[i]["document_ids"].max()) for i in range(len(data.dataset))) >= 1  # every sequence packs 2+ documents
+    reference = run(tmp_path, "reference", *PACKED, f"--data.source={corpus}")
+    records = run(tmp_path, f"mop{world}", *PACKED, f"--data.source={corpus}", "--parallel.strategy=mop",
+                  f"--parallel.nproc={world}", "--parallel.expert_balance=llep", "--parallel.llep_min_chunk=4",
+                  "--parallel.llep_gate=1.0", *layout)
+    assert losses(records) == pytest.approx(losses(reference), rel=1e-5)
+    assert [r["grad_norm"] for r in records] == pytest.approx([r["grad_norm"] for r in reference], rel=1e-5)
