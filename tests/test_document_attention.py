@@ -1,5 +1,5 @@
 """Packed-document attention against the dense-mask oracle: the single-device kernel and the Ulysses
-core (D = 2, 4 gloo ranks, one or two head chunks), outputs and the gradients of q, k and v.
+core (D = 1, 2, 4 gloo ranks, one or two head chunks), outputs and the gradients of q, k and v.
 
 The oracle is SDPA with the dense `[B, 1, S, S]` mask `causal & same_document`, the definition of
 packed-document attention; it lives here only, at small S. The layouts cover one-token documents,
@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
+from mop.models import documents as documents_module
 from mop.models.documents import PACK_TOKENS, SHORT_DOCUMENT, Documents, document_attention
 from mop.parallel import DistLayout, Layout
-from mop.parallel.ulysses import UlyssesAttention
+from mop.parallel.ulysses import SequenceDocumentBoundaries, UlyssesAttention
 from mop.testing import run_distributed
 
 SEQ, HEADS, DIM = 512, 8, 8
@@ -45,7 +46,11 @@ LAYOUTS = {
     "whole-row+tiny": ids_from_lengths([SEQ], [1] * 40 + [200, 200, 72]),
     # Documents crossing the slice boundaries of D=2 (256) and D=4 (128, 256, 384).
     "crossing-slices": ids_from_lengths([100, 150, 130, 132], [3, 250, 259]),
-    "random": ids_from_lengths(random_lengths(1), random_lengths(2)),
+    # A run of equal documents across the row boundary (one batched call over both rows).
+    "run-across-rows": ids_from_lengths([312, 200], [200, 272] + [1] * 40),
+    # A pack of short documents across the row boundary (one masked call over both rows).
+    "pack-across-rows": ids_from_lengths([480] + [1] * 32, [2] * 20 + [472]),
+    **{f"random-{seed}": ids_from_lengths(random_lengths(2 * seed), random_lengths(2 * seed + 1)) for seed in range(3)},
 }
 CASES = [(layout, kv_heads, chunks) for layout in LAYOUTS for kv_heads in (1, 2, 4) for chunks in (1, 2)]
 
@@ -80,7 +85,7 @@ def oracle_case(layout: str, kv_heads: int):
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+@pytest.mark.parametrize("kv_heads", [1, 2, 4, HEADS])
 def test_kernel_matches_the_dense_mask(layout, kv_heads):
     q, k, v, upstream = inputs(kv_heads)
     documents = Documents.from_ids(LAYOUTS[layout])
@@ -101,12 +106,18 @@ def test_one_document_per_row_is_plain_causal_attention():
 def test_segments_batch_equal_runs_and_pack_short_documents():
     documents = Documents.from_ids(LAYOUTS["whole-row+tiny"])
     shapes = [(s.count, s.length, s.mask is not None) for s in documents.segments]
+    runs = Documents.from_ids(LAYOUTS["run-across-rows"]).segments
+    packs = Documents.from_ids(LAYOUTS["pack-across-rows"]).segments
+    assert [(s.count, s.length, s.mask is not None) for s in runs] == [(1, 312, False), (2, 200, False),
+                                                                     (1, 272, False), (1, 40, True)]
+    assert [(s.count, s.length, s.mask is not None) for s in packs] == [(1, 480, False), (1, 72, True),
+                                                                      (1, 472, False)]
     # The whole row alone; 40 one-token documents in one masked pack; two equal 200-token documents
     # in one batched call; the 72-token tail (short, but alone in its pack: no mask).
     assert shapes == [(1, SEQ, False), (1, 40, True), (2, 200, False), (1, 72, False)]
     assert documents.lengths == (SEQ, *[1] * 40, 200, 200, 72)
     assert documents.cu_seqlens.tolist() == [0, SEQ, *range(SEQ + 1, SEQ + 41), SEQ + 240, SEQ + 440, 2 * SEQ]
-    random = Documents.from_ids(LAYOUTS["random"])
+    random = Documents.from_ids(LAYOUTS["random-0"])
     for s in random.segments:
         if s.mask is not None:
             assert s.length <= PACK_TOKENS and s.mask.shape == (s.length, s.length)
@@ -120,19 +131,22 @@ def test_decreasing_document_ids_are_rejected():
 
 
 def _ulysses_cases(rank, world):
+    """Each rank holds its slice of both rows: the documents come from the slices' ids, gathered."""
     layout = DistLayout(Layout(world, sequence=world), torch.device("cpu"))
     tokens = SEQ // world
     rows = slice(rank * tokens, (rank + 1) * tokens)
+    boundaries = SequenceDocumentBoundaries(layout.sequence_group)
     results = []
     for name, kv_heads, chunks in CASES:
         core = UlyssesAttention(layout.sequence_group, HEADS, kv_heads, chunks)
-        documents = Documents.from_ids(LAYOUTS[name])
+        documents = boundaries(LAYOUTS[name][:, rows])
+        assert documents.lengths == Documents.from_ids(LAYOUTS[name]).lengths
         q, k, v, upstream = (t[:, rows] for t in inputs(kv_heads))
         results.append(output_and_grads(lambda *t: core(*t, documents), q, k, v, upstream))
     return results
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [1, 2, 4])
 def test_ulysses_core_matches_the_dense_mask(world):
     per_rank = run_distributed(_ulysses_cases, world)
     tokens = SEQ // world
@@ -147,13 +161,19 @@ def test_ulysses_core_matches_the_dense_mask(world):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the varlen kernel needs a GPU")
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_cuda_varlen_kernel_matches_the_dense_mask(layout):
-    """bf16 flash varlen against the fp32 oracle on the same bf16 inputs: bf16 output rounding
-    (2^-8 relative) and bf16 gradient accumulation bound the difference."""
+@pytest.mark.parametrize("autocast", [False, True])
+def test_cuda_varlen_kernel_matches_the_dense_mask(layout, autocast):
+    """bf16 flash varlen against the fp32 oracle on the same bf16-rounded inputs: bf16 output
+    rounding (2^-8 relative) and bf16 gradient accumulation bound the difference. Under autocast
+    the inputs arrive in fp32 (as the reference's q/k norms leave them) and still take varlen."""
     q, k, v, upstream = (t.cuda().bfloat16() for t in inputs(2))
     ids = LAYOUTS[layout].cuda()
     documents = Documents.from_ids(ids)
-    got = output_and_grads(lambda *t: document_attention(*t, documents), q, k, v, upstream)
+    assert documents_module.varlen_dtype(q) == torch.bfloat16
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        assert documents_module.varlen_dtype(q.float()) == (torch.bfloat16 if autocast else None)
+        got = output_and_grads(lambda *t: document_attention(*t, documents),
+                               *(t.float() if autocast else t for t in (q, k, v)), upstream)
     want = output_and_grads(lambda *t: dense_oracle(*t, ids), *(t.float() for t in (q, k, v, upstream)))
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
         assert_close(a.float(), b, atol=3e-2, rtol=2e-2, msg=f"{name} {layout}")

@@ -24,20 +24,26 @@ from test_train import losses, run
 
 
 def document_lengths(total: int, seed: int) -> list[int]:
-    """Corpus-like documents: mostly hundreds to thousands of tokens, some very short."""
+    """Documents of 128 to 600 tokens, half of them followed by a run of very short ones."""
     g = torch.Generator().manual_seed(seed)
-    lengths, left = [], total
-    while left:
-        long = torch.rand(1, generator=g) < 0.6
-        size = int(torch.randint(100, 3000, (1,), generator=g)) if long else int(torch.randint(1, 64, (1,), generator=g))
-        lengths.append(min(size, left))
-        left -= lengths[-1]
-    return lengths
+    lengths = []
+    while sum(lengths) < total:
+        lengths.append(int(torch.randint(128, 600, (1,), generator=g)))
+        if torch.rand(1, generator=g) < 0.5:
+            lengths += torch.randint(1, 16, (int(torch.randint(2, 20, (1,), generator=g)),), generator=g).tolist()
+    cut, left = [], total
+    for n in lengths:
+        if left:
+            cut.append(min(n, left))
+            left -= cut[-1]
+    return cut
 
 
 def test_attention_memory_is_linear_in_context():
     """One attention layer, forward and backward, at S = 32K: an [S, S] tensor of even one byte per
-    element (1 GiB) cannot fit under the O(S) bound."""
+    element (1 GiB) cannot fit under the O(S) peak bound; and the sum of every allocation is O(S)
+    too, which a cost per segment and token cannot meet (one q-sized tensor per segment would be
+    over 100 x 8 MiB)."""
     seq = 32768
     cfg = ModelConfig(hidden=64, heads=4, kv_heads=2, head_dim=16)
     attention = Attention(cfg)
@@ -46,14 +52,17 @@ def test_attention_memory_is_linear_in_context():
     x = torch.randn(1, seq, cfg.hidden, requires_grad=True)
     positions = document_positions(ids)
     with PeakMemory(torch.device("cpu")) as memory:
-        out = attention(x, positions, Documents.from_ids(ids))
+        documents = Documents.from_ids(ids)
+        out = attention(x, positions, documents)
         out.sum().backward()
+    assert len(documents.segments) > 100 and any(s.mask is not None for s in documents.segments)
     # Per token: the layer's input and its q, k, v (fp32), eight times over (projections, norms,
     # RoPE, output and their gradients), plus at most one pack-mask byte per packed token pair.
     per_token = 8 * 4 * (cfg.hidden + (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim) + PACK_TOKENS
     bound = seq * per_token
     assert bound < seq * seq // 4
     assert memory.peak_bytes < bound, f"peak {memory.peak_bytes / 2**20:.0f} MiB over the O(S) bound"
+    assert memory.allocated_bytes < 4 * bound, f"{memory.allocated_bytes / 2**20:.0f} MiB allocated in all"
     assert x.grad is not None and torch.isfinite(x.grad).all()
 
 
@@ -97,37 +106,47 @@ def _count_passes(rank, world, extra):
                      Runtime(rank, world, layout.device, layout))
     grads = {canonical_name(n): (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
              for n, p in model.named_parameters()}
-    return counts, grads
+    store = model.activation_offload if hasattr(model, "activation_offload") else None
+    return counts, grads, None if store is None else (store.peak_bytes, store.live_bytes)
 
 
 @pytest.mark.parametrize("checkpointing", [["--train.activation_checkpointing=full"],
                                            ["--train.activation_checkpointing=full",
                                             "--train.offload_activations=true"]])
-def test_checkpointed_blocks_do_not_recompute_chunked_parts_twice(checkpointing):
+def test_checkpointed_blocks_do_not_run_chunked_parts_a_third_time(checkpointing):
     """Head-chunked attention and chunked LLEP recompute themselves in their backward; a checkpointed
     block hands them their forward outputs in its recomputation, so each still runs exactly twice
     (forward, backward), as without checkpointing, and the gradients are the same."""
     plain = run_distributed(_count_passes, 2, [])
     checkpointed = run_distributed(_count_passes, 2, checkpointing)
     layers, chunks = 2, 2
-    for (counts, grads), (counts_ac, grads_ac) in zip(plain, checkpointed):
+    for (counts, grads, _), (counts_ac, grads_ac, offloaded) in zip(plain, checkpointed):
         assert counts == {"attention": 2 * layers * chunks, "expert chunks": 2 * layers * chunks}
         assert counts_ac == counts
+        if offloaded is not None:
+            # Each block's input [1, 32, 32] plus its kept attention and expert outputs ([1, 32, 32]
+            # each) were in host memory at once, and all of it was released by the backward.
+            peak, live = offloaded
+            assert peak >= layers * 3 * 32 * 32 * 4 and live == 0
         for name, grad in grads.items():
             assert_close(grads_ac[name], grad, atol=1e-6, rtol=1e-6, msg=name)
 
 
-def short_document_corpus(path) -> str:
-    """A text corpus of short documents (1 to 40 bytes) so that every 64-token sequence holds several."""
+def mixed_document_corpus(path) -> str:
+    """A text corpus of documents of 1 to 300 bytes, so that 256-token sequences hold both short
+    documents (packed under a mask) and long ones (causal on their own span)."""
     g = torch.Generator().manual_seed(11)
     letters = "abcdefghij klmnopqrstuvwxyz"
-    docs = ["".join(letters[i] for i in torch.randint(0, len(letters), (int(n),), generator=g).tolist()).strip() or "x"
-            for n in torch.randint(1, 40, (300,), generator=g)]
+    sizes = [int(n) for n in torch.randint(1, 300, (300,), generator=g)]
+    sizes = [n if torch.rand(1, generator=g) < 0.5 else max(1, n // 20) for n in sizes]
+    docs = ["".join(letters[i] for i in torch.randint(0, len(letters), (n,), generator=g).tolist()).strip() or "x"
+            for n in sizes]
     path.write_text("\n\n".join(docs) + "\n")
     return str(path)
 
 
-PACKED = ["--data.seq_len=64", "--model.heads=4", "--model.kv_heads=2", "--model.head_dim=8", "--train.micro_batch=1"]
+PACKED = ["--data.seq_len=256", "--model.heads=4", "--model.kv_heads=2", "--model.head_dim=8",
+          "--train.micro_batch=1"]
 
 
 @pytest.mark.slow
@@ -138,9 +157,10 @@ PACKED = ["--data.seq_len=64", "--model.heads=4", "--model.kv_heads=2", "--model
     (4, ["--parallel.sequence=4", "--parallel.expert=2", "--parallel.vocab=2", "--optim.offload=false"]),
 ])
 def test_packed_documents_train_like_the_reference(tmp_path, world, layout):
-    corpus = short_document_corpus(tmp_path / "short.txt")
-    data = build_data(corpus, "byte", 64, seed=0)
-    assert min(int(data.dataset[i]["document_ids"].max()) for i in range(len(data.dataset))) >= 1  # every sequence packs 2+ documents
+    corpus = mixed_document_corpus(tmp_path / "mixed.txt")
+    data = build_data(corpus, "byte", 256, seed=0)
+    segments = [s for i in range(len(data.dataset)) for s in Documents.from_ids(data.dataset[i]["document_ids"][None]).segments]
+    assert any(s.mask is not None for s in segments) and any(s.mask is None and s.length >= 128 for s in segments)
     reference = run(tmp_path, "reference", *PACKED, f"--data.source={corpus}")
     records = run(tmp_path, f"mop{world}", *PACKED, f"--data.source={corpus}", "--parallel.strategy=mop",
                   f"--parallel.nproc={world}", "--parallel.expert_balance=llep", "--parallel.llep_min_chunk=4",

@@ -9,8 +9,9 @@ Part 2, the whole model (embedding, blocks, loss), forward + backward, at one se
     at D=1 and D=2.
 
 Data: the first sequence of the shipped corpus packed as `mop train` packs it, with its document
-boundaries (`--documents single`: the same tokens as one document). Memory is the peak of the tensors created during forward + backward on each rank (parameters,
-inputs and pre-allocated gradients excluded; see `mop.bench.memory`), reported per rank (the max
+boundaries (`--documents single`: the same tokens as one document). Memory is the peak of the
+tensors created during forward + backward on each rank (parameters, inputs and pre-allocated
+gradients excluded; see `mop.bench.memory`), reported per rank (the max
 over ranks). With offload, the host copies are reported separately and not counted in the
 per-rank peak: on a GPU they live in host memory. Time is the mean wall time of forward +
 backward after one warm-up, max over ranks. Ranks get one intra-op thread each, so D=1 and D=2

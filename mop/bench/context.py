@@ -1,6 +1,6 @@
 """`mop bench context`: `mop train` at long packed-document context, and plain FSDP2 on Hugging Face's model.
 
-What runs (each a fresh set of 2 local CPU ranks, one intra-op thread each):
+What runs (each a fresh set of the config's local CPU ranks, 2 in the preset, one intra-op thread each):
 - mop, per context in `--contexts`: the user's command, `mop train configs/long-context.toml
   --data.seq_len=S` (every mop technique: Ulysses over both ranks, LLEP, the vocabulary ring, the
   host optimizer, activation checkpointing with host offload; the shipped corpus packed with
@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from mop.bench.report import table, write_json
-from mop.config import ConfigError, load_config
+from mop.config import ConfigError, load_config, resolve
 
 PRESET = Path(__file__).resolve().parents[2] / "configs" / "long-context.toml"
 GB = 1e9
@@ -62,9 +62,12 @@ def mop_train(args, name: str, context: int, extra: list[str]) -> dict:
                f"--train.steps={args.steps}", f"--log.run_dir={run_dir}", "--log.overwrite=true",
                "--log.progress=false", "--log.plot=false", "--log.tensorboard=false", *extra]
     start = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
-    result = {"system": name, "context": context, "command": " ".join(command[2:]),
-              "wall_s": time.perf_counter() - start, "returncode": done.returncode}
+    result = {"system": name, "context": context, "command": " ".join(command[2:])}
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {**result, "returncode": None, "error": f"took more than --timeout={args.timeout} s"}
+    result.update(wall_s=time.perf_counter() - start, returncode=done.returncode)
     if done.returncode != 0:
         errors = [line for line in done.stderr.splitlines() if line.startswith("mop: error")]
         result["error"] = errors[-1] if errors else done.stderr[-2000:]
@@ -72,8 +75,8 @@ def mop_train(args, name: str, context: int, extra: list[str]) -> dict:
         return result
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     seconds = statistics.median(r["step_time_s"] for r in records[1:]) if len(records) > 1 else records[0]["step_time_s"]
-    config = load_config(str(args.config), [f"--data.seq_len={context}", *extra])
-    tokens_per_rank = config.train.global_batch * context / 2
+    config = resolve(load_config(str(args.config), [f"--data.seq_len={context}", *extra]))
+    tokens_per_rank = config.train.global_batch * context / config.parallel.nproc
     return {**result, "peak_bytes_per_rank": records[-1]["peak_mem_bytes_per_rank"], "seconds_per_step": seconds,
             "tokens_per_s_per_rank": tokens_per_rank / seconds, "losses": [r["loss"] for r in records]}
 
@@ -123,7 +126,8 @@ def hf_fsdp2(args, context: int) -> dict:
         raise ConfigError("mop bench context", "the Hugging Face baseline needs transformers; install mop's test "
                           "extras (./mop.sh test does) or skip it with --compare-context=0") from None
     start = time.perf_counter()
-    per_rank = run_distributed(hf_rank, 2, str(args.config), context, args.steps, timeout=args.timeout)
+    world = resolve(load_config(str(args.config), [])).parallel.nproc  # the ranks mop's runs use
+    per_rank = run_distributed(hf_rank, world, str(args.config), context, args.steps, timeout=args.timeout)
     seconds = statistics.median(max(r["times"][i] for r in per_rank) for i in range(1, args.steps))
     return {"system": "hf-fsdp2", "context": context, "wall_s": time.perf_counter() - start, "returncode": 0,
             "peak_bytes_per_rank": [r["peak_bytes"] for r in per_rank], "seconds_per_step": seconds,

@@ -29,6 +29,7 @@ class _LiveStorages(TorchDispatchMode):
         self.exclude = exclude
         self.live = 0
         self.peak = 0
+        self.allocated = 0
         self._seen: weakref.WeakSet = weakref.WeakSet()
         self._known: weakref.WeakSet = weakref.WeakSet()
 
@@ -51,6 +52,7 @@ class _LiveStorages(TorchDispatchMode):
         if storage in self._seen or storage in self._known or storage.nbytes() == 0:
             return
         self._seen.add(storage)
+        self.allocated += storage.nbytes()
         self.live += storage.nbytes()
         weakref.finalize(storage, self._free, storage.nbytes())
         self.peak = max(self.peak, self.live - self.exclude())
@@ -60,12 +62,14 @@ class _LiveStorages(TorchDispatchMode):
 
 
 class PeakMemory:
-    """`with PeakMemory(device) as m: ...` then `m.peak_bytes`."""
+    """`with PeakMemory(device) as m: ...` then `m.peak_bytes`, and `m.allocated_bytes`: the total of
+    every allocation in the block, a proxy for memory traffic that a peak does not show."""
 
     def __init__(self, device: torch.device, exclude: Callable[[], int] = lambda: 0):
         self.device = device
         self.exclude = exclude
         self.peak_bytes = 0
+        self.allocated_bytes = 0
         self._mode = None
 
     def __enter__(self) -> "PeakMemory":
@@ -73,6 +77,7 @@ class PeakMemory:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self._start = torch.cuda.memory_allocated(self.device)
+            self._allocated_start = torch.cuda.memory_stats(self.device).get("allocated_bytes.all.allocated", 0)
         else:
             self._mode = _LiveStorages(self.exclude)
             self._mode.remember_existing()
@@ -83,9 +88,12 @@ class PeakMemory:
         if self._mode is None:
             torch.cuda.synchronize(self.device)
             self.peak_bytes = torch.cuda.max_memory_allocated(self.device) - self._start
+            self.allocated_bytes = (torch.cuda.memory_stats(self.device).get("allocated_bytes.all.allocated", 0)
+                                    - self._allocated_start)
         else:
             self._mode.__exit__(*exc)
             self.peak_bytes = self._mode.peak
+            self.allocated_bytes = self._mode.allocated
 
 
 def preallocate_grads(module: torch.nn.Module) -> None:

@@ -3,13 +3,16 @@
 A micro-batch of B rows of S tokens is seen as one stream of B*S tokens cut into documents: a
 document never crosses a row, and a row is cut wherever its document id changes (the packer's ids
 are non-decreasing along a row). `Documents.from_ids` derives that cut once per micro-batch from
-the `[B, S]` document ids (one host copy of the ids; everything after it is O(documents) host
-work), and every layer and head chunk reuses it. A micro-batch whose every row holds a single
-document has no `Documents` (None): attention is plain causal SDPA with `is_causal`, no mask.
+the `[B, S]` document ids (one host copy of the ids and a few vectorised O(B*S) host ops, then
+O(documents) host work), and every layer and head chunk reuses it. A micro-batch whose every row
+holds a single document has no `Documents` (None): attention is plain causal SDPA with
+`is_causal`, no mask.
 
 Kernels (`document_attention`, one entry point that picks by device and dtype):
-- CUDA with bf16/fp16 inputs: `torch.nn.attention.varlen.varlen_attn` (flash attention over
-  cumulative document lengths, causal, GQA without repeating K/V), on the flattened stream.
+- CUDA in bf16/fp16 (the inputs' dtype, or autocast's when it is on, since that is what SDPA would
+  compute in): `torch.nn.attention.varlen.varlen_attn` (flash attention over cumulative document
+  lengths, causal, GQA without repeating K/V) on the flattened stream, where flash applies
+  (Ampere or newer, head dim a multiple of 8 up to 256).
 - Everywhere else (CPU; fp32 on CUDA): SDPA per segment of the stream, from `Documents.segments`:
   * a run of consecutive documents of equal length L is one batched `is_causal` SDPA call on the
     `[n, L]` view of the stream (no copy), so a whole row of one document, or equal-length
@@ -21,12 +24,13 @@ Kernels (`document_attention`, one entry point that picks by device and dtype):
   which the CPU flash kernel serves without repeating K/V in memory.
 FlexAttention was considered for CUDA and not built: it has no backward on CPU (torch 2.13), so
 it could not be tested here, and varlen_attn needs no compilation. The segment path is the
-fallback on CUDA (fp32, or a torch without varlen_attn).
+fallback on CUDA (fp32, pre-Ampere GPUs, other head dims, a torch without varlen_attn).
 
 Memory per call, for T = B*S tokens, h query heads, kv key/value heads, head dim d: the output
 and the softmax statistics (O(T h d)); the pack masks (at most PACK_TOKENS bytes per token, built
-once per micro-batch and shared by every layer); no `[S, S]` tensor. Time follows the sum of the
-squared document lengths (plus at most PACK_TOKENS per token for the packs), not S^2.
+once per micro-batch at first use by the segment kernel and shared by every layer); no `[S, S]`
+tensor. Time follows the sum of the squared document lengths (plus at most PACK_TOKENS per token
+for the packs), not S^2.
 
 Invariant: every query attends exactly to the keys of its own document at positions <= its own,
 as the dense mask `causal & same_document` would say (the tests' oracle).
@@ -35,10 +39,16 @@ as the dense mask `causal & same_document` would say (the tests' oracle).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+try:
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+except ImportError:  # torch < 2.10
+    _varlen_attn = None
 
 SHORT_DOCUMENT = 128  # documents shorter than this are packed with their neighbours...
 PACK_TOKENS = 256  # ...into groups of at most this many tokens, one masked SDPA call each
@@ -55,22 +65,25 @@ class Segment:
     mask: torch.Tensor | None = None
 
 
-@dataclass(frozen=True)
 class Documents:
-    """The documents of one micro-batch of `rows` x `seq` tokens, as spans of its flattened stream."""
+    """The documents of one micro-batch, as spans of its flattened `[B*S]` token stream.
 
-    rows: int
-    seq: int
-    lengths: tuple[int, ...]
-    """Document lengths in stream order (each row's sum to `seq`)."""
-    segments: tuple[Segment, ...]
-    """The SDPA calls of the segment kernel (see the module docstring)."""
-    cu_seqlens: torch.Tensor
-    """int32 `[documents + 1]` cumulative lengths on the ids' device (for varlen_attn)."""
+    A plain class, not a dataclass: FSDP2 rebuilds the dataclasses among a unit's inputs (to cast
+    their tensors) on every call, which would redo this object's O(documents) fields per block.
+    """
 
-    @property
-    def max_length(self) -> int:
-        return max(self.lengths)
+    def __init__(self, lengths: tuple[int, ...], cu_seqlens: torch.Tensor):
+        self.lengths = lengths
+        """Document lengths in stream order (each row's sum to S)."""
+        self.cu_seqlens = cu_seqlens
+        """int32 `[documents + 1]` cumulative lengths on the ids' device (for varlen_attn)."""
+        self.max_length = max(lengths)
+
+    @cached_property
+    def segments(self) -> tuple[Segment, ...]:
+        """The SDPA calls of the segment kernel (see the module docstring), planned at first use:
+        the varlen kernel never needs them."""
+        return plan_segments(self.lengths, self.cu_seqlens.device)
 
     @staticmethod
     def from_ids(document_ids: torch.Tensor) -> Documents | None:
@@ -85,9 +98,7 @@ class Documents:
         starts = torch.ones(rows, seq, dtype=torch.bool)
         starts[:, 1:] = change
         bounds = torch.cat([starts.flatten().nonzero().squeeze(1), torch.tensor([rows * seq])])
-        lengths = tuple(bounds.diff().tolist())
-        cu_seqlens = bounds.to(device=document_ids.device, dtype=torch.int32)
-        return Documents(rows, seq, lengths, plan_segments(lengths, document_ids.device), cu_seqlens)
+        return Documents(tuple(bounds.diff().tolist()), bounds.to(device=document_ids.device, dtype=torch.int32))
 
 
 def plan_segments(lengths: tuple[int, ...], device: torch.device) -> tuple[Segment, ...]:
@@ -102,13 +113,17 @@ def plan_segments(lengths: tuple[int, ...], device: torch.device) -> tuple[Segme
             segments.append(Segment(1, pack[0]))
         pack.clear()
 
+    packed = 0  # tokens in `pack`
     for length in lengths:
         if length < SHORT_DOCUMENT:
-            if sum(pack) + length > PACK_TOKENS:
+            if packed + length > PACK_TOKENS:
                 close_pack()
+                packed = 0
             pack.append(length)
+            packed += length
             continue
         close_pack()
+        packed = 0
         last = segments[-1] if segments else None
         if last is not None and last.mask is None and last.length == length:
             segments[-1] = Segment(last.count + 1, length)
@@ -131,9 +146,23 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docume
     gqa = q.shape[2] != k.shape[2]
     if documents is None:
         return _sdpa(q, k, v, is_causal=True, gqa=gqa)
-    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _varlen_attn is not None:
-        return _varlen(q, k, v, documents, gqa)
+    dtype = varlen_dtype(q)
+    if dtype is not None:
+        return _varlen(q.to(dtype), k.to(dtype), v.to(dtype), documents, gqa)
     return _segments(q, k, v, documents, gqa)
+
+
+def varlen_dtype(q: torch.Tensor) -> torch.dtype | None:
+    """The dtype flash varlen attention runs `q` in, or None where it does not apply: the dtype SDPA
+    would compute in (autocast's, when autocast is on, as it is for the reference's fp32 weights)
+    must be bf16/fp16, the GPU Ampere or newer and the head dim a multiple of 8 up to 256."""
+    if not q.is_cuda or _varlen_attn is None:
+        return None
+    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else q.dtype
+    head_dim = q.shape[-1]
+    if dtype not in (torch.bfloat16, torch.float16) or head_dim % 8 or head_dim > 256:
+        return None
+    return dtype if torch.cuda.get_device_capability(q.device) >= (8, 0) else None
 
 
 def _sdpa(q, k, v, is_causal: bool, gqa: bool, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -157,12 +186,6 @@ def _segments(q, k, v, documents: Documents, gqa: bool) -> torch.Tensor:
         outputs.append(out.flatten(0, 1))
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
     return out.reshape(q.shape)
-
-
-try:
-    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
-except ImportError:  # torch < 2.10
-    _varlen_attn = None
 
 
 def _varlen(q, k, v, documents: Documents, gqa: bool) -> torch.Tensor:

@@ -5,8 +5,9 @@ Pre-norm residual blocks, as in Qwen3-MoE and Mixtral:
 The first `dense_layers` blocks use a dense SwiGLU MLP, the rest an MoE layer.
 
 No collectives live here. A parallel layout changes what each module computes on by swapping
-three seams: `Attention.core` (sequence mixing), `Experts` (the routed FFN) and `LMHead`
-(the vocabulary projection and loss); everything else runs on the rank's own tokens unchanged.
+four seams: `MoETransformer.documents` (the micro-batch's document spans, once per forward),
+`Attention.core` (sequence mixing), `Experts` (the routed FFN) and `LMHead` (the vocabulary
+projection and loss); everything else runs on the rank's own tokens unchanged.
 
 Losses are returned as sums with their counts (`LossTerms`), never as per-rank means: a step's
 objective is `ce_sum / global_targets + aux_coef * aux_sum / global_sequences`, which any layout

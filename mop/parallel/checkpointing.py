@@ -7,22 +7,24 @@ order on every rank) and then its backward.
 
 Parts that recompute themselves. Head-chunked Ulysses attention (`parallel.attention_head_chunks
 > 1`) and chunked LLEP (`parallel.llep_chunks > 1`) already recompute their internals chunk by
-chunk in their own backward, saving only their inputs. Re-running them in the block's
-recomputation too would make three runs. So they are `KeepsForwardOutputs` parts: in the block's
-forward each keeps its output (and LLEP its count matrix) in the call's `ForwardOutputs`, and in
-the block's recomputation returns it without exchanging or computing anything (chunked LLEP only
-ships its helpers' expert weights again, which its backward needs). What runs, per block and
-micro-batch:
+chunk in their own backward, saving only their inputs (and LLEP the experts it was shipped).
+Re-running them in the block's recomputation too would make three runs. So they are
+`KeepsForwardOutputs` parts: in the block's forward each keeps its output (and LLEP its count
+matrix) in the call's `ForwardOutputs`, and in the block's recomputation returns it without
+exchanging or computing anything (chunked LLEP only ships its helpers' expert weights again,
+which its backward needs). What runs, per block and micro-batch:
 
-| options                      | attention exchange + kernel | expert dispatch + GEMMs  | rest of the block |
-|------------------------------|-----------------------------|--------------------------|-------------------|
-| no checkpointing, unchunked  | forward                     | forward                  | forward           |
-| no checkpointing, chunked    | forward + backward recompute| forward + backward recompute | forward       |
-| checkpointing, unchunked     | forward + block recompute   | forward + block recompute| forward + block recompute |
-| checkpointing, chunked       | forward + backward recompute| forward + backward recompute | forward + block recompute |
+| options                    | attention exchange + kernel    | expert dispatch + GEMMs        | rest of block |
+|----------------------------|--------------------------------|--------------------------------|---------------|
+| no checkpointing, C = 1    | forward                        | forward                        | forward       |
+| no checkpointing, C > 1    | forward, backward recompute    | forward, backward recompute    | forward       |
+| checkpointing, C = 1       | forward, block recompute       | forward, block recompute       | both          |
+| checkpointing, C > 1       | forward, backward recompute    | forward, backward recompute    | both          |
 
-(attention and experts chunk independently: each column follows its own option.) Nothing runs a
-third time. The price under checkpointing: besides the block input, a chunked part's output stays
+("both": forward, block recompute.)
+
+(C: `attention_head_chunks` for the attention column, `llep_chunks` for the experts column; each
+column follows its own option.) Nothing runs a third time. The price under checkpointing: besides the block input, a chunked part's output stays
 alive until the backward (`[B, N, heads * head_dim]` for attention, `[B * N, H]` for the
 experts), offloaded with the input when offload is on. The LLEP count exchange is not repeated in
 any block recomputation (the counts are kept), and only the forward records routing metrics.
@@ -31,8 +33,8 @@ Offload: the checkpoint saves its inputs as autograd saved tensors, outside the 
 saved tensors the checkpoint discards; running the checkpoint call under the `HostOffload` saved-
 tensor hooks therefore moves exactly those inputs to host memory (pinned on CUDA) and brings each
 back when the backward reaches its block. The kept outputs of the parts above go through the
-same hooks. The device then holds one block's activations plus the
-residual stream being computed. `HostOffload` is torch's `save_on_cpu` plus a count of the bytes
+same hooks. The device then holds one block's activations plus the residual stream being
+computed. `HostOffload` is torch's `save_on_cpu` plus a count of the bytes
 it holds, which the memory benchmarks and metrics report (on a CPU-only machine host and device
 are the same memory: the option runs and is exact, and the count is how its effect is shown).
 A checkpointed model keeps its store as `model.activation_offload` (None without offload), so
@@ -116,21 +118,30 @@ class ForwardOutputs:
         self._kept[id(part)] = tree_map(self._hold, value)
 
     def take(self, part: nn.Module):
-        return tree_map(lambda leaf: self._release(leaf) if isinstance(leaf, _Held) else leaf, self._kept.pop(id(part)))
+        # Not popped: a backward that retains the graph recomputes the block again and needs it again.
+        return tree_map(lambda leaf: self._release(leaf) if isinstance(leaf, _Held) else leaf, self._kept[id(part)])
 
     def _hold(self, leaf):
         if not isinstance(leaf, torch.Tensor):
             return leaf
         leaf = leaf.detach()
-        return _Held(self._offload.pack_hook(leaf) if self._offload is not None else leaf)
+        if self._offload is not None:
+            return _Held(self._offload.pack_hook(leaf), None)
+        return _Held(leaf, leaf._version)
 
     def _release(self, held: _Held) -> torch.Tensor:
-        return self._offload.unpack_hook(held.value) if self._offload is not None else held.value
+        if self._offload is not None:
+            return self._offload.unpack_hook(held.value)
+        if held.value._version != held.version:
+            raise RuntimeError("a chunked part's output kept for its block's recomputation was modified in place "
+                               "after the forward; use out-of-place operations on it")
+        return held.value
 
 
 @dataclass
 class _Held:
-    value: object  # a tensor, or the offload hooks' packed form of one
+    value: object  # the kept tensor (which the forward's output shares), or the offload hooks' packed copy
+    version: int | None  # the shared tensor's version when kept, to catch a later in-place change
 
 
 def forward_autocast(device: torch.device):
@@ -163,6 +174,8 @@ class KeepsForwardOutputs:
 def _checkpoint_block(block: nn.Module, *args, offload: HostOffload | None, **kwargs):
     """Non-reentrant checkpoint of one block call, with a fresh `ForwardOutputs` for its parts: the
     first run of `run` is the forward, the second (in the backward) the recomputation."""
+    if not torch.is_grad_enabled():  # nothing to save, nothing to recompute
+        return block(*args, **kwargs)
     outputs = ForwardOutputs(offload)
     parts = [m for m in block.modules() if isinstance(m, KeepsForwardOutputs)]
 

@@ -117,8 +117,13 @@ class ExpertParallel(KeepsForwardOutputs, nn.Module):
         # In a checkpointed block's recomputation the counts (and the chunked path's output) are
         # those of the forward: no count exchange, no second record, no third expert computation.
         kept = self.kept_output()
-        count_matrix, kept_out = kept if kept is not None else (
-            all_gather_rows(counts.unsqueeze(0), self.group).tolist(), None)
+        if kept is None:
+            count_matrix, kept_out = all_gather_rows(counts.unsqueeze(0), self.group).tolist(), None
+        else:
+            count_matrix, kept_out = kept
+            # The recomputed routing must be the forward's (checked on the device, no host sync).
+            torch._assert_async((counts == counts.new_tensor(count_matrix[self.rank])).all(),
+                                "the recomputed routing differs from the forward's")
         loads = [sum(column) for column in zip(*count_matrix)]
         plan = self.options.plan(loads, self.ranks)
         routing = build_routing(plan, count_matrix, self.rank)

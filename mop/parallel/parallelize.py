@@ -1,13 +1,16 @@
 """`parallelize(model, layout, config)`: apply each technique of the `mop` strategy, in order.
 
 Order (each step touches only the modules it owns; later steps wrap what earlier ones built):
-1. Ulysses sequence parallelism swaps every `Attention.core` (when parallel.sequence > 1);
+1. Ulysses sequence parallelism swaps every `Attention.core` and the model's `documents` (the
+   document spans of whole sequences, from ids gathered once per forward) (when
+   parallel.sequence > 1);
 2. expert parallelism swaps `Experts` for `ExpertParallel` (EP or LLEP over the expert group) and
    FSDP2-shards each expert partition over its expert-replica group (when parallel.expert > 1);
 3. the vocabulary-parallel loss swaps `LMHead` for a row shard over the vocabulary group and the
    ring cross-entropy (when parallel.vocab > 1); the shard stays out of FSDP2;
 4. activation checkpointing (and offload) wraps each block, so the recomputation includes the
-   swapped modules and their collectives;
+   swapped modules and their collectives, except the chunked parts, which hand back their
+   forward output (`mop.parallel.checkpointing`);
 5. FSDP2 shards whatever weights remain over the world mesh (last: `fully_shard` must see the
    final module tree).
 

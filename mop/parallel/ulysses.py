@@ -190,30 +190,30 @@ class _HeadChunkedAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, core: UlyssesAttention, documents, kept):
-        ctx.core, ctx.documents, ctx.autocast = core, documents, forward_autocast(q.device)
+    def forward(ctx, q, k, v, ulysses: UlyssesAttention, documents, kept):
+        ctx.ulysses, ctx.documents, ctx.autocast = ulysses, documents, forward_autocast(q.device)
         ctx.save_for_backward(q, k, v)
         if kept is not None:
             return kept
         batch, tokens, heads, dim = q.shape
-        chunks = len(core.plans)
-        out = q.new_empty(batch, tokens, core.ranks, chunks, heads // (core.ranks * chunks), dim)
-        for c, (plan, q_chunk) in enumerate(zip(core.plans, core.query_chunks(q))):
-            out[:, :, :, c] = core.to_sequence(core.attend(plan, q_chunk, k, v, documents))
+        chunks = len(ulysses.plans)
+        out = q.new_empty(batch, tokens, ulysses.ranks, chunks, heads // (ulysses.ranks * chunks), dim)
+        for c, (plan, q_chunk) in enumerate(zip(ulysses.plans, ulysses.query_chunks(q))):
+            out[:, :, :, c] = ulysses.to_sequence(ulysses.attend(plan, q_chunk, k, v, documents))
         return out.flatten(2, 4)
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v = ctx.saved_tensors
-        core, documents = ctx.core, ctx.documents
+        ulysses, documents = ctx.ulysses, ctx.documents
         grad_q = torch.empty_like(q)
         k_leaf, v_leaf = k.detach().requires_grad_(), v.detach().requires_grad_()
-        chunks = zip(core.plans, core.query_chunks(q), core.query_chunks(grad_out), core.query_chunks(grad_q))
+        chunks = zip(ulysses.plans, *(ulysses.query_chunks(t) for t in (q, grad_out.contiguous(), grad_q)))
         for plan, q_chunk, grad_chunk, grad_q_chunk in chunks:
             q_leaf = q_chunk.detach().requires_grad_()
             with torch.enable_grad(), ctx.autocast():
-                out_heads = core.attend(plan, q_leaf, k_leaf, v_leaf, documents)
-            torch.autograd.backward(out_heads, core.from_sequence(grad_chunk))
+                out_heads = ulysses.attend(plan, q_leaf, k_leaf, v_leaf, documents)
+            torch.autograd.backward(out_heads, ulysses.from_sequence(grad_chunk))
             grad_q_chunk.copy_(q_leaf.grad)
         return grad_q, k_leaf.grad, v_leaf.grad, None, None, None
 
