@@ -9,18 +9,15 @@ Content of one checkpoint (a directory `step_<N>`, N = optimizer steps completed
 - `rng/cpu`: the CPU generator state;
 - `mop.json` (written by rank 0): the step, the data stream's position, the run's config.
 
-Global views. DCP reshards by global tensor metadata, so each rank presents its local tensor as a
-DTensor of the global shape, without communication:
-- FSDP2-sharded weights already are DTensors over the world (`Shard(0)`);
-- an expert partition (FSDP2 over the expert-replica group) is presented on a 2-D mesh
-  `[expert, expert_replica]` (the expert mesh transposed, built without process groups) as
-  `[Shard(0), Shard(0)]`: the partition's block of experts, then the replica's slice of it;
-- the vocabulary shard is presented on the vocabulary mesh as `[Replicate(), Shard(0)]` of the
-  unpadded `[V, H]` weight: its padding rows are cut off, and torch's chunking of V rows over P
-  shards is exactly the `ceil(V/P)` rows per shard the vocabulary head uses;
-- plain tensors (the reference strategy) are saved as they are.
-Loading builds the same views over the new layout's tensors and lets DCP read what each rank
-needs into them in place, so a checkpoint saved with any layout loads into any other.
+Global views. DCP reshards by global tensor metadata, so each rank presents its local tensors as
+DTensors of the global shape, without communication (`mop.parallel.views.GlobalViews`). Loading
+builds the same views over the new layout's tensors and lets DCP read what each rank needs into
+them in place, so a checkpoint saved with any layout loads into any other.
+
+Host optimizer. With `HostAdamW` the saved weights are its fp32 masters (the device may hold only
+bf16 working copies) and its moments; all are host tensors, presented on CPU meshes, so saving
+allocates no device memory for them and loading writes into the host tensors themselves (same
+storage, new contents); the working weights are then copied from the loaded masters.
 
 Atomicity. Every rank writes into `step_<N>.partial`; DCP's save returns once the metadata is
 written; rank 0 then writes `mop.json` and renames the directory to `step_<N>` (a rename is atomic
@@ -43,85 +40,34 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from mop.config import Config, ConfigError
-from mop.parallel.checkpointing import canonical_name
-from mop.parallel.llep import ExpertParallel
-from mop.parallel.mesh import DistLayout
-from mop.parallel.vocab import VocabParallelHead
+from mop.parallel.views import GlobalViews
 
 META = "mop.json"
 PARTIAL = ".partial"
 
 
-class GlobalViews:
-    """For each parameter of a (parallelised) model: how its local tensors appear as global ones."""
-
-    def __init__(self, model: torch.nn.Module, layout: DistLayout | None):
-        self.names = {id(p): canonical_name(n) for n, p in model.named_parameters()}
-        self._view = {}
-        self._expert_mesh = None
-        expert_params = {id(p) for m in model.modules() if isinstance(m, ExpertParallel) for p in m.parameters()}
-        head = getattr(model, "lm_head", None)
-        for param in model.parameters():
-            if id(param) in expert_params:
-                self._view[id(param)] = self._expert_view(param, layout)
-            elif isinstance(head, VocabParallelHead) and param is head.weight:
-                self._view[id(param)] = self._vocab_view(head, layout)
-            elif isinstance(param, DTensor):
-                self._view[id(param)] = _dtensor_view(param.device_mesh, param.placements, param.shape)
-            else:
-                self._view[id(param)] = lambda local: local
-
-    def of(self, param: torch.Tensor, local: torch.Tensor | None = None) -> torch.Tensor:
-        """The global view of `local` (a tensor shaped like `param`'s local shard; default: the param's)."""
-        if local is None:
-            local = param.to_local() if isinstance(param, DTensor) else param
-        elif isinstance(local, DTensor):
-            local = local.to_local()
-        return self._view[id(param)](local.detach())
-
-    def _expert_view(self, param: DTensor, layout: DistLayout):
-        if self._expert_mesh is None:  # metadata only: no process groups are created
-            transposed = layout.expert_mesh.mesh.t().contiguous()
-            self._expert_mesh = DeviceMesh(layout.device.type, transposed, mesh_dim_names=("expert", "expert_replica"),
-                                           _init_backend=False)
-        experts = param.shape[0] * layout.layout.expert  # a partition holds E/Ep experts
-        return _dtensor_view(self._expert_mesh, (Shard(0), Shard(0)), (experts, *param.shape[1:]))
-
-    @staticmethod
-    def _vocab_view(head: VocabParallelHead, layout: DistLayout):
-        ring = head.ring
-        real = ring.valid_columns(ring.rank, head.weight.shape[0])
-        view = _dtensor_view(layout.vocab_mesh, (Replicate(), Shard(0)), (ring.vocab, head.weight.shape[1]))
-        return lambda local: view(local[:real])
-
-
-def _dtensor_view(mesh: DeviceMesh, placements, shape):
-    shape = torch.Size(shape)
-    stride = torch.empty(shape, device="meta").stride()
-    return lambda local: DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
-
-
 def _state(model, optimizer, host, views: GlobalViews, with_optimizer: bool) -> dict:
-    state = {"model": {views.names[id(p)]: views.of(p) for p in model.parameters()}, "rng": {"cpu": torch.get_rng_state()}}
+    weights = {views.names[id(p)]: views.of(p) if host is None else views.of(p, host.state_of(p)["master"], host=True)
+               for p in model.parameters()}
+    state = {"model": weights, "rng": {"cpu": torch.get_rng_state()}}
     if with_optimizer:
         state["optim"] = {views.names[id(p)]: _optimizer_state(p, optimizer, host, views) for p in model.parameters()}
     return state
 
 
 def _optimizer_state(param, optimizer, host, views: GlobalViews) -> dict:
-    if host is not None:
+    on_host = host is not None
+    if on_host:
         saved = host.state_of(param)
     else:
         if param not in optimizer.state:  # a fresh optimizer (resume): create the state to load into
             optimizer.state[param] = {"step": torch.zeros((), dtype=torch.float32),
                                       "exp_avg": torch.zeros_like(param), "exp_avg_sq": torch.zeros_like(param)}
         saved = optimizer.state[param]
-    return {"exp_avg": views.of(param, saved["exp_avg"]), "exp_avg_sq": views.of(param, saved["exp_avg_sq"]),
-            "step": saved["step"]}
+    return {"exp_avg": views.of(param, saved["exp_avg"], host=on_host),
+            "exp_avg_sq": views.of(param, saved["exp_avg_sq"], host=on_host), "step": saved["step"]}
 
 
 def checkpoint_dir(config: Config, run_dir: Path) -> Path:
@@ -224,5 +170,5 @@ def load(path: Path, model, optimizer, host, views: GlobalViews, with_optimizer:
         dcp.load(state, storage_reader=FileSystemReader(path), no_dist=not dist.is_initialized())
     torch.set_rng_state(state["rng"]["cpu"])
     if host is not None:
-        host.masters_from_working()
+        host.working_from_masters()
     return meta

@@ -15,7 +15,9 @@ import typing
 
 from mop.bench import BENCHMARKS
 from mop.config import Config, field_docs, load_config, sections
-from mop.train import USER_ERRORS, launch, train, under_torchrun
+from mop.launch import USER_ERRORS, launch
+from mop.runtime import under_torchrun
+from mop.train import train
 
 
 def config_reference() -> str:

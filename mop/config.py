@@ -107,7 +107,9 @@ class TrainConfig:
     micro_batch: int = 4
     """Sequences per forward pass of one data-parallel group; gradients accumulate to global_batch."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Compute dtype: "bfloat16" runs forward/backward under autocast; weights and optimizer stay fp32."""
+    """Compute dtype: "bfloat16" runs forward/backward in bf16 (autocast) with fp32 gradient reductions.
+    With the host optimizer (optim.offload) the device then holds bf16 working weights (2 bytes per
+    parameter) of the fp32 masters in host memory; with torch AdamW weights and moments stay fp32."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0 disables clipping)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"

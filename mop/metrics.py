@@ -34,30 +34,6 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def state_bytes(model: torch.nn.Module, optimizer, host) -> dict:
-    """This rank's persistent training state by category, in bytes (constant over a run).
-
-    Parameter and gradient shards are the local tensors of the (sharded) parameters; the
-    optimizer state is torch AdamW's moments, or the host optimizer's masters (where they are not
-    the parameters themselves), moments and rollback copies. `optimizer_on_host` says where the
-    last lives: in host memory for the host optimizer (on GPU machines too).
-    """
-    params = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
-    param_bytes = sum(p.numel() * p.element_size() for p in params)
-    grad_bytes = sum(p.numel() * 4 for p, full in zip(params, model.parameters()) if full.requires_grad)
-    if host is not None:
-        optimizer_bytes = sum(sum(t.numel() * t.element_size() for t in _host_tensors(shard)) for shard in host.shards)
-    else:
-        optimizer_bytes = sum(p.numel() * 8 for p in params)  # exp_avg and exp_avg_sq in fp32
-    return {"mem_param_shards_bytes": param_bytes, "mem_grad_shards_bytes": grad_bytes,
-            "mem_optimizer_state_bytes": optimizer_bytes, "mem_optimizer_on_host": host is not None}
-
-
-def _host_tensors(shard) -> list[torch.Tensor]:
-    own = [shard.exp_avg, shard.exp_avg_sq, *(shard.spare or ())]
-    return own if shard.master is shard.working else [shard.master, *own]
-
-
 class MetricsLogger:
     """metrics.jsonl (one JSON record per step) and TensorBoard scalars in `run_dir`.
 

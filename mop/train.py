@@ -8,25 +8,19 @@ step's count of non-ignored labels summed over all ranks before the first forwar
 gradient is therefore the gradient of one global objective, whatever the layout or micro-batching.
 
 Then: global gradient-norm clipping, a skipped update when the norm is not finite, AdamW with
-linear warm-up and cosine decay, and one metrics record per step (rank 0 writes it).
+the learning-rate schedule (`mop.optim.schedule`), and one metrics record per step (rank 0 writes it).
 
-Strategies: "reference" runs the plain model in one process; "mop" applies `parallelize` (each
-technique on its sub-group of ranks); "fsdp2" applies `parallelize_fsdp2` (the baseline from
-torch's own pieces). Distributed runs start under torchrun or from
-`launch`, which starts `parallel.nproc` local ranks through torch's elastic launcher.
+What is trained is built by `mop.build.build_run` (strategies: "reference" runs the plain model
+in one process; "mop" applies `parallelize`, each technique on its sub-group of ranks; "fsdp2"
+applies `parallelize_fsdp2`, the baseline from torch's own pieces). Processes are started by
+torchrun or by `mop.launch`; each joins the others in `mop.runtime`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import os
-import sys
 import time
-import uuid
 from contextlib import nullcontext
-from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -34,112 +28,20 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from mop import checkpoint
-from mop.config import Config, ConfigError, resolve, validate
-from mop.data import DataError, build_data, group_slice, load_batch, micro_batches, sequence_shard
-from mop.metrics import MetricsLogger, peak_memory_bytes, plot_run, reset_peak_memory, state_bytes
-from mop.models.transformer import IGNORE_INDEX, MoETransformer, build_model
-from mop.parallel.mesh import DistLayout, Layout, LayoutError, TorchrunEnv, device_for, init_distributed, set_rank_threads
+from mop.build import TrainingRun, build_run
+from mop.config import Config
+from mop.metrics import MetricsLogger, peak_memory_bytes, plot_run, reset_peak_memory
+from mop.models.transformer import IGNORE_INDEX, MoETransformer
 from mop.optim.host_adamw import HostAdamW
 from mop.optim.pipeline import GradientFeed
-from mop.progress import StepProgress
-from mop.parallel.baseline import parallelize_fsdp2
+from mop.optim.schedule import learning_rate
 from mop.parallel.llep import drain_records
-from mop.parallel.parallelize import apply_memory_options, compute_dtype, parallelize
+from mop.parallel.mesh import DistLayout
 from mop.parallel.ulysses import reduce_router_stats
-
-USER_ERRORS = (ConfigError, DataError, LayoutError, NotImplementedError)
-
-
-@dataclass
-class Runtime:
-    """Where this process sits: its rank, device and (for distributed runs) its layout."""
-
-    rank: int
-    world: int
-    device: torch.device
-    layout: DistLayout | None
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def under_torchrun() -> bool:
-    """True when this process was started by torchrun / torch elastic (it sets these variables)."""
-    return all(key in os.environ for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"))
-
-
-def pick_device(config: Config, local_rank: int) -> torch.device:
-    if config.train.device == "cpu":
-        return torch.device("cpu")
-    if config.train.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device", "'cuda' was asked for but no GPU is visible; use --train.device=cpu or auto")
-    return device_for(local_rank)
-
-
-def setup_runtime(config: Config) -> tuple[Config, Runtime]:
-    """Join the ranks (under torchrun) and build the layout; returns the config resolved for this
-    world size (`mop.config.resolve`) and where this process sits."""
-    if not under_torchrun():
-        config = validate(config, world=1)
-        return config, Runtime(0, 1, pick_device(config, 0), None)
-    env = TorchrunEnv.from_environ()
-    config = validate(config, world=env.world_size)
-    device = pick_device(config, env.local_rank)
-    if device.type == "cpu":
-        set_rank_threads(env.local_world_size)
-    init_distributed(device)
-    p = config.parallel
-    layout = DistLayout(Layout(env.world_size, p.sequence, p.expert, p.vocab), device)
-    return config, Runtime(env.rank, env.world_size, device, layout)
-
-
-def resolve_run_dir(config: Config) -> Path:
-    """The run directory, refusing to overwrite another run's metrics unless log.overwrite is set
-    (or the run resumes from a checkpoint: its metrics continue)."""
-    run_dir = Path(config.log.run_dir or Path("runs") / datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S"))
-    if (run_dir / "metrics.jsonl").exists() and not (config.log.overwrite or config.checkpoint.resume):
-        raise ConfigError("log.run_dir", f"{run_dir} already holds a run; choose another directory, pass "
-                          "--log.overwrite=true, or resume it with --checkpoint.resume=latest")
-    return run_dir
-
-
-def shared_run_dir(config: Config, runtime: Runtime) -> Path:
-    """Rank 0's run directory, on every rank (checkpoints go under it); its error, on every rank."""
-    if runtime.layout is None:
-        return resolve_run_dir(config)
-    answer = [None]
-    if runtime.is_main:
-        try:
-            answer[0] = str(resolve_run_dir(config))
-        except ConfigError as err:
-            answer[0] = (err.key, str(err).removeprefix(f"{err.key}: "))
-    dist.broadcast_object_list(answer, src=0)
-    if isinstance(answer[0], tuple):
-        raise ConfigError(*answer[0])
-    return Path(answer[0])
-
-
-def lr_factor(step: int, warmup: int, steps: int, min_ratio: float) -> float:
-    """Linear warm-up to 1 over `warmup` steps, then cosine decay to `min_ratio` at the last step."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = (step - warmup) / max(1, steps - 1 - warmup)
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-
-
-def build_optimizer(model: torch.nn.Module, config: Config):
-    """AdamW with weight decay on matrices only; norms (1-D) are not decayed."""
-    o = config.optim
-    matrices = [p for p in model.parameters() if p.dim() >= 2]
-    vectors = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": matrices, "weight_decay": o.weight_decay}, {"params": vectors, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
-
-
-def learning_rate(config: Config, step: int) -> float:
-    o = config.optim
-    return o.lr * lr_factor(step, o.warmup_steps, config.train.steps, o.min_lr_ratio)
+from mop.parallel.vocab import replicated_parameters
+from mop.progress import StepProgress
+from mop.run_dir import shared_run_dir
+from mop.runtime import Runtime, setup_runtime
 
 
 def clip_gradients(model: torch.nn.Module, max_norm: float, runtime: Runtime) -> float:
@@ -147,23 +49,29 @@ def clip_gradients(model: torch.nn.Module, max_norm: float, runtime: Runtime) ->
 
     Under the `mop` layout every gradient element lives on exactly one rank (dense weights sharded
     over the world, each expert partition over its replica group) except the vocabulary shard,
-    replicated on `param.replicas` ranks; the squared norm is the sum over ranks of the local
+    replicated on several ranks (`replicated_parameters`); the squared norm is the sum over ranks of the local
     squared norms, each divided by its replication. Same formula as torch's `clip_grad_norm_`.
     """
     params = [p for p in model.parameters() if p.grad is not None]
     local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
     # A parameter replicated on several ranks (the vocabulary shard) counts once.
-    weights = [1.0 / getattr(p, "replicas", 1) for p in params]
+    copies = replicated_parameters(model)
+    weights = [1.0 / copies.get(id(p), 1) for p in params]
     squared = sum(w * n.float().square() for w, n in zip(weights, torch._foreach_norm(local)))
-    if runtime.layout is not None:
-        # Under FSDP2's CPU offload the gradients are host tensors, and NCCL reduces device tensors only.
-        squared = squared.to(runtime.device)
-        dist.all_reduce(squared, group=runtime.layout.world_group)
-    norm = squared.sqrt()
+    norm = global_norm(squared, runtime)
     if max_norm > 0:
         scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         torch._foreach_mul_(local, scale.to(local[0].device, local[0].dtype))
     return norm.item()
+
+
+def global_norm(local_squared: torch.Tensor, runtime: Runtime) -> torch.Tensor:
+    """The square root of the sum over ranks of each rank's squared gradient norm."""
+    if runtime.layout is not None:
+        # Host gradients (FSDP2's CPU offload, the host optimizer) give a host value; NCCL reduces device tensors only.
+        local_squared = local_squared.to(runtime.device)
+        dist.all_reduce(local_squared, group=runtime.layout.world_group)
+    return local_squared.sqrt()
 
 
 def apply_update(model: torch.nn.Module, optimizer, max_norm: float, runtime: Runtime) -> tuple[float, bool]:
@@ -179,13 +87,18 @@ def apply_update(model: torch.nn.Module, optimizer, max_norm: float, runtime: Ru
 def host_update(model: torch.nn.Module, host: HostAdamW, feed: GradientFeed, max_norm: float, runtime: Runtime):
     """Validate the host optimizer's speculative updates against the global norm (see HostAdamW).
 
-    `optimizer_exposed_s` is the optimizer time on this step's critical path: `finish` (deciding and
-    queueing the updates) plus the time this step's forward waited for the previous step's updates.
+    The norm comes from the host gradients (the device ones were released at hand-over).
+    `optimizer_exposed_s` is the optimizer time on this step's critical path: waiting for the
+    last host gradients' norms, `finish` (deciding and queueing the updates), and the time this
+    step's forward waited for the previous step's updates.
     """
-    grad_norm = clip_gradients(model, 0.0, runtime)  # the norm only: the host applies the coefficient
+    start = time.perf_counter()
+    local_squared = host.local_squared_norm()
+    exposed = time.perf_counter() - start
+    grad_norm = global_norm(local_squared, runtime).item()  # the host applies the clip coefficient
     start = time.perf_counter()
     redone = host.finish(grad_norm, max_norm)
-    exposed = time.perf_counter() - start + feed.take_wait_s()
+    exposed += time.perf_counter() - start + feed.take_wait_s()
     model.zero_grad(set_to_none=True)
     skipped = not math.isfinite(grad_norm)
     return grad_norm, skipped, {"rollback": redone and not skipped, "optimizer_exposed_s": exposed,
@@ -240,31 +153,12 @@ def step_memory(runtime: Runtime, offload_store) -> dict:
     return record
 
 
-def worst_rank_state(model, optimizer, host, runtime: Runtime) -> dict:
-    """`state_bytes` of the rank that holds the most of each category."""
-    state = state_bytes(model, optimizer, host)
+def worst_rank_state(run: TrainingRun) -> dict:
+    """`TrainingRun.state_bytes` of the rank that holds the most of each category."""
+    state = run.state_bytes()
     keys = [k for k, v in state.items() if not isinstance(v, bool)]
-    worst = sum_over_ranks([state[k] for k in keys], runtime, op=dist.ReduceOp.MAX)
-    return {**state, **{k: int(v) for k, v in zip(keys, worst)}}
-
-
-def micro_batches_per_step(config: Config, runtime: Runtime) -> int:
-    """Forward passes per optimizer step on each rank: its data group's share of the global batch
-    (ranks of a sequence group share sequences) in micro-batches."""
-    groups = runtime.world // config.parallel.sequence
-    return config.train.global_batch // groups // config.train.micro_batch
-
-
-def local_batches(data, config: Config, runtime: Runtime) -> list[dict]:
-    """This rank's micro-batches of the next step: its data group's sequences, its slice of each.
-
-    Every rank advances the data stream by the same global batch, so the stream's position is
-    the checkpointed data position.
-    """
-    d = config.parallel.sequence
-    indices = group_slice(data.stream.next_batch(config.train.global_batch), runtime.rank // d, runtime.world // d)
-    batches = [load_batch(data.dataset, part) for part in micro_batches(indices, config.train.micro_batch)]
-    return [sequence_shard(batch, runtime.rank % d, d) for batch in batches]
+    worst = sum_over_ranks([state[k] for k in keys], run.runtime, op=dist.ReduceOp.MAX)
+    return {**state, **{k: v if k.startswith("device_bytes_per_param") else int(v) for k, v in zip(keys, worst)}}
 
 
 def micro_batch_objective(model: MoETransformer, batch: dict, global_targets: int, global_batch: int,
@@ -287,8 +181,8 @@ def forward_backward(model: MoETransformer, batches: list[dict], global_targets:
     rank's (ce, aux) shares of the step loss.
 
     With a gradient feed (host optimizer), the forward waits only for the parameters whose update
-    is not finished yet, and the last micro-batch's backward hands each gradient to the optimizer
-    as soon as it is final.
+    is not finished yet, and every backward hands each gradient to the optimizer (which
+    accumulates them on the host) as soon as it is reduced; the last one's are final.
     """
     ce_total, aux_total = 0.0, 0.0
     if feed is not None:
@@ -297,26 +191,45 @@ def forward_backward(model: MoETransformer, batches: list[dict], global_targets:
         batch = {key: value.to(runtime.device) if value is not None else None for key, value in batch.items()}
         with autocast:
             terms, loss = micro_batch_objective(model, batch, global_targets, global_batch, runtime.layout)
-        if feed is not None and index == len(batches) - 1:
-            feed.arm()
+        if feed is not None:
+            feed.arm(last=index == len(batches) - 1)
         loss.backward()
+        if feed is not None:
+            feed.flush()
         ce_part = terms.ce_sum.item() / max(global_targets, 1)
         ce_total += ce_part
         aux_total += loss.item() - ce_part
-    if feed is not None:
-        feed.flush()
     return ce_total, aux_total
 
 
-def train_step(model: MoETransformer, data, config: Config, runtime: Runtime, autocast,
-               feed: GradientFeed | None = None) -> dict:
-    """Forward/backward over this rank's share of the step; returns the globally reduced losses."""
-    batches = local_batches(data, config, runtime)
+def train_step(run: TrainingRun, batches: list[dict]) -> dict:
+    """Forward/backward over this rank's micro-batches of a step; returns the globally reduced losses."""
+    runtime = run.runtime
     local_targets = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
     global_targets = int(sum_over_ranks([local_targets], runtime)[0])
-    shares = forward_backward(model, batches, global_targets, config.train.global_batch, runtime, autocast, feed)
+    shares = forward_backward(run.model, batches, global_targets, run.config.train.global_batch, runtime,
+                              run.autocast(), run.feed)
     ce_loss, aux_loss = sum_over_ranks(list(shares), runtime)
     return {"loss": ce_loss + aux_loss, "ce_loss": ce_loss, "aux_loss": aux_loss, "targets": global_targets}
+
+
+def update(run: TrainingRun) -> dict:
+    """The step's update after its backward: the global norm, clipping, the optimizer step (or its skip)."""
+    clip = run.config.train.grad_clip
+    if run.host is None:
+        grad_norm, skipped = apply_update(run.model, run.optimizer, clip, run.runtime)
+        return {"grad_norm": grad_norm, "skipped": skipped}
+    grad_norm, skipped, rollback = host_update(run.model, run.host, run.feed, clip, run.runtime)
+    return {"grad_norm": grad_norm, "skipped": skipped, **rollback}
+
+
+def set_learning_rate(run: TrainingRun, step: int) -> float:
+    lr = learning_rate(run.config, step)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    if run.host is not None:
+        run.host.begin_step(lr)
+    return lr
 
 
 def train(config: Config) -> list[dict]:
@@ -331,67 +244,37 @@ def train(config: Config) -> list[dict]:
 
 def _train(config: Config, runtime: Runtime) -> list[dict]:
     run_dir = shared_run_dir(config, runtime)
-    d = config.data
-    data = build_data(d.source, d.tokenizer, d.seq_len, config.train.seed, text_field=d.text_field, bin_dtype=d.bin_dtype)
-    if data.tokenizer.vocab_size > config.model.vocab_size:
-        raise ConfigError("model.vocab_size", f"{config.model.vocab_size} is smaller than the tokenizer's "
-                          f"{data.tokenizer.vocab_size} ids; set --model.vocab_size={data.tokenizer.vocab_size} or more")
-    model = build_model(config.model, config.train.seed, runtime.device)
-    if config.parallel.strategy == "mop":
-        model = parallelize(model, runtime.layout, config)
-    elif config.parallel.strategy == "fsdp2":
-        model = parallelize_fsdp2(model, runtime.layout, config)
-    else:
-        apply_memory_options(model, config, runtime.device)
-    optimizer = build_optimizer(model, config)
-    host = feed = None
-    if config.optim.offload:
-        o = config.optim
-        host = HostAdamW(optimizer.param_groups, betas=(o.beta1, o.beta2), eps=o.eps)
-        feed = GradientFeed(model, host)
-    views = checkpoint.GlobalViews(model, runtime.layout)
-    state_memory = worst_rank_state(model, optimizer, host, runtime)
-    first_step = resume(config, run_dir, model, optimizer, host, views, data)
-    dtype = compute_dtype(config)
-    autocast = torch.autocast(runtime.device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
+    run = build_run(config, runtime)
+    state_memory = worst_rank_state(run)
+    first_step = resume(run, run_dir)
 
     logger = MetricsLogger(run_dir, config.log.tensorboard, first_step) if runtime.is_main else None
     records = []
     tokens_per_step = config.train.global_batch * config.data.seq_len
-    progress = StepProgress(model.layers, first_step, config.train.steps, micro_batches_per_step(config, runtime),
+    progress = StepProgress(run.model.layers, first_step, config.train.steps, run.micro_batches_per_step(),
                             enabled=runtime.is_main and config.log.progress)
-    offload_store = getattr(model, "activation_offload", None)
     for step in range(first_step, config.train.steps):
-        reset_peak_memory(runtime.device, offload_store)
+        reset_peak_memory(runtime.device, run.offload_store)
         start = time.perf_counter()
-        lr = learning_rate(config, step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        if host is not None:
-            host.begin_step(lr)
-        losses = train_step(model, data, config, runtime, autocast, feed)
-        if host is None:
-            grad_norm, skipped = apply_update(model, optimizer, config.train.grad_clip, runtime)
-            rollback = {}
-        else:
-            grad_norm, skipped, rollback = host_update(model, host, feed, config.train.grad_clip, runtime)
-
+        lr = set_learning_rate(run, step)
+        losses = train_step(run, run.next_batches())
+        outcome = update(run)
         elapsed = time.perf_counter() - start
-        record = {"step": step, **losses, "lr": lr, "grad_norm": grad_norm, "skipped": skipped,
+        record = {"step": step, **losses, "lr": lr, **outcome,
                   "tokens_per_s": tokens_per_step / elapsed, "step_time_s": elapsed,
-                  **step_memory(runtime, offload_store), **state_memory, **rollback,
-                  **expert_metrics(model, runtime, config.parallel.expert)}
+                  **step_memory(runtime, run.offload_store), **state_memory,
+                  **expert_metrics(run.model, runtime, config.parallel.expert)}
         records.append(record)
         progress.step_done(step, loss=f"{losses['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
         if logger is not None:
             logger.log(record)
         done = step + 1
         if config.checkpoint.every and (done % config.checkpoint.every == 0 or done == config.train.steps):
-            checkpoint.save(checkpoint.checkpoint_dir(config, run_dir), done, model, optimizer, host, views,
-                            data.stream.state_dict(), config, config.checkpoint.keep)
+            checkpoint.save(checkpoint.checkpoint_dir(config, run_dir), done, run.model, run.optimizer, run.host,
+                            run.views, run.data.stream.state_dict(), config, config.checkpoint.keep)
     progress.close()
-    if host is not None:
-        host.synchronize()  # the last step's updates, before the model is returned or read
+    if run.host is not None:
+        run.host.synchronize()  # the last step's updates, before the model is returned or read
     if logger is not None:
         logger.close()
         if config.log.plot:
@@ -402,40 +285,17 @@ def _train(config: Config, runtime: Runtime) -> list[dict]:
     return records
 
 
-def resume(config: Config, run_dir: Path, model, optimizer, host, views, data) -> int:
+def resume(run: TrainingRun, run_dir: Path) -> int:
     """Load the checkpoint `checkpoint.resume` names, if any; returns the first step to run."""
+    config = run.config
     path = checkpoint.resolve_resume(config, run_dir)
     if path is None:
-        if config.checkpoint.resume and (not dist.is_initialized() or dist.get_rank() == 0):
+        if config.checkpoint.resume and run.runtime.is_main:
             print(f"mop: no complete checkpoint in {checkpoint.checkpoint_dir(config, run_dir)}; starting at step 0")
         return 0
     meta = checkpoint.read_meta(path)
     checkpoint.check_compatible(meta, config, path)
-    checkpoint.load(path, model, optimizer, host, views)
+    checkpoint.load(path, run.model, run.optimizer, run.host, run.views)
     if meta["data"] is not None:
-        data.stream.load_state_dict(meta["data"])
+        run.data.stream.load_state_dict(meta["data"])
     return meta["step"]
-
-
-def launch(config: Config) -> list[dict]:
-    """Start `parallel.nproc` local ranks with torch's elastic launcher; rank 0's records come back."""
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    launch_config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=resolve(config).parallel.nproc, run_id=f"mop-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1, start_method="spawn")
-    if not config.log.run_dir:
-        # Rank 0 writes the run directory; fixing it here keeps it the one the user is told about.
-        config = dataclasses.replace(config, log=dataclasses.replace(config.log, run_dir=str(resolve_run_dir(config))))
-    results = elastic_launch(launch_config, worker)(config)
-    return results[0]
-
-
-def worker(config: Config) -> list[dict]:
-    """Entry point of a launched rank: user errors print one line (rank 0) and exit with code 2."""
-    try:
-        return train(config)
-    except USER_ERRORS as err:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"mop: error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None

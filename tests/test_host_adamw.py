@@ -123,7 +123,8 @@ def _fsdp_host_steps(rank, world, steps):
     from mop.optim.pipeline import GradientFeed
     from mop.parallel import DistLayout, Layout
     from mop.parallel.fsdp import shard_dense
-    from mop.train import Runtime, clip_gradients
+    from mop.runtime import Runtime
+    from mop.train import global_norm
 
     layout = DistLayout(Layout(world), torch.device("cpu"))
     model, reference = build_model(SMALL, seed=4), build_model(SMALL, seed=4)
@@ -134,11 +135,13 @@ def _fsdp_host_steps(rank, world, steps):
     runtime = Runtime(rank, world, torch.device("cpu"), layout)
     first_block = list(model.layers[0].parameters())
     pending_at_hand_over = []  # per delivery: how many of block 0's gradients did not exist yet
+    handed_over = {}  # the gradients the feed delivered (and released from the parameters)
     deliver = host.gradient_ready
 
-    def recording_gradient_ready(param, grad):
-        pending_at_hand_over.append(sum(p.grad is None for p in first_block))
-        deliver(param, grad)
+    def recording_gradient_ready(param, grad, last):
+        pending_at_hand_over.append(sum(p.grad is None and id(p) not in handed_over for p in first_block))
+        handed_over[id(param)] = grad
+        deliver(param, grad, last)
 
     def compare(when):
         for (name, param), ref in zip(model.named_parameters(), reference.parameters()):
@@ -158,17 +161,18 @@ def _fsdp_host_steps(rank, world, steps):
         compare(f"after the forward of step {step}")  # the forward waited for every block
         with torch.no_grad():
             reference_ce_sum = reference.loss_terms(ids[:, :-1], ids[:, 1:]).ce_sum
-        feed.arm()
+        feed.arm(last=True)
         (ce_sum / (ids.shape[0] * 16)).backward()
         early.append(feed.early)
         feed.flush()
+        assert all(p.grad is None for p in model.parameters())  # released at hand-over
         total = ce_sum.detach().clone()
         dist.all_reduce(total)
         losses.append((total.item(), reference_ce_sum.item()))
         for param, ref in zip(model.parameters(), reference.parameters()):
-            ref.grad = param.grad.full_tensor()
+            ref.grad = handed_over.pop(id(param)).full_tensor()
         max_norm = 0.05 if step == CLIPPED_STEP else 100.0
-        host.finish(clip_gradients(model, 0.0, runtime), max_norm)
+        host.finish(global_norm(host.local_squared_norm(), runtime).item(), max_norm)
         clipped.append(host.last_clipped)
         torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm)
         torch_opt.step()

@@ -16,6 +16,7 @@ from mop.models.transformer import init_weights
 from mop.parallel import DistLayout, Layout
 from mop.parallel.experts import shard_experts
 from mop.parallel.llep import BalanceOptions, drain_records
+from mop.parallel.llep_chunked import chunk_plans
 from mop.parallel.llep_routing import build_routing
 from mop.parallel.llep_plan import plan_ep, plan_llep
 from mop.testing import run_distributed
@@ -126,6 +127,21 @@ def test_routing_sends_every_row_once_and_groups_received_rows_by_expert():
             assert sum(route.native_counts) + sum(route.foreign_counts) == sum(route.recv_splits)
         assert sum(rt.native_counts[i] for rt in routes for i in range(2)) + sum(
             sum(rt.foreign_counts) for rt in routes) == sum(loads)
+
+
+def test_a_chunk_without_rows_of_a_shipped_expert_counts_it_as_zero():
+    """A chunked layer ships its foreign weights once; a chunk that has no rows for one of them must
+    still line its counts up with the shipped weights (the grouped GEMM takes one group per weight)."""
+    counts = [[40, 0, 0, 0], [0, 0, 0, 0]]  # rank 0 sends every row to expert 0: rank 1 helps
+    plan = plan_llep([40, 0, 0, 0], 2, gate=1.0, alpha=1.0, min_chunk=1)
+    helper_rows = [s for s in plan.slices if s.rank == 1]
+    assert helper_rows, "the plan must spill expert 0 to rank 1"
+    first_chunk = chunk_plans(plan, 4)[0]
+    route = build_routing(first_chunk, counts, 1, foreign=[0, 1])  # weights of experts 0 and 1 shipped
+    assert route.foreign_experts == [0, 1] and route.foreign_counts[1] == 0
+    assert sum(route.native_counts) + sum(route.foreign_counts) == sum(route.recv_splits)
+    with pytest.raises(ValueError, match="receives rows of experts"):
+        build_routing(first_chunk, counts, 1, foreign=[1])
 
 
 def zero_token_rank(rank, world, mode, chunks):

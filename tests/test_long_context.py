@@ -19,7 +19,8 @@ from mop.parallel import DistLayout, Layout
 from mop.parallel.checkpointing import canonical_name
 from mop.parallel.parallelize import parallelize
 from mop.testing import run_distributed
-from mop.train import Runtime, forward_backward
+from mop.runtime import Runtime
+from mop.train import forward_backward
 from test_train import losses, run
 
 

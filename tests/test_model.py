@@ -157,7 +157,9 @@ def test_grouped_gemm_and_the_expert_loop_are_identical():
 
 def test_a_non_finite_gradient_skips_the_update_and_leaves_the_state():
     from mop.config import Config
-    from mop.train import Runtime, apply_update, build_optimizer
+    from mop.build import build_optimizer
+    from mop.runtime import Runtime
+    from mop.train import apply_update
 
     model = build_model(TINY, seed=0)
     optimizer = build_optimizer(model, Config())

@@ -6,11 +6,12 @@ fits `--budget-gib`, a tokens/s. fsdp2-best is the fastest fsdp2 configuration t
 
 Training. For each configuration and context, `run_distributed` starts two ranks (one intra-op
 thread each). Each builds its config with `mop.config.load_config`, every parallel degree and
-memory option given explicitly (`base_settings`, then the configuration's own), the model with
-`build_model`, applies `parallelize` (mop) or `parallelize_fsdp2` (fsdp2) and runs optimizer steps:
-forward + backward of each micro-batch through `mop.train.forward_backward`, then
-`mop.train.apply_update` (torch AdamW from `build_optimizer`) or, with `optim.offload`, `HostAdamW`
-fed by `GradientFeed` during the backward and `mop.train.host_update`. fp32, clipping at 1.0.
+memory option given explicitly (`base_settings`, then the configuration's own), and its training
+run with `mop.build.build_run`, exactly as `mop train` does (model shards, `parallelize` or
+`parallelize_fsdp2`, torch AdamW or the host optimizer with its gradient feed), and runs
+optimizer steps with the trainer's own `train_step` and `update`. It differs from `mop train`
+in one way: every step trains the same batches (the step's data is read once), so each
+configuration does identical work. fp32, clipping at 1.0.
 
 Data. A step is 2 sequences of S tokens of the shipped corpus (byte tokenizer), packed with
 document boundaries exactly as `mop train` packs them and split by the trainer's own
@@ -97,17 +98,12 @@ from torch.distributed.tensor import DTensor
 
 from mop.bench.memory import PeakMemory
 from mop.bench.report import MIB, table, write_json
+from mop.build import TrainingRun, build_run
 from mop.config import ConfigError, load_config
-from mop.data import build_data
-from mop.models.transformer import IGNORE_INDEX, build_model
-from mop.optim.host_adamw import HostAdamW
-from mop.optim.pipeline import GradientFeed
 from mop.parallel import DistLayout, Layout
-from mop.parallel.baseline import parallelize_fsdp2
-from mop.parallel.parallelize import parallelize
+from mop.runtime import Runtime
 from mop.testing import run_distributed
-from mop.train import (Runtime, apply_update, build_optimizer, forward_backward, host_update, local_batches,
-                       sum_over_ranks)
+from mop.train import set_learning_rate, train_step, update
 
 GIB = 2**30
 WORLD = 2
@@ -217,20 +213,19 @@ def fsdp2_names(spec: str) -> list[str]:
     return ["plain", *("+".join(c) for c in itertools.chain.from_iterable(combos))]
 
 
-def rank_batches(config, runtime: Runtime, documents: str) -> tuple[list[dict], int]:
-    """This rank's micro-batches of one step and the step's global target count: the shipped corpus
-    packed and split as `mop train` does it (`local_batches`). "single": the same tokens as one
-    document per row (no document ids, positions across the whole row)."""
-    d = config.data
-    batches = local_batches(build_data(d.source, d.tokenizer, d.seq_len, config.train.seed), config, runtime)
+def rank_batches(run: TrainingRun, documents: str) -> list[dict]:
+    """This rank's micro-batches of one step: the shipped corpus packed and split as `mop train`
+    does it (`TrainingRun.next_batches`). "single": the same tokens as one document per row (no
+    document ids, positions across the whole row)."""
+    d, sequence = run.config.data, run.config.parallel.sequence
+    batches = run.next_batches()
     if documents == "single":
-        tokens = d.seq_len // config.parallel.sequence
-        first = runtime.rank % config.parallel.sequence * tokens
+        tokens = d.seq_len // sequence
+        first = run.runtime.rank % sequence * tokens
         for batch in batches:
             batch["document_ids"] = None
             batch["position_ids"] = torch.arange(first, first + tokens).expand_as(batch["input_ids"])
-    local_targets = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
-    return batches, int(sum_over_ranks([local_targets], runtime)[0])
+    return batches
 
 
 class HostGradients:
@@ -263,50 +258,31 @@ def _local_bytes(tensors) -> int:
     return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors)
 
 
-def _host_optimizer_bytes(host: HostAdamW) -> int:
-    """HostAdamW's host tensors: moments, rollback copies, and the master where it is not the working weight."""
-    total = 0
-    for shard in host.shards:
-        tensors = [shard.exp_avg, shard.exp_avg_sq, *(shard.spare or ())]
-        if shard.master is not shard.working:
-            tensors.append(shard.master)
-        total += sum(t.nbytes for t in tensors)
-    return total
-
-
 class Trainer:
-    """One rank's model, optimizer and batches; `backward()` then `update()` is one optimizer step."""
+    """One rank's training run (`build_run`, as `mop train` builds it) on fixed batches;
+    `backward()` then `update()` is one optimizer step of the trainer's own functions."""
 
     def __init__(self, config, rank: int, documents: str):
-        self.config = config
         p = config.parallel
         layout = DistLayout(Layout(WORLD, p.sequence, p.expert, p.vocab), torch.device("cpu"))
-        self.runtime = Runtime(rank, WORLD, layout.device, layout)
-        model = build_model(config.model, config.train.seed)
-        self.model = (parallelize if p.strategy == "mop" else parallelize_fsdp2)(model, layout, config)
-        self.offload_store = getattr(self.model, "activation_offload", None)
-        self.host_gradients = HostGradients(self.model) if p.fsdp_cpu_offload else None
-        self.optimizer = build_optimizer(self.model, config)
-        self.host = self.feed = None
-        if config.optim.offload:
-            o = config.optim
-            self.host = HostAdamW(self.optimizer.param_groups, betas=(o.beta1, o.beta2), eps=o.eps)
-            self.feed = GradientFeed(self.model, self.host)
+        self.run = build_run(config, Runtime(rank, WORLD, layout.device, layout))
+        self.offload_store = self.run.offload_store
+        self.host_gradients = HostGradients(self.run.model) if p.fsdp_cpu_offload else None
         self.optimizer_on_device = not (config.optim.offload or p.fsdp_cpu_offload)
-        self.batches, self.targets = rank_batches(config, self.runtime, documents)
+        self.batches = rank_batches(self.run, documents)
+        self.steps = 0
+
+    @property
+    def host(self):
+        return self.run.host
 
     def backward(self) -> None:
-        if self.host is not None:
-            self.host.begin_step(self.config.optim.lr)
-        forward_backward(self.model, self.batches, self.targets, self.config.train.global_batch, self.runtime,
-                         feed=self.feed)
+        set_learning_rate(self.run, self.steps)
+        train_step(self.run, self.batches)
 
     def update(self) -> None:
-        clip = self.config.train.grad_clip
-        if self.host is None:
-            apply_update(self.model, self.optimizer, clip, self.runtime)
-        else:
-            host_update(self.model, self.host, self.feed, clip, self.runtime)
+        update(self.run)
+        self.steps += 1
 
     def step(self) -> None:
         self.backward()
@@ -318,22 +294,18 @@ class Trainer:
                 + (self.host_gradients.live_bytes if self.host_gradients else 0))
 
     def persistent_state(self) -> dict:
-        """Bytes of the state that outlives a step, by category, on the device and on the host."""
-        params = _local_bytes(self.model.parameters())
-        torch_state = _local_bytes(t for s in self.optimizer.state.values() for t in s.values()
-                                   if isinstance(t, torch.Tensor))
-        host_state = _host_optimizer_bytes(self.host) if self.host else 0
-        on_host = self.config.parallel.fsdp_cpu_offload
-        return {"parameters": 0 if on_host else params, "optimizer_state": 0 if on_host else torch_state,
-                "host_parameters": params if on_host else 0,
-                "host_optimizer_state": host_state + (torch_state if on_host else 0)}
+        """Bytes of the state that outlives a step, by category, on the device and on the host
+        (`TrainingRun.state_bytes`; gradients are counted in the step's transient peak)."""
+        state = self.run.state_bytes()
+        return {"parameters": state["device_weights_bytes"], "optimizer_state": state["device_optimizer_bytes"],
+                "host_parameters": state["host_weights_bytes"], "host_optimizer_state": state["host_optimizer_bytes"]}
 
     def step_peak(self) -> tuple[int, int]:
         """One step: (its transient device peak, the device bytes of the gradients its backward left)."""
         with PeakMemory(torch.device("cpu"), exclude=self.host_bytes_now) as memory:
             self.backward()
             gradients = 0 if self.host_gradients else _local_bytes(
-                p.grad for p in self.model.parameters() if p.grad is not None)
+                p.grad for p in self.run.model.parameters() if p.grad is not None)
             if self.optimizer_on_device:
                 self.update()
         if not self.optimizer_on_device:

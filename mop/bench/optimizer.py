@@ -95,7 +95,8 @@ def training_rank(rank: int, world: int, steps: int) -> list[dict]:
     """Part 2 on one FSDP2 rank (so gradients are handed over from FSDP2's post-backward hooks)."""
     from mop.parallel import DistLayout, Layout
     from mop.parallel.fsdp import shard_dense
-    from mop.train import Runtime, clip_gradients
+    from mop.runtime import Runtime
+    from mop.train import clip_gradients, global_norm
 
     cfg = ModelConfig(hidden=256, layers=8, heads=4, kv_heads=2, head_dim=64, experts=8, expert_intermediate=512)
     ids = torch.randint(0, cfg.vocab_size, (4, 257), generator=torch.Generator().manual_seed(1))
@@ -121,12 +122,15 @@ def training_rank(rank: int, world: int, steps: int) -> list[dict]:
             if kind != "torch":
                 host.begin_step(1e-4)
                 feed.before_forward()
-                feed.arm()
+                feed.arm(last=True)
             model(ids[:, :-1], ids[:, 1:]).backward()
             if kind != "torch":
                 feed.flush()
             after_backward = time.perf_counter()
-            norm = clip_gradients(model, max_norm(step) if kind == "torch" else 0.0, runtime)
+            if kind == "torch":
+                norm = clip_gradients(model, max_norm(step), runtime)
+            else:  # the host gradients' norm (the device ones were released at hand-over)
+                norm = global_norm(host.local_squared_norm(), runtime).item()
             after_norm = time.perf_counter()
             if kind == "torch":
                 opt.step()

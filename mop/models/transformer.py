@@ -17,6 +17,7 @@ and any micro-batching reproduces exactly.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -104,7 +105,11 @@ class MoETransformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.layers))
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.lm_head = LMHead(cfg)
-        if cfg.tie_embeddings:
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """With `tie_embeddings`, the output projection is the embedding's weight (one parameter)."""
+        if self.cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
 
     def hidden_states(self, input_ids, position_ids=None, document_ids=None):
@@ -144,29 +149,50 @@ class MoETransformer(nn.Module):
         return self.objective(terms, terms.targets, terms.sequences)
 
 
+INIT_BLOCK = 1 << 20  # elements drawn from one generator key
+
+
 def parameter_seed(seed: int, name: str) -> int:
     """A per-parameter seed from the run seed and the parameter's name, independent of layout and order."""
     return int.from_bytes(hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest(), "little") >> 1
 
 
+def initial_rows(name: str, shape: torch.Size, first: int, count: int, seed: int, std: float) -> torch.Tensor:
+    """Rows `[first, first + count)` (dim 0) of parameter `name`'s initial value, fp32 on the CPU.
+
+    Norm weights (1-D) start at one. A matrix is N(0, std), drawn in blocks of INIT_BLOCK
+    consecutive elements of its flattened global tensor, block b from a generator keyed by (seed,
+    name, b): any block of rows is computed without drawing the others, so every rank initialises
+    its own shard alone and every layout (the single-process model included) starts from the same
+    values, bit for bit, on any device.
+    """
+    if len(shape) == 1:
+        return torch.ones(count)
+    row = math.prod(shape[1:])
+    start, stop, total = first * row, (first + count) * row, math.prod(shape)
+    out = torch.empty(stop - start)
+    for block in range(start // INIT_BLOCK, -(-stop // INIT_BLOCK)):
+        begin = block * INIT_BLOCK
+        generator = torch.Generator().manual_seed(parameter_seed(seed, f"{name}/{block}"))
+        values = torch.empty(min(INIT_BLOCK, total - begin)).normal_(0.0, std, generator=generator)
+        low, high = max(start, begin), min(stop, begin + INIT_BLOCK)
+        out[low - start:high - start] = values[low - begin:high - begin]
+    return out.view(count, *shape[1:])
+
+
 @torch.no_grad()
 def init_weights(module: nn.Module, seed: int, std: float) -> None:
-    """Initialise every parameter of a full (unsharded) module from `seed` alone.
-
-    Norm weights start at one; every matrix is N(0, std) drawn on the CPU from a generator seeded
-    by (seed, parameter name), so the values do not depend on the device, on construction order,
-    or on how the parameter is sharded afterwards.
-    """
+    """Initialise every parameter of a full (unsharded) module from `seed` alone (`initial_rows`)."""
     for name, param in module.named_parameters():
-        if param.dim() == 1:
-            param.fill_(1.0)
-            continue
-        generator = torch.Generator().manual_seed(parameter_seed(seed, name))
-        values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
-        param.copy_(values)
+        param.copy_(initial_rows(name, param.shape, 0, param.shape[0], seed, std))
 
 
 def build_model(cfg: ModelConfig, seed: int, device: torch.device | str = "cpu") -> MoETransformer:
-    model = MoETransformer(cfg)
+    """The whole model on one device, initialised: for tests, conversion and single-process tools
+    (a training run builds each rank's shards only: `mop.build`)."""
+    with torch.device("meta"):
+        model = MoETransformer(cfg)
+    model.to_empty(device=device)
+    model.tie_weights()  # `to_empty` replaces the parameters one module at a time
     init_weights(model, seed, cfg.init_std)
-    return model.to(device)
+    return model

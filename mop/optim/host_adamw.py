@@ -5,17 +5,22 @@ tensor), host memory holds the fp32 master weight, the AdamW moments, the step c
 copy of the master and moments for rollback (pinned on CUDA machines, allocated once). A shard
 is speculated in pieces of at most `piece_elements` (flat views; the update is elementwise), so
 that speculation not started when the norm arrives is cancelled piece by piece and those pieces
-need no rollback copy. The device keeps only the working weight the model computes with. On a CPU-only machine an fp32 working weight already
-lives in host memory and is its own master.
+need no rollback copy. The device keeps only the working weight the model computes with (bf16
+under `train.dtype = "bfloat16"`: 2 bytes per parameter). On a CPU-only machine an fp32 working
+weight already lives in host memory and is its own master.
 
 One optimizer step:
 1. `begin_step(lr)`: the step's learning rate (from the schedule).
-2. `gradient_ready(param, grad)`, once per shard, as soon as its gradient is final (after its
-   reduce-scatter; `GradientFeed` calls it from FSDP2's post-accumulate-grad hook). On CUDA the
-   gradient is copied into the shard's pinned host buffer on the current stream (FSDP2's
-   post-reduce stream inside the hook) and an event is recorded; the worker waits on that event,
-   not the Python thread. A worker thread then, piece by piece, copies the state into the spare
-   and applies a speculative AdamW update with torch's fused kernel (`torch._fused_adamw_`), using
+2. `gradient_ready(param, grad, last)`, once per shard and micro-batch, as soon as its gradient
+   is reduced (`GradientFeed` calls it from FSDP2's post-accumulate-grad hook and releases the
+   device gradient right after: the device never accumulates gradients, and holds each one only
+   from its reduce-scatter to its copy). On CUDA the gradient is copied into the shard's pinned
+   staging buffer on the current stream (FSDP2's post-reduce stream inside the hook) and an event
+   is recorded; the worker thread waits on that event, not the Python thread, and adds the copy
+   into the shard's fp32 host gradient (on a CPU machine the first fp32 gradient is lent, not
+   copied). With `last`, the host gradient is final: the worker computes its squared norm (for
+   clipping: `local_squared_norm`) and then, piece by piece, copies the state into the spare and
+   applies a speculative AdamW update with torch's fused kernel (`torch._fused_adamw_`), using
    the step count + 1 (the count itself is only committed in `finish`). Nothing waits for the
    rest of the backward.
 3. `finish(grad_norm, max_norm)`, once the global gradient norm is known, decides and returns at
@@ -81,10 +86,13 @@ class ShardState:
     step: torch.Tensor  # float32 scalar, as the fused kernel wants it
     weight_decay: float
     piece_elements: int
+    replicas: int = 1  # ranks holding this same shard (the vocabulary shard): its norm counts once
     spare: tuple[torch.Tensor, ...] | None = None  # rollback copies of master and moments, when speculating
-    grad: torch.Tensor | None = None  # this step's host gradient, once handed over
-    grad_copied: torch.Event | None = None  # set while an asynchronous device-to-host copy is in flight
-    host_grad: torch.Tensor | None = None  # persistent pinned buffer for device gradients
+    grad: torch.Tensor | None = None  # this step's fp32 host gradient (accumulated over micro-batches)
+    arrived: Future | None = field(default=None, repr=False)  # the last hand-over's copy/accumulation into `grad`
+    squared_norm: Future | None = field(default=None, repr=False)  # of the final `grad`
+    host_grad: torch.Tensor | None = None  # persistent fp32 host buffer for device gradients
+    staging: torch.Tensor | None = None  # persistent pinned buffer a device gradient is copied into
     next_step: torch.Tensor | None = None  # the count this step's update uses
     lr: float = 0.0  # this step's learning rate (the next step may begin before this one is settled)
     speculated: list[bool] = field(default_factory=list)  # per piece
@@ -104,10 +112,9 @@ class ShardState:
     def _split(self, *tensors: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
         return list(zip(*(_pieces(t, self.piece_elements) for t in tensors)))
 
-    def wait_for_grad(self) -> None:
-        event = self.grad_copied
-        if event is not None:
-            event.synchronize()
+    def wait_arrived(self) -> None:
+        if self.arrived is not None:
+            self.arrived.result()
 
     def wait_settled(self) -> None:
         if self.settled is not None:
@@ -115,10 +122,11 @@ class ShardState:
 
 
 class HostAdamW:
-    """See the module docstring. `groups`: dicts with "params" and "weight_decay", as for torch.optim."""
+    """See the module docstring. `groups`: dicts with "params" and "weight_decay", as for torch.optim;
+    `replicas`: the number of ranks holding each replicated parameter, by id (its norm counts once)."""
 
     def __init__(self, groups: list[dict], betas=(0.9, 0.999), eps: float = 1e-8, workers: int = 1,
-                 speculative: bool = True, piece_elements: int = 1 << 20):
+                 speculative: bool = True, piece_elements: int = 1 << 20, replicas: dict[int, int] | None = None):
         self.speculative = speculative  # False: update only in finish, once the norm is known (no rollback buffers)
         self.last_clipped = False
         self.beta1, self.beta2 = betas
@@ -136,6 +144,7 @@ class HostAdamW:
                     master.copy_(working)
                 shard = ShardState(working, master, torch.zeros_like(master), torch.zeros_like(master),
                                    torch.zeros((), dtype=torch.float32), group["weight_decay"], piece_elements,
+                                   replicas=(replicas or {}).get(id(param), 1),
                                    # allocated and touched now, so no step pays the page faults
                                    spare=tuple(_host_like(master).zero_() for _ in range(3)) if speculative else None)
                 self.shards.append(shard)
@@ -150,35 +159,87 @@ class HostAdamW:
     def begin_step(self, lr: float) -> None:
         self.lr = lr
 
-    def gradient_ready(self, param: torch.Tensor, grad: torch.Tensor) -> None:
-        """`param`'s gradient is final: copy it to the host and start its speculative update."""
+    def gradient_ready(self, param: torch.Tensor, grad: torch.Tensor, last: bool = True) -> None:
+        """One micro-batch's gradient of `param` (its local shard), handed over once it is reduced.
+
+        It is copied to the host and added to the step's fp32 host gradient; the caller may
+        release its own reference at once. With `last` (the step's last micro-batch) the host
+        gradient is final: its squared norm and its speculative update are queued.
+        """
         shard = self.shard_of(param)
         shard.wait_settled()  # the last step's update of this shard (normally long done: the forward waited)
         grad = _local(grad).detach()
-        if grad.device.type == "cpu" and grad.dtype == torch.float32:
+        first = shard.grad is None
+        if first:
+            shard.lr = self.lr
+            shard.next_step = shard.step + 1  # the fused kernel reads the incremented count, as torch.optim.AdamW passes it
+        if grad.device.type == "cpu" and grad.dtype == torch.float32 and first:
             # Already a host fp32 tensor, lent to the optimizer until the shard is settled (a
-            # clipped step scales it in place); the trainer releases gradients (set_to_none) and
-            # never reads or writes them in between.
+            # clipped step scales it in place); the feed has released the parameter's reference.
             shard.grad = grad
         else:
-            if shard.host_grad is None:
-                shard.host_grad = _host_like(grad)
-            shard.host_grad.copy_(grad, non_blocking=True)
-            shard.grad = shard.host_grad
-            if grad.device.type != "cpu":  # the copy was queued on the gradient device's current stream
-                shard.grad_copied = torch.accelerator.current_stream(grad.device).record_event()
-        shard.lr = self.lr
-        shard.next_step = shard.step + 1  # the fused kernel reads the incremented count, as torch.optim.AdamW passes it
+            incoming, copied = self._host_copy(shard, grad)
+            if shard.grad is None:
+                if shard.host_grad is None:
+                    shard.host_grad = _host_like(grad)
+                shard.grad = shard.host_grad
+            previous = shard.arrived
+            shard.arrived = self.pool.submit(self._accumulate, shard, previous, incoming, copied, first)
+        if last:
+            self._queue_update(shard)
+
+    def _host_copy(self, shard: ShardState, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Event | None]:
+        """`grad` in host memory: itself when it is there already, else an asynchronous copy into the
+        shard's pinned staging buffer, queued on the gradient device's current stream (FSDP2's
+        post-reduce stream inside its hook), and the event that marks its completion."""
+        if grad.device.type == "cpu":
+            return grad, None
+        if shard.staging is None:
+            shard.staging = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=True)
+        shard.wait_arrived()  # the previous micro-batch's accumulation has read the staging buffer
+        shard.staging.copy_(grad, non_blocking=True)
+        stream = torch.accelerator.current_stream(grad.device)
+        grad.record_stream(stream)  # the caller releases `grad`: its memory waits for the copy
+        return shard.staging, stream.record_event()
+
+    @staticmethod
+    def _accumulate(shard: ShardState, previous: Future | None, incoming: torch.Tensor, copied, first: bool) -> None:
+        if previous is not None:
+            previous.result()
+        if copied is not None:
+            copied.synchronize()
+        if first:
+            shard.grad.copy_(incoming)
+        else:
+            shard.grad.add_(incoming)
+
+    def _queue_update(self, shard: ShardState) -> None:
+        """The host gradient is final: queue its squared norm and (unless the last step clipped) its speculation."""
         shard.grad_pieces = _pieces(shard.grad, shard.piece_elements)
         count = len(shard.pieces)
         shard.speculated = [False] * count
+        shard.squared_norm = self.pool.submit(self._squared_norm, shard)
         # After a clipped step the next one usually clips too: wait for the norm instead of
         # speculating work that would be rolled back.
         if self.speculative and not self.last_clipped:
             shard.pending = [self.pool.submit(self._speculate, shard, index) for index in range(count)]
 
+    @staticmethod
+    def _squared_norm(shard: ShardState) -> torch.Tensor:
+        shard.wait_arrived()
+        return torch._foreach_norm([shard.grad])[0].square()
+
+    def local_squared_norm(self) -> torch.Tensor:
+        """This rank's share of the squared global gradient norm: the sum over its shards of each final
+        host gradient's squared norm, divided by the shard's replica count (waits for the last ones)."""
+        total = torch.zeros((), dtype=torch.float32)
+        for shard in self.shards:
+            if shard.squared_norm is not None:
+                total += shard.squared_norm.result() / shard.replicas
+        return total
+
     def _speculate(self, shard: ShardState, index: int) -> None:
-        shard.wait_for_grad()
+        shard.wait_arrived()
         state = shard.pieces[index]
         torch._foreach_copy_(list(shard.spare_pieces[index]), list(state))
         shard.speculated[index] = True
@@ -221,7 +282,7 @@ class HostAdamW:
         """Bring every piece of `shard` to the state the validated step defines; refresh its working weight."""
         for future in started:
             future.result()
-        shard.wait_for_grad()
+        shard.wait_arrived()
         # The kernel divides the gradient by grad_scale as it reads it (and stores the quotient back:
         # the hand-over lent the buffer until now), which clips without a scaled copy.
         grad_scale = None if coefficient == 1.0 else torch.tensor(1.0 / coefficient)
@@ -240,7 +301,8 @@ class HostAdamW:
             shard.step.copy_(shard.next_step)
         if shard.working is not shard.master:
             self._copy_to_working(shard)
-        shard.grad, shard.grad_copied, shard.grad_pieces, shard.speculated, shard.pending = None, None, [], [], []
+        shard.grad, shard.arrived, shard.squared_norm = None, None, None
+        shard.grad_pieces, shard.speculated, shard.pending = [], [], []
 
     def _copy_to_working(self, shard: ShardState) -> None:
         """The new master into the working weight; returns once the copy is complete."""
@@ -271,11 +333,11 @@ class HostAdamW:
         """`param`'s AdamW state, named as torch.optim.AdamW names it (local shard tensors, loadable in place)."""
         shard = self.shard_of(param)
         shard.wait_settled()
-        return {"exp_avg": shard.exp_avg, "exp_avg_sq": shard.exp_avg_sq, "step": shard.step}
+        return {"master": shard.master, "exp_avg": shard.exp_avg, "exp_avg_sq": shard.exp_avg_sq, "step": shard.step}
 
-    def masters_from_working(self) -> None:
-        """After the working weights were loaded (a checkpoint): make the masters equal them."""
+    def working_from_masters(self) -> None:
+        """After the masters were written (initialisation, a checkpoint): the working weights from them."""
         self.synchronize()
         for shard in self.shards:
             if shard.working is not shard.master:
-                shard.master.copy_(shard.working)
+                self._copy_to_working(shard)

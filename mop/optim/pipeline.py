@@ -3,15 +3,17 @@
 Hand-over. FSDP2 assigns a sharded parameter's gradient in its post-backward, right after the
 unit's reduce-scatter (with the LLEP helpers' foreign-weight gradients already added into the
 expert partitions), and then calls the parameter's post-accumulate-grad hooks, on the stream that
-produced the gradient. That gradient is final once the last micro-batch's backward has passed the
-unit, so a hook on every FSDP2-managed parameter hands it to the optimizer there, while the
-backward goes on below. On CUDA the hook runs under FSDP2's post-reduce stream, so the optimizer's
-device-to-host copy is queued behind the reduce-scatter without a wait on the compute stream (see
+produced the gradient. A hook on every FSDP2-managed parameter hands that micro-batch's gradient
+to the optimizer there and releases it (`param.grad = None`), while the backward goes on below:
+the optimizer accumulates micro-batches in fp32 host memory, so the device never holds more than
+the gradients in flight between a reduce-scatter and its copy, and never accumulates in bf16.
+On CUDA the hook runs under FSDP2's post-reduce stream, so the optimizer's device-to-host copy is
+queued behind the reduce-scatter without a wait on the compute stream (see
 `HostAdamW.gradient_ready`). Autograd itself never accumulates into FSDP2's sharded parameters
 (the graph uses the unsharded ones), so only FSDP2 fires these hooks. Every parameter FSDP2 does
-not manage (its `.grad` may still be accumulating from several uses) is handed over when
-`loss.backward()` returns (`flush`). Only the last micro-batch of a step is armed: earlier ones
-only accumulate.
+not manage (its `.grad` may still be accumulating from several uses) is handed over, and
+released, when the micro-batch's `loss.backward()` returns (`flush`). The last micro-batch of a
+step is marked (`arm(last=True)`): its hand-over makes each gradient final.
 
 Waiting. `HostAdamW.finish` returns before the updates are done; they are settled on the worker
 thread in the forward's order: the parameters outside the blocks (embedding, final norm, output
@@ -40,8 +42,9 @@ class GradientFeed:
     def __init__(self, model: torch.nn.Module, optimizer: HostAdamW):
         self.optimizer = optimizer
         self.armed = False
+        self.last = False
         self.delivered: set[int] = set()
-        self.early = 0  # parameters delivered from inside the last backward (a metric)
+        self.early = 0  # parameters delivered from inside the step's last backward (a metric)
         self._wait_s = 0.0  # time forwards spent waiting for updates since `take_wait_s`
         self.params = [p for p in model.parameters() if p.requires_grad]
         for param in self.params:
@@ -56,14 +59,17 @@ class GradientFeed:
 
     def _hook(self, param: torch.Tensor) -> None:
         if self.armed:
-            self.early += self._deliver([param])
+            delivered = self._deliver([param])
+            if self.last:
+                self.early += delivered
 
     def _deliver(self, params) -> int:
         count = 0
         for param in params:
             if id(param) not in self.delivered and param.grad is not None:
                 self.delivered.add(id(param))
-                self.optimizer.gradient_ready(param, param.grad)
+                self.optimizer.gradient_ready(param, param.grad, self.last)
+                param.grad = None
                 count += 1
         return count
 
@@ -84,13 +90,15 @@ class GradientFeed:
         """Before a step's first forward: wait for the parameters outside the blocks."""
         self._wait(self.outer)
 
-    def arm(self) -> None:
-        """The next backward is the step's last: deliver gradients as they become final."""
-        self.armed = True
-        self.early = 0
+    def arm(self, last: bool) -> None:
+        """Before a micro-batch's backward: deliver gradients as they are reduced; `last`: the
+        step's last micro-batch (its hand-over makes each gradient final)."""
+        self.armed, self.last = True, last
+        if last:
+            self.early = 0
 
     def flush(self) -> None:
-        """After the last backward: deliver everything not handed over yet, and disarm."""
+        """After a micro-batch's backward: deliver everything not handed over yet, and disarm."""
         self._deliver(self.params)
         self.armed = False
         self.delivered.clear()

@@ -63,8 +63,9 @@ class ChunkJob:
 def chunk_job(plan: Plan, chunks: int, counts: list[list[int]], rank: int, order: torch.Tensor,
               exchange: Exchange, top_k: int) -> ChunkJob:
     routings, assignments = [], []
+    shipped = [expert for expert, _ in exchange.receive]  # the foreign weights every chunk computes with
     for sub in chunk_plans(plan, chunks):
-        routing = build_routing(sub, counts, rank)
+        routing = build_routing(sub, counts, rank, shipped)
         routings.append(routing)
         assignments.append(order[torch.tensor(routing.send_rows, dtype=torch.long, device=order.device)])
     return ChunkJob(assignments, routings, exchange, top_k)
@@ -128,7 +129,7 @@ class ChunkedExperts(torch.autograd.Function):
                                          routing.send_splits, ex.group)
             rows = received[:, :hidden].detach().requires_grad_()
             used = [rows] + (leaves[:2] if sum(routing.native_counts) else []) + (
-                leaves[2:] if routing.foreign_experts else [])
+                leaves[2:] if sum(routing.foreign_counts) else [])
             with torch.enable_grad(), ctx.autocast():
                 y = expert_outputs(rows, routing, leaves)
                 torch.autograd.backward(y, received[:, hidden:], inputs=used)

@@ -49,8 +49,13 @@ def _segments(plan: Plan, counts: list[int], before: list[int]) -> list[tuple[in
     return segments
 
 
-def build_routing(plan: Plan, counts: list[list[int]], rank: int) -> Routing:
-    """The routing of group rank `rank` from the plan and the `[Ep, E]` count matrix."""
+def build_routing(plan: Plan, counts: list[list[int]], rank: int, foreign: list[int] | None = None) -> Routing:
+    """The routing of group rank `rank` from the plan and the `[Ep, E]` count matrix.
+
+    `foreign`: the shipped experts whose weights this rank holds, in that order (default: those
+    the plan sends it rows of, ascending). A chunk of a chunked layer passes the whole layer's, so
+    its foreign counts line up with the shipped weights even where the chunk has no rows for some.
+    """
     ranks, experts = len(counts), len(counts[0])
     before = [[sum(counts[s][e] for s in range(source)) for e in range(experts)] for source in range(ranks)]
     per_source = [_segments(plan, counts[s], before[s]) for s in range(ranks)]
@@ -70,10 +75,14 @@ def build_routing(plan: Plan, counts: list[list[int]], rank: int) -> Routing:
         position += rows
     per_rank = experts // ranks
     owned = range(rank * per_rank, (rank + 1) * per_rank)
-    foreign = sorted(e for e in by_expert if e not in owned)
+    received_foreign = sorted(e for e in by_expert if e not in owned)
+    if foreign is None:
+        foreign = received_foreign
+    elif not set(received_foreign) <= set(foreign):
+        raise ValueError(f"rank {rank} receives rows of experts {received_foreign} but holds weights of {foreign}")
     compute_rows = [p for e in [*owned, *foreign] for p in by_expert.get(e, [])]
     return Routing(send_rows, send_splits, recv_splits, compute_rows, [len(by_expert.get(e, [])) for e in owned],
-                   foreign, [len(by_expert[e]) for e in foreign])
+                   foreign, [len(by_expert.get(e, [])) for e in foreign])
 
 
 @dataclass
@@ -156,7 +165,7 @@ def expert_outputs(received: torch.Tensor, routing: Routing, weights) -> torch.T
     rows = received[compute]
     native = sum(routing.native_counts)
     y = swiglu_experts(rows[:native], routing.native_counts, w_gate_up, w_down)
-    if routing.foreign_experts:
+    if sum(routing.foreign_counts):
         y = torch.cat([y, swiglu_experts(rows[native:], routing.foreign_counts, foreign_gate_up, foreign_down)])
     # Arrival position compute_rows[i] holds y[i].
     return y[torch.argsort(compute)]

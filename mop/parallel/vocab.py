@@ -63,6 +63,14 @@ class Ring:
         return incoming, dist.batch_isend_irecv(ops)
 
 
+def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
+    """The dtype the logits matmul runs in: autocast's where it is on (as `LMHead`'s `F.linear`
+    would run), else the hidden states'. Autograd runs the backward outside autocast, so the
+    forward's choice is saved and reused there."""
+    kind = hidden.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else hidden.dtype
+
+
 def _logits(hidden_block: torch.Tensor, shard: torch.Tensor, valid: int) -> torch.Tensor:
     logits = (hidden_block @ shard.t()).float()
     logits[:, valid:] = float("-inf")
@@ -82,17 +90,19 @@ class _RingCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, ring: Ring):
         tokens, rows = hidden.shape[0], weight.shape[0]
+        dtype = _compute_dtype(hidden)
         running_max = hidden.new_full((tokens,), float("-inf"), dtype=torch.float32)
         running_sum = hidden.new_zeros(tokens, dtype=torch.float32)
         target = hidden.new_zeros(tokens, dtype=torch.float32)
-        shard = weight.detach()
+        # The shard travels in the compute dtype (half the bytes in bf16).
+        compute_hidden, shard = hidden.detach().to(dtype), weight.detach().to(dtype)
         for step in range(ring.size):
             j = (ring.rank + step) % ring.size
             incoming, works = ring.shift([shard]) if step + 1 < ring.size else (None, [])
             local = labels - j * rows
             valid_columns = ring.valid_columns(j, rows)
             for block in _blocks(tokens, ring.token_block) if valid_columns else []:
-                logits = _logits(hidden[block], shard, valid_columns)
+                logits = _logits(compute_hidden[block], shard, valid_columns)
                 mine = (local[block] >= 0) & (local[block] < rows)
                 picked = logits.gather(1, local[block].clamp(0, rows - 1).unsqueeze(1)).squeeze(1)
                 target[block] = torch.where(mine, picked, target[block])
@@ -109,8 +119,8 @@ class _RingCrossEntropy(torch.autograd.Function):
         valid = labels != IGNORE_INDEX
         loss = torch.where(valid, lse - target + ring.z_loss * lse.square(), torch.zeros_like(lse)).sum()
         ctx.save_for_backward(hidden, weight, labels, lse)
-        ctx.ring = ring
-        return loss.to(hidden.dtype)
+        ctx.ring, ctx.dtype = ring, dtype
+        return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -119,20 +129,23 @@ class _RingCrossEntropy(torch.autograd.Function):
         tokens, rows = hidden.shape[0], weight.shape[0]
         valid = (labels != IGNORE_INDEX).float() * grad_loss.float()
         scale = (1 + 2 * ring.z_loss * lse) * valid
-        grad_hidden = torch.zeros_like(hidden)
-        shard, shard_grad = weight.detach(), torch.zeros_like(weight, dtype=torch.float32)
+        # Both gradients accumulate in fp32 over the ring's steps (the tiles' products are in the
+        # compute dtype, as the reference's matmul is).
+        grad_hidden = torch.zeros_like(hidden, dtype=torch.float32)
+        compute_hidden, shard = hidden.to(ctx.dtype), weight.detach().to(ctx.dtype)
+        shard_grad = torch.zeros_like(weight, dtype=torch.float32)
         for step in range(ring.size):
             j = (ring.rank + step) % ring.size
             incoming, works = ring.shift([shard]) if step + 1 < ring.size else (None, [])
             local = labels - j * rows
             valid_columns = ring.valid_columns(j, rows)
             for block in _blocks(tokens, ring.token_block) if valid_columns else []:
-                d_logits = _logits(hidden[block], shard, valid_columns)
+                d_logits = _logits(compute_hidden[block], shard, valid_columns)
                 d_logits.sub_(lse[block].unsqueeze(1)).exp_().mul_(scale[block].unsqueeze(1))
                 mine = ((local[block] >= 0) & (local[block] < rows)).nonzero().squeeze(1)
                 d_logits[mine, local[block][mine]] -= valid[block][mine]
-                grad_hidden[block] += (d_logits.to(shard.dtype) @ shard).to(grad_hidden.dtype)
-                shard_grad.addmm_(d_logits.t(), hidden[block].float())
+                grad_hidden[block] += d_logits.to(ctx.dtype) @ shard
+                shard_grad.addmm_(d_logits.t(), compute_hidden[block].float())
                 del d_logits
             # Done with this shard: drop it before the gradient hop so that only the incoming
             # shard, the gradient and the incoming gradient are in flight.
@@ -143,7 +156,7 @@ class _RingCrossEntropy(torch.autograd.Function):
             shard = incoming[0] if incoming is not None else None
         if ring.replica_group is not None:
             dist.all_reduce(shard_grad, group=ring.replica_group)
-        return grad_hidden, shard_grad.to(weight.dtype), None, None
+        return grad_hidden.to(hidden.dtype), shard_grad.to(weight.dtype), None, None
 
 
 def default_token_block(shard_rows: int) -> int:
@@ -162,8 +175,8 @@ class VocabParallelHead(nn.Module):
         rows = math.ceil(vocab / size)
         padded = F.pad(head.weight.detach(), (0, 0, 0, rows * size - vocab))
         self.weight = nn.Parameter(padded[shard * rows:(shard + 1) * rows].clone())
-        # Read by the global gradient norm: this shard exists on this many ranks.
-        self.weight.replicas = layout.layout.vocab_replicas
+        # Read by the global gradient norm (`replicated_parameters`): this shard exists on this many ranks.
+        self.replicas = layout.layout.vocab_replicas
         replicas = layout.vocab_replica_group if layout.layout.vocab_replicas > 1 else None
         self.ring = Ring(layout.vocab_group, replicas, shard, size, vocab, token_block or default_token_block(rows),
                          z_loss)
@@ -174,6 +187,12 @@ class VocabParallelHead(nn.Module):
 
     def loss_sum(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return _RingCrossEntropy.apply(h.reshape(-1, h.shape[-1]), self.weight, labels.reshape(-1), self.ring)
+
+
+def replicated_parameters(model: nn.Module) -> dict[int, int]:
+    """Parameters held identically on several ranks, by id, with their number of copies: the
+    vocabulary shards (a global gradient norm counts each once)."""
+    return {id(m.weight): m.replicas for m in model.modules() if isinstance(m, VocabParallelHead)}
 
 
 def apply_vocab_parallel(model, layout: DistLayout, token_block: int) -> None:

@@ -1,0 +1,177 @@
+"""One place builds a training run: data, model shards, parallelisation, optimizer, gradient feed,
+data slicing and memory accounting. `mop train` runs what `build_run` returns, `mop bench e2e`
+measures it and the tests train it; nothing else wires these pieces.
+
+Order of `build_run`:
+1. the data (tokenizer, packed stream), and the check that the model's vocabulary holds the
+   tokenizer's ids;
+2. the model, constructed on the meta device in its storage dtype (`storage_dtype`) and
+   parallelised there by the strategy (`mop`: `parallelize`; `fsdp2`: `parallelize_fsdp2`;
+   `reference`: the memory options only), then materialised: each rank allocates and
+   initialises only its own shards (`mop.parallel.materialize`), so no rank ever holds the full
+   model, and every layout starts from the same weights;
+3. the optimizer: torch AdamW over the parameters or, with `optim.offload`, the host optimizer
+   (its fp32 masters written from the same initial values) and the gradient feed that hands it
+   each gradient during the backward;
+4. the global views that checkpoints save and load through.
+
+Device state per parameter on each rank (its shard; `state_bytes` reports it):
+
+| train.dtype | optimizer     | weights              | gradients                       | optimizer state     |
+|-------------|---------------|----------------------|---------------------------------|---------------------|
+| float32     | torch AdamW   | fp32                 | fp32, until the update          | fp32 moments        |
+| float32     | host          | fp32                 | released at hand-over           | on the host         |
+| bfloat16    | torch AdamW   | fp32 (bf16 autocast) | fp32, until the update          | fp32 moments        |
+| bfloat16    | host          | bf16 working copy    | released at hand-over           | on the host         |
+
+With the host optimizer the host holds the fp32 master and moments (plus rollback copies), and
+a gradient lives on the device only from its reduce-scatter (in fp32, FSDP2's reduce dtype, the
+shard then in the weight's dtype) to its copy to the host, where micro-batches accumulate in
+fp32. torch AdamW needs fp32 master weights and moments beside it on the device. Under the
+fsdp2 baseline's CPU offload, weights, gradients and moments are FSDP2's host shards.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from mop.config import Config, ConfigError
+from mop.data import build_data, group_slice, load_batch, micro_batches, sequence_shard
+from mop.models.transformer import MoETransformer
+from mop.optim.host_adamw import HostAdamW
+from mop.optim.pipeline import GradientFeed
+from mop.parallel.baseline import parallelize_fsdp2
+from mop.parallel.materialize import materialize, write_initial
+from mop.parallel.parallelize import apply_memory_options, compute_dtype, parallelize
+from mop.parallel.views import GlobalViews
+from mop.parallel.vocab import replicated_parameters
+from mop.runtime import Runtime
+
+
+def storage_dtype(config: Config) -> torch.dtype:
+    """The dtype parameters are stored in on the device: bf16 working weights when the fp32
+    masters live in the host optimizer and the run computes in bf16, else fp32."""
+    return torch.bfloat16 if config.train.dtype == "bfloat16" and config.optim.offload else torch.float32
+
+
+def build_optimizer(model: torch.nn.Module, config: Config) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only; norms (1-D) are not decayed."""
+    o = config.optim
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    vectors = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": matrices, "weight_decay": o.weight_decay}, {"params": vectors, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+
+
+def build_model_shards(config: Config, runtime: Runtime) -> tuple[MoETransformer, GlobalViews]:
+    """This rank's parallelised model, its own shards allocated and initialised (module docstring, step 2)."""
+    with torch.device("meta"):
+        model = MoETransformer(config.model).to(storage_dtype(config))
+    strategy = config.parallel.strategy
+    if strategy == "mop":
+        model = parallelize(model, runtime.layout, config)
+    elif strategy == "fsdp2":
+        model = parallelize_fsdp2(model, runtime.layout, config)
+    else:
+        apply_memory_options(model, config, runtime.device)
+    views = materialize(model, runtime.layout, runtime.device, config.train.seed, config.model.init_std)
+    return model, views
+
+
+@dataclass
+class TrainingRun:
+    """Everything one rank trains with; `build_run` makes it."""
+
+    config: Config
+    runtime: Runtime
+    model: MoETransformer
+    views: GlobalViews
+    optimizer: torch.optim.AdamW  # holds the parameter groups (and the state, without the host optimizer)
+    host: HostAdamW | None
+    feed: GradientFeed | None
+    data: object  # mop.data.Data
+
+    @property
+    def offload_store(self):
+        """The activation offload's host store (None without `train.offload_activations`)."""
+        return getattr(self.model, "activation_offload", None)
+
+    def autocast(self):
+        dtype = compute_dtype(self.config)
+        return torch.autocast(self.runtime.device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
+
+    def micro_batches_per_step(self) -> int:
+        """Forward passes per optimizer step on each rank: its data group's share of the global batch
+        (ranks of a sequence group share sequences) in micro-batches."""
+        groups = self.runtime.world // self.config.parallel.sequence
+        return self.config.train.global_batch // groups // self.config.train.micro_batch
+
+    def next_batches(self) -> list[dict]:
+        """This rank's micro-batches of the next step: its data group's sequences, its slice of each.
+
+        Every rank advances the data stream by the same global batch, so the stream's position is
+        the checkpointed data position.
+        """
+        config, runtime = self.config, self.runtime
+        d = config.parallel.sequence
+        indices = group_slice(self.data.stream.next_batch(config.train.global_batch), runtime.rank // d,
+                              runtime.world // d)
+        batches = [load_batch(self.data.dataset, part) for part in micro_batches(indices, config.train.micro_batch)]
+        return [sequence_shard(batch, runtime.rank % d, d) for batch in batches]
+
+    def state_bytes(self) -> dict:
+        """This rank's persistent training state by category and place, in bytes, and the device
+        bytes per parameter (see the module docstring's table); constant over a run."""
+        params = [p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters()]
+        count = max(1, sum(p.numel() for p in params))
+        weights = sum(p.nbytes for p in params)
+        host_optimizer = _host_optimizer_bytes(self.host) if self.host is not None else 0
+        on_host = self.config.parallel.fsdp_cpu_offload  # the fsdp2 baseline's CPU offload
+        # torch AdamW's gradients live until the update, in the parameter's dtype; the host
+        # optimizer's are released at hand-over.
+        gradients = 0 if self.host is not None else weights
+        moments = 0 if self.host is not None else 2 * sum(p.numel() * 4 for p in params)
+        device = {"weights": 0 if on_host else weights, "gradients": 0 if on_host else gradients,
+                  "optimizer": 0 if on_host else moments}
+        host = {"weights": weights if on_host else 0, "gradients": gradients if on_host else 0,
+                "optimizer": host_optimizer + (moments if on_host else 0)}
+        return {"mem_param_shards_bytes": weights, "mem_grad_shards_bytes": gradients,
+                "mem_optimizer_state_bytes": host_optimizer or moments, "mem_optimizer_on_host": self.host is not None,
+                **{f"device_{k}_bytes": v for k, v in device.items()}, **{f"host_{k}_bytes": v for k, v in host.items()},
+                **{f"device_bytes_per_param_{k}": v / count for k, v in device.items()}}
+
+
+def _host_optimizer_bytes(host: HostAdamW) -> int:
+    """HostAdamW's host tensors: moments, rollback copies, and the master where it is not the working weight."""
+    total = 0
+    for shard in host.shards:
+        tensors = [shard.exp_avg, shard.exp_avg_sq, *(shard.spare or ())]
+        if shard.master is not shard.working:
+            tensors.append(shard.master)
+        total += sum(t.nbytes for t in tensors)
+    return total
+
+
+def build_run(config: Config, runtime: Runtime) -> TrainingRun:
+    """Data, model shards, optimizer and gradient feed of one rank (see the module docstring)."""
+    d = config.data
+    data = build_data(d.source, d.tokenizer, d.seq_len, config.train.seed, text_field=d.text_field, bin_dtype=d.bin_dtype)
+    if data.tokenizer.vocab_size > config.model.vocab_size:
+        raise ConfigError("model.vocab_size", f"{config.model.vocab_size} is smaller than the tokenizer's "
+                          f"{data.tokenizer.vocab_size} ids; set --model.vocab_size={data.tokenizer.vocab_size} or more")
+    model, views = build_model_shards(config, runtime)
+    optimizer = build_optimizer(model, config)
+    host = feed = None
+    if config.optim.offload:
+        o = config.optim
+        host = HostAdamW(optimizer.param_groups, betas=(o.beta1, o.beta2), eps=o.eps,
+                         replicas=replicated_parameters(model))
+        if storage_dtype(config) != torch.float32:  # the masters from the fp32 values, not the rounded weights
+            for param in model.parameters():
+                write_initial(param, views.local(param, host.state_of(param)["master"]), views, config.train.seed,
+                              config.model.init_std)
+        feed = GradientFeed(model, host)
+    return TrainingRun(config, runtime, model, views, optimizer, host, feed, data)

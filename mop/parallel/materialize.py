@@ -1,0 +1,52 @@
+"""Allocate and initialise a model that was built and parallelised on the meta device: every rank
+its own shards, never the full model.
+
+Algorithm. The model is constructed under `torch.device("meta")` (no memory), in its storage
+dtype, and parallelised there: Ulysses, expert partitioning, the vocabulary row shard,
+activation checkpointing and FSDP2 only slice, swap, wrap and shard meta tensors. `to_empty`
+then allocates each rank's local tensors on its device, and each local tensor is filled with
+the initial values of the global rows it holds (`initial_rows`, keyed by seed, name and
+position; the rows come from `GlobalViews.first_row`), a chunk of about INIT_BLOCK elements at a
+time: the largest temporary is one fp32 chunk. Padding rows (the vocabulary shard's last rows
+past V) are zero. The host optimizer's fp32 masters are written the same way, from the same
+fp32 values, so a bf16 working weight is exactly the master rounded to bf16.
+
+Invariant: whatever the layout (the single-process reference included), the global tensor
+assembled from every rank's shards equals `build_model`'s, bit for bit. No communication.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mop.models.transformer import INIT_BLOCK, MoETransformer, initial_rows
+from mop.parallel.mesh import DistLayout
+from mop.parallel.views import GlobalViews
+
+
+def materialize(model: MoETransformer, layout: DistLayout | None, device: torch.device, seed: int,
+                std: float) -> GlobalViews:
+    """Allocate `model`'s local tensors on `device` and initialise them (see the module docstring);
+    returns the model's global views."""
+    model.to_empty(device=device)
+    model.tie_weights()  # `to_empty` replaces plain parameters one module at a time
+    views = GlobalViews(model, layout)
+    with torch.no_grad():
+        for param in model.parameters():
+            write_initial(param, views.local(param), views, seed, std)
+            padding = param.to_local() if hasattr(param, "to_local") else param
+            padding[views.local(param).shape[0]:].zero_()
+    return views
+
+
+@torch.no_grad()
+def write_initial(param: torch.Tensor, target: torch.Tensor, views: GlobalViews, seed: int, std: float) -> None:
+    """Fill `target` (the real rows of `param`'s local shard, or a tensor shaped like them: a host
+    master) with their initial values."""
+    if target.shape[0] == 0:
+        return
+    name, shape, first = views.names[id(param)], views.global_shape(param), views.first_row(param)
+    rows_per_chunk = max(1, INIT_BLOCK // max(1, target[0].numel()))
+    for start in range(0, target.shape[0], rows_per_chunk):
+        count = min(rows_per_chunk, target.shape[0] - start)
+        target[start:start + count].copy_(initial_rows(name, shape, first + start, count, seed, std))

@@ -1,0 +1,61 @@
+"""Where a training process sits: joining the ranks torchrun (or `mop.launch`) started, its device and layout.
+
+A process started by torchrun (or torch's elastic launcher) finds RANK, WORLD_SIZE, LOCAL_RANK and
+LOCAL_WORLD_SIZE in its environment, joins the others (gloo on CPU, NCCL on CUDA: the backend
+follows the device), and builds the layout (`DistLayout`) from the configured degrees, resolved
+for the world size. Without them it is the single process of the reference strategy.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from mop.config import Config, ConfigError, validate
+from mop.parallel.mesh import DistLayout, Layout, TorchrunEnv, device_for, init_distributed, set_rank_threads
+
+
+@dataclass
+class Runtime:
+    """Where this process sits: its rank, device and (for distributed runs) its layout."""
+
+    rank: int
+    world: int
+    device: torch.device
+    layout: DistLayout | None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def under_torchrun() -> bool:
+    """True when this process was started by torchrun / torch elastic (it sets these variables)."""
+    return all(key in os.environ for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"))
+
+
+def pick_device(config: Config, local_rank: int) -> torch.device:
+    if config.train.device == "cpu":
+        return torch.device("cpu")
+    if config.train.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device", "'cuda' was asked for but no GPU is visible; use --train.device=cpu or auto")
+    return device_for(local_rank)
+
+
+def setup_runtime(config: Config) -> tuple[Config, Runtime]:
+    """Join the ranks (under torchrun) and build the layout; returns the config resolved for this
+    world size (`mop.config.resolve`) and where this process sits."""
+    if not under_torchrun():
+        config = validate(config, world=1)
+        return config, Runtime(0, 1, pick_device(config, 0), None)
+    env = TorchrunEnv.from_environ()
+    config = validate(config, world=env.world_size)
+    device = pick_device(config, env.local_rank)
+    if device.type == "cpu":
+        set_rank_threads(env.local_world_size)
+    init_distributed(device)
+    p = config.parallel
+    layout = DistLayout(Layout(env.world_size, p.sequence, p.expert, p.vocab), device)
+    return config, Runtime(env.rank, env.world_size, device, layout)

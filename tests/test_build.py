@@ -1,0 +1,159 @@
+"""Building a run: shards only (never the full model on a rank), identical initial weights in every
+layout, bf16 working weights with fp32 host masters, and host-optimizer checkpoints in place."""
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor
+
+from mop import checkpoint
+from mop.build import build_model_shards, build_run
+from mop.config import load_config, validate
+from mop.models.transformer import build_model
+from mop.parallel import DistLayout, Layout
+from mop.runtime import Runtime
+from mop.testing import run_distributed
+from test_train import TINY_RUN
+
+# About 1.08 GiB of fp32 parameters: 2 MoE layers of 16 experts (2 x 100M), embedding and head (2 x 33.5M).
+LARGE = ["--model.vocab_size=32768", "--model.hidden=1024", "--model.layers=2", "--model.heads=8",
+         "--model.kv_heads=4", "--model.head_dim=128", "--model.experts=16", "--model.expert_intermediate=2048",
+         "--parallel.strategy=mop", "--parallel.nproc=2"]
+
+
+def _runtime(rank, world, config) -> Runtime:
+    p = config.parallel
+    return Runtime(rank, world, torch.device("cpu"), DistLayout(Layout(world, p.sequence, p.expert, p.vocab),
+                                                              torch.device("cpu")))
+
+
+def _rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise AssertionError(f"no {field} in /proc/self/status")
+
+
+def _construction_growth(rank, world, args):
+    config = validate(load_config(None, args), world)
+    runtime = _runtime(rank, world, config)
+    Path("/proc/self/clear_refs").write_text("5")  # resets the peak resident size (VmHWM) to the current one
+    before = _rss_kib("VmRSS")
+    model, views = build_model_shards(config, runtime)
+    grown = (_rss_kib("VmHWM") - before) * 1024
+    full = sum(views.global_shape(p).numel() for p in model.parameters()) * 4
+    local = sum(p.to_local().nbytes if isinstance(p, DTensor) else p.nbytes for p in model.parameters())
+    return grown, full, local
+
+
+@pytest.mark.slow
+def test_construction_allocates_only_the_local_shards():
+    """Built on the meta device and materialised shard by shard: each of 2 ranks grows by about
+    half the model (its shards) plus one initialisation chunk, never by the full model."""
+    for grown, full, local in run_distributed(_construction_growth, 2, LARGE, timeout=600):
+        assert full >= 2**30
+        assert local < 0.55 * full
+        assert grown < 0.6 * full, f"resident memory grew by {grown / full:.2f} x the full model"
+
+
+# (strategy, D, Ep, P) on 4 ranks; the last with bf16 working weights.
+LAYOUTS = [("mop", 2, 2, 4, "float32"), ("mop", 4, 4, 2, "float32"), ("mop", 1, 2, 1, "float32"),
+           ("fsdp2", 2, 2, 1, "float32"), ("mop", 2, 4, 4, "bfloat16")]
+SMALL = [*TINY_RUN, "--model.heads=4", "--model.kv_heads=2", "--model.head_dim=8", "--model.vocab_size=301",
+         "--train.micro_batch=1"]
+
+
+def _layout_args(strategy, sequence, expert, vocab, dtype):
+    host = "true" if strategy == "mop" else "false"
+    return [*SMALL, f"--parallel.strategy={strategy}", "--parallel.nproc=4", f"--parallel.sequence={sequence}",
+            f"--parallel.expert={expert}", f"--parallel.vocab={vocab}", f"--train.dtype={dtype}",
+            f"--optim.offload={host}", "--parallel.expert_balance=ep"]
+
+
+def _save_initial_weights(rank, world, base):
+    for index, layout in enumerate(LAYOUTS):
+        config = validate(load_config(None, _layout_args(*layout)), world)
+        run = build_run(config, _runtime(rank, world, config))
+        dcp.save({name: run.views.of(p) for p, name in ((p, run.views.names[id(p)]) for p in run.model.parameters())},
+                 checkpoint_id=f"{base}/{index}")
+        if run.host is not None:
+            masters = {run.views.names[id(p)]: run.views.of(p, run.host.state_of(p)["master"], host=True)
+                       for p in run.model.parameters()}
+            dcp.save(masters, checkpoint_id=f"{base}/{index}-masters")
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # the single-process load is the intent
+def test_initial_weights_of_every_layout_equal_the_reference_bit_for_bit(tmp_path):
+    run_distributed(_save_initial_weights, 4, str(tmp_path), timeout=300)
+    config = load_config(None, _layout_args(*LAYOUTS[0]))
+    reference = build_model(config.model, config.train.seed)
+    for index, (*_, dtype) in enumerate(LAYOUTS):
+        expected = {n: p.detach().to(getattr(torch, dtype)) for n, p in reference.named_parameters()}
+        loaded = {n: torch.empty_like(p) for n, p in expected.items()}
+        dcp.load(loaded, checkpoint_id=str(tmp_path / str(index)), no_dist=True)
+        for name, value in expected.items():
+            assert torch.equal(loaded[name], value), f"layout {LAYOUTS[index]}: {name}"
+        if dtype == "bfloat16":  # the host masters hold the fp32 values the bf16 weights were rounded from
+            masters = {n: torch.empty_like(p.detach()) for n, p in reference.named_parameters()}
+            dcp.load(masters, checkpoint_id=str(tmp_path / f"{index}-masters"), no_dist=True)
+            for name, param in reference.named_parameters():
+                assert torch.equal(masters[name], param.detach()), f"master {name}"
+
+
+def _host_round_trip(rank, world, base):
+    args = [*SMALL, "--parallel.strategy=mop", "--parallel.nproc=2", "--optim.offload=true", "--train.dtype=bfloat16",
+            "--train.steps=2", f"--log.run_dir={base}/run"]
+    config = validate(load_config(None, args), world)
+    run = build_run(config, _runtime(rank, world, config))
+    from mop.train import set_learning_rate, train_step, update
+    for step in range(2):
+        set_learning_rate(run, step)
+        train_step(run, run.next_batches())
+        update(run)
+    run.host.synchronize()
+    params = list(run.model.parameters())
+    host_tensors = [t for p in params for k, t in run.host.state_of(p).items() if k != "step"]
+    # What a checkpoint holds of each: all but the vocabulary shard's padding rows.
+    real_rows = [run.views.local(p, t) for p in params for k, t in run.host.state_of(p).items() if k != "step"]
+    # Saving presents every host tensor on a CPU mesh, without a copy.
+    state = checkpoint._state(run.model, run.optimizer, run.host, run.views, with_optimizer=True)
+    presented = [*state["model"].values(), *(s[k] for s in state["optim"].values() for k in ("exp_avg", "exp_avg_sq"))]
+    on_cpu_mesh = all(t.device_mesh.device_type == "cpu" for t in presented if isinstance(t, DTensor))
+    shared = {t.to_local().data_ptr() if isinstance(t, DTensor) else t.data_ptr() for t in presented}
+    no_copy = shared <= {t.data_ptr() for t in host_tensors}
+    saved = checkpoint.save(Path(base) / "ckpt", 2, run.model, run.optimizer, run.host, run.views, {}, config, keep=1)
+    expected = [t.clone() for t in real_rows]
+    pointers = [t.data_ptr() for t in host_tensors]
+    for tensor in real_rows:
+        tensor.fill_(7.0)  # overwritten by the load
+    for param in params:
+        (param.to_local() if isinstance(param, DTensor) else param).detach().fill_(3.0)
+    checkpoint.load(saved, run.model, run.optimizer, run.host, run.views)
+    in_place = [t.data_ptr() for t in host_tensors] == pointers
+    restored = all(torch.equal(t, e) for t, e in zip(real_rows, expected))
+    # The bf16 working weights are the loaded masters rounded.
+    working = all(torch.equal(run.views.local(p), run.views.local(p, run.host.state_of(p)["master"]).to(p.dtype))
+                  for p in params)
+    return on_cpu_mesh, no_copy, in_place, restored, working
+
+
+def test_host_optimizer_checkpoint_saves_host_tensors_and_loads_into_them(tmp_path):
+    for on_cpu_mesh, no_copy, in_place, restored, working in run_distributed(_host_round_trip, 2, str(tmp_path)):
+        assert on_cpu_mesh and no_copy
+        assert in_place and restored
+        assert working
+
+
+def _cpu_twin_of_a_cuda_mesh(rank, world):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from mop.parallel.views import GlobalViews
+    views = GlobalViews(torch.nn.Linear(2, 2), None)
+    twin = views._cpu_mesh(DeviceMesh("cuda", torch.arange(world), _init_backend=False))
+    return twin.device_type, twin.mesh.tolist()
+
+
+def test_host_tensors_of_a_cuda_mesh_are_presented_on_a_cpu_twin():
+    assert run_distributed(_cpu_twin_of_a_cuda_mesh, 2) == [("cpu", [0, 1])] * 2
