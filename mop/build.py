@@ -35,16 +35,17 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from mop.config import Config, ConfigError
 from mop.data import build_data, group_slice, load_batch, micro_batches, sequence_shard
-from mop.models.transformer import MoETransformer
+from mop.models.transformer import MoETransformer, initial_rows
 from mop.optim.host_adamw import HostAdamW
 from mop.optim.pipeline import GradientFeed
 from mop.parallel.baseline import parallelize_fsdp2
-from mop.parallel.materialize import materialize, write_initial
+from mop.parallel.materialize import materialize, write_rows
 from mop.parallel.parallelize import apply_memory_options, compute_dtype, parallelize
 from mop.parallel.views import GlobalViews
 from mop.parallel.vocab import replicated_parameters
@@ -170,8 +171,8 @@ def build_run(config: Config, runtime: Runtime) -> TrainingRun:
         host = HostAdamW(optimizer.param_groups, betas=(o.beta1, o.beta2), eps=o.eps,
                          replicas=replicated_parameters(model))
         if storage_dtype(config) != torch.float32:  # the masters from the fp32 values, not the rounded weights
+            initial = partial(initial_rows, seed=config.train.seed, std=config.model.init_std)
             for param in model.parameters():
-                write_initial(param, views.local(param, host.state_of(param)["master"]), views, config.train.seed,
-                              config.model.init_std)
+                write_rows(param, views.local(param, host.state_of(param)["master"]), views, initial)
         feed = GradientFeed(model, host)
     return TrainingRun(config, runtime, model, views, optimizer, host, feed, data)

@@ -8,6 +8,8 @@ Content of one checkpoint (a directory `step_<N>`, N = optimizer steps completed
   parameter itself);
 - `rng/cpu`: the CPU generator state;
 - `mop.json` (written by rank 0): the step, the data stream's position, the run's config.
+A Hugging Face import (`save_hf_import`) is a `mop.json` alone, naming the HF directory whose
+safetensors each rank reads its own rows from when it loads.
 
 Global views. DCP reshards by global tensor metadata, so each rank presents its local tensors as
 DTensors of the global shape, without communication (`mop.parallel.views.GlobalViews`). Loading
@@ -42,6 +44,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 from mop.config import Config, ConfigError
+from mop.models.hf import HFWeights
+from mop.parallel.materialize import write_rows
 from mop.parallel.views import GlobalViews
 
 META = "mop.json"
@@ -108,13 +112,15 @@ def save(directory: Path, step: int, model, optimizer, host, views: GlobalViews,
     return final
 
 
-def save_model_only(path: Path, model, config: Config) -> None:
-    """A step-0 checkpoint holding only model weights (an import, e.g. from Hugging Face); one process."""
+def save_hf_import(path: Path, hf_dir: Path, config: Config) -> None:
+    """A step-0 checkpoint whose weights are those of the Hugging Face directory `hf_dir`, read in
+    place whenever it is loaded: each rank reads only the rows of its own shards from the
+    safetensors files (`mop.models.hf.HFWeights`), so no process ever holds the whole model. Nothing
+    is copied: `hf_dir` must stay where it is. One process; atomic like `save`."""
     partial = path.with_name(path.name + PARTIAL)
-    views = GlobalViews(model, None)
-    with _quiet_if_single_process():
-        dcp.save(_state(model, None, None, views, with_optimizer=False), checkpoint_id=partial, no_dist=True)
-    meta = {"step": 0, "data": None, "config": asdict(config), "has_optimizer": False}
+    partial.mkdir(parents=True)
+    meta = {"step": 0, "data": None, "config": asdict(config), "has_optimizer": False,
+            "hf_weights": str(hf_dir.resolve())}
     (partial / META).write_text(json.dumps(meta, indent=1))
     partial.rename(path)
 
@@ -165,6 +171,9 @@ def load(path: Path, model, optimizer, host, views: GlobalViews, with_optimizer:
     """Load checkpoint `path` into the model (and the optimizer, if asked and the checkpoint has its
     state) in place; returns its meta."""
     meta = read_meta(path)
+    if meta.get("hf_weights"):
+        _load_hf_weights(path, Path(meta["hf_weights"]), model, host, views)
+        return meta
     state = _state(model, optimizer, host, views, with_optimizer=with_optimizer and meta["has_optimizer"])
     with _quiet_if_single_process():
         dcp.load(state, storage_reader=FileSystemReader(path), no_dist=not dist.is_initialized())
@@ -172,3 +181,17 @@ def load(path: Path, model, optimizer, host, views: GlobalViews, with_optimizer:
     if host is not None:
         host.working_from_masters()
     return meta
+
+
+def _load_hf_weights(path: Path, source: Path, model, host, views: GlobalViews) -> None:
+    """A Hugging Face import's weights (see `save_hf_import`): each rank reads its own rows, into
+    the host masters when there is a host optimizer (then copied to the working weights)."""
+    if not source.is_dir():
+        raise ConfigError("checkpoint.resume", f"{path} imports the weights of {source}, which is not a directory "
+                          "any more; restore it or import again with mop convert from-hf")
+    with HFWeights(source) as weights:
+        for param in model.parameters():
+            target = views.local(param, host.state_of(param)["master"] if host is not None else None)
+            write_rows(param, target, views, weights.rows)
+    if host is not None:
+        host.working_from_masters()

@@ -96,11 +96,10 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             return 0
         from mop import convert
-        from mop.models.hf import HFConversionError
 
         try:
             convert.run(args)
-        except (*USER_ERRORS, HFConversionError) as err:
+        except USER_ERRORS as err:
             print(f"mop: error: {err}", file=sys.stderr)
             return 2
         return 0

@@ -2,10 +2,13 @@
 
 - `to-hf CHECKPOINT OUT`: the checkpoint's weights (saved by any layout) as a `qwen3_moe` or
   `mixtral` directory that transformers loads (`mop.models.hf.save_hf`).
-- `from-hf HF_DIR CHECKPOINT`: a HF directory as a step-0 mop checkpoint holding only the weights
-  (the optimizer starts fresh), plus `model.toml`, the matching [model] section. Fine-tune with
-  `mop train CHECKPOINT/model.toml --checkpoint.resume=CHECKPOINT [...]`.
-Both run in one process and hold the whole model in host memory.
+- `from-hf HF_DIR CHECKPOINT`: a HF directory as a step-0 mop checkpoint (the optimizer starts
+  fresh), plus `model.toml`, the matching [model] section. Fine-tune with
+  `mop train CHECKPOINT/model.toml --checkpoint.resume=CHECKPOINT [...]`. The import checks the
+  directory (every tensor config.json implies, of the shape it implies) and copies no weights:
+  when the run loads it, each rank reads only its own shards' rows from the safetensors files,
+  so HF_DIR must stay where it is.
+`to-hf` runs in one process and holds the whole model in host memory.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch
 from mop import checkpoint
 from mop.config import Config, ConfigError
 from mop.models.config import ModelConfig
-from mop.models.hf import empty_model, load_hf, save_hf
+from mop.models.hf import HFWeights, empty_model, save_hf
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -57,11 +60,11 @@ def export(path: Path, out: Path, model_type: str | None, dtype: torch.dtype) ->
 def import_hf(hf_dir: Path, path: Path) -> None:
     if path.exists():
         raise ConfigError(str(path), "already exists; choose a new checkpoint directory")
-    model = load_hf(hf_dir)
-    config = Config(model=model.cfg)
+    with HFWeights(hf_dir) as weights:  # checks keys and shapes; reads no tensor data
+        cfg = weights.cfg
     path.parent.mkdir(parents=True, exist_ok=True)
-    checkpoint.save_model_only(path, model, config)
-    (path / "model.toml").write_text(model_toml(model.cfg))
+    checkpoint.save_hf_import(path, hf_dir, Config(model=cfg))
+    (path / "model.toml").write_text(model_toml(cfg))
     print(f"mop: wrote {path}; fine-tune with: mop train {path / 'model.toml'} --checkpoint.resume={path}")
 
 

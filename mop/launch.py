@@ -12,11 +12,12 @@ import uuid
 
 from mop.config import Config, ConfigError, resolve
 from mop.data import DataError
+from mop.models.hf import HFConversionError
 from mop.parallel.mesh import LayoutError
 from mop.run_dir import resolve_run_dir
 from mop.train import train
 
-USER_ERRORS = (ConfigError, DataError, LayoutError, NotImplementedError)
+USER_ERRORS = (ConfigError, DataError, HFConversionError, LayoutError, NotImplementedError)
 
 
 def launch(config: Config) -> list[dict]:

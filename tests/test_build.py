@@ -157,3 +157,49 @@ def _cpu_twin_of_a_cuda_mesh(rank, world):
 
 def test_host_tensors_of_a_cuda_mesh_are_presented_on_a_cpu_twin():
     assert run_distributed(_cpu_twin_of_a_cuda_mesh, 2) == [("cpu", [0, 1])] * 2
+
+
+def _load_hf_import(rank, world, imported, base):
+    from mop.models.hf import HFWeights
+
+    requested = {}
+    read_rows = HFWeights.rows
+
+    def counting_rows(self, name, shape, first, count):
+        requested[name] = requested.get(name, 0) + count
+        return read_rows(self, name, shape, first, count)
+
+    HFWeights.rows = counting_rows
+    args = [*SMALL, "--parallel.strategy=mop", "--parallel.nproc=2", "--optim.offload=true", "--train.dtype=bfloat16"]
+    config = validate(load_config(f"{imported}/model.toml", args), world)
+    run = build_run(config, _runtime(rank, world, config))
+    checkpoint.load(Path(imported), run.model, run.optimizer, run.host, run.views)
+    views, params = run.views, list(run.model.parameters())
+    masters = {views.names[id(p)]: views.of(p, run.host.state_of(p)["master"], host=True) for p in params}
+    dcp.save(masters, checkpoint_id=f"{base}/masters")
+    own_rows_only = all(requested[views.names[id(p)]] == views.local(p).shape[0] for p in params)
+    working = all(torch.equal(views.local(p), views.local(p, run.host.state_of(p)["master"]).to(p.dtype))
+                  for p in params)
+    return own_rows_only, working
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_hugging_face_import_is_read_shard_by_shard(tmp_path):
+    """`mop convert from-hf` copies no weights; each rank of a sharded layout reads only its own
+    rows from the safetensors files, into its fp32 host masters, and they equal the HF weights."""
+    from mop.cli import main
+    from mop.models.config import ModelConfig
+    from mop.models.hf import load_hf, save_hf
+
+    cfg = ModelConfig(vocab_size=301, hidden=32, layers=2, heads=4, kv_heads=2, head_dim=8, experts=4,
+                      expert_intermediate=32)
+    save_hf(build_model(cfg, seed=3), tmp_path / "hf", dtype=torch.float32)
+    assert main(["convert", "from-hf", str(tmp_path / "hf"), str(tmp_path / "imported")]) == 0
+    assert not list((tmp_path / "imported").glob("*.distcp"))  # no copy of the weights
+    for own_rows_only, working in run_distributed(_load_hf_import, 2, str(tmp_path / "imported"), str(tmp_path)):
+        assert own_rows_only and working
+    expected = dict(load_hf(tmp_path / "hf").named_parameters())
+    loaded = {name: torch.empty_like(value.detach()) for name, value in expected.items()}
+    dcp.load(loaded, checkpoint_id=str(tmp_path / "masters"), no_dist=True)
+    for name, value in expected.items():
+        assert torch.equal(loaded[name], value.detach()), name

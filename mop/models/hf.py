@@ -34,9 +34,9 @@ Weights (mop parameter <- checkpoint tensor), per layer i under `model.layers.{i
     MoE block, stacked layout (transformers 5.x in-memory names, both architectures):
         mlp.router <- mlp.gate, w_gate_up <- mlp.experts.gate_up_proj, w_down <- mlp.experts.down_proj.
 
-Invariants: `load_hf` fills every element of every parameter from exactly one checkpoint tensor
-and uses every tensor of the checkpoint, or raises; it reads tensor by tensor (safetensors
-memory-maps the files) into parameters allocated once. `load_hf(save_hf(m))` reproduces the
+Invariants: `HFWeights` (and `load_hf` through it) fills every element of every parameter from
+exactly one checkpoint tensor and uses every tensor of the checkpoint, or raises; it reads slice
+by slice (safetensors memory-maps the files), so a training rank reads only its own shards. `load_hf(save_hf(m))` reproduces the
 parameters bit for bit and the config exactly (up to mixtral's dense_intermediate, above).
 Every problem a user can fix raises `HFConversionError` with a one-line message.
 """
@@ -295,30 +295,66 @@ def _hub_expert_pieces(cfg: ModelConfig, model_type: str, mop: str, hf: str) -> 
     return pieces
 
 
+class HFWeights:
+    """Rows of mop parameters read from a HF model directory: tensor slices, never a whole model.
+
+    Opening checks that the checkpoint holds exactly the tensors config.json implies, each of the
+    shape it implies (metadata only; no tensor data is read). `rows(name, shape, first, count)`
+    then reads rows `[first, first + count)` (dim 0) of mop parameter `name` as fp32: a slice of
+    the tensor for a whole-parameter piece (safetensors reads only those rows of the memory-mapped
+    file), or the whole tensors of the experts in that range in the hub's per-expert layout.
+    A rank that materialises its shards from it (`mop.parallel.materialize.write_rows`) reads only
+    what it holds. Use as a context manager (it keeps the files open).
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        hf = _read_config(self.path)
+        self.cfg = config_from_hf(hf)
+        self._stack = ExitStack()
+        self.tensors = _open_checkpoint(self.path, self._stack)
+        stacked = {i for i in range(self.cfg.layers) if f"model.layers.{i}.mlp.experts.gate_up_proj" in self.tensors}
+        pieces = _pieces(self.cfg, hf["model_type"], stacked)
+        _check_keys(pieces, self.tensors, self.path)
+        with torch.device("meta"):
+            shapes = {name: param for name, param in MoETransformer(self.cfg).named_parameters()}
+        self.pieces: dict[str, list[_Piece]] = {}
+        for piece in pieces:
+            handle, file = self.tensors[piece.key]
+            shape, expected = list(handle.get_slice(piece.key).get_shape()), list(shapes[piece.param][piece.index].shape)
+            if shape != expected:
+                raise HFConversionError(f"{file}: {piece.key} has shape {shape} but config.json implies {expected}; "
+                                        "the config and the weights are from different models")
+            self.pieces.setdefault(piece.param, []).append(piece)
+
+    def __enter__(self) -> "HFWeights":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def rows(self, name: str, shape: torch.Size, first: int, count: int) -> torch.Tensor:
+        out = torch.empty((count, *shape[1:]), dtype=torch.float32)
+        for piece in self.pieces[name]:
+            handle = self.tensors[piece.key][0]
+            if piece.index == ():
+                out.copy_(handle.get_slice(piece.key)[first:first + count])
+            elif first <= piece.index[0] < first + count:
+                out[(piece.index[0] - first, *piece.index[1:])] = handle.get_tensor(piece.key)
+        return out
+
+
 def load_hf(path: str | Path, dtype: torch.dtype = torch.float32) -> MoETransformer:
-    """A CPU `MoETransformer` in `dtype` holding the weights of the HF model directory `path`.
+    """A CPU `MoETransformer` in `dtype` holding the weights of the HF model directory `path` (one
+    process, the whole model: for tests and `mop convert`; training ranks read their shards only).
 
     Reads `model.safetensors`, or the shards listed in `model.safetensors.index.json`, with each
     MoE layer's experts in the hub (per-expert) or the stacked layout.
     """
-    path = Path(path)
-    hf = _read_config(path)
-    cfg = config_from_hf(hf)
-    model = empty_model(cfg, dtype)
-    params = dict(model.named_parameters())
-    with ExitStack() as stack, torch.no_grad():
-        tensors = _open_checkpoint(path, stack)
-        stacked = {i for i in range(cfg.layers) if f"model.layers.{i}.mlp.experts.gate_up_proj" in tensors}
-        pieces = _pieces(cfg, hf["model_type"], stacked)
-        _check_keys(pieces, tensors, path)
-        for piece in pieces:
-            handle, file = tensors[piece.key]
-            target = params[piece.param][piece.index]
-            shape = list(handle.get_slice(piece.key).get_shape())
-            if shape != list(target.shape):
-                raise HFConversionError(f"{file}: {piece.key} has shape {shape} but config.json implies "
-                                        f"{list(target.shape)}; the config and the weights are from different models")
-            target.copy_(handle.get_tensor(piece.key))
+    with HFWeights(path) as weights, torch.no_grad():
+        model = empty_model(weights.cfg, dtype)
+        for name, param in model.named_parameters():
+            param.copy_(weights.rows(name, param.shape, 0, param.shape[0]))
     return model
 
 

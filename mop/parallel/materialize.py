@@ -9,7 +9,8 @@ the initial values of the global rows it holds (`initial_rows`, keyed by seed, n
 position; the rows come from `GlobalViews.first_row`), a chunk of about INIT_BLOCK elements at a
 time: the largest temporary is one fp32 chunk. Padding rows (the vocabulary shard's last rows
 past V) are zero. The host optimizer's fp32 masters are written the same way, from the same
-fp32 values, so a bf16 working weight is exactly the master rounded to bf16.
+fp32 values, so a bf16 working weight is exactly the master rounded to bf16. A Hugging Face
+import is read the same way, rows from safetensors slices (`mop.checkpoint`).
 
 Invariant: whatever the layout (the single-process reference included), the global tensor
 assembled from every rank's shards equals `build_model`'s, bit for bit. No communication.
@@ -17,11 +18,16 @@ assembled from every rank's shards equals `build_model`'s, bit for bit. No commu
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import torch
 
 from mop.models.transformer import INIT_BLOCK, MoETransformer, initial_rows
 from mop.parallel.mesh import DistLayout
 from mop.parallel.views import GlobalViews
+
+RowSource = Callable[[str, torch.Size, int, int], torch.Tensor]
 
 
 def materialize(model: MoETransformer, layout: DistLayout | None, device: torch.device, seed: int,
@@ -31,22 +37,24 @@ def materialize(model: MoETransformer, layout: DistLayout | None, device: torch.
     model.to_empty(device=device)
     model.tie_weights()  # `to_empty` replaces plain parameters one module at a time
     views = GlobalViews(model, layout)
+    initial = partial(initial_rows, seed=seed, std=std)
     with torch.no_grad():
         for param in model.parameters():
-            write_initial(param, views.local(param), views, seed, std)
+            write_rows(param, views.local(param), views, initial)
             padding = param.to_local() if hasattr(param, "to_local") else param
             padding[views.local(param).shape[0]:].zero_()
     return views
 
 
 @torch.no_grad()
-def write_initial(param: torch.Tensor, target: torch.Tensor, views: GlobalViews, seed: int, std: float) -> None:
+def write_rows(param: torch.Tensor, target: torch.Tensor, views: GlobalViews, rows: RowSource) -> None:
     """Fill `target` (the real rows of `param`'s local shard, or a tensor shaped like them: a host
-    master) with their initial values."""
+    master) from `rows(name, global shape, first row, count)`, a chunk of rows at a time: the
+    initial values (`initial_rows`) or a checkpoint's (`mop.models.hf.HFWeights.rows`)."""
     if target.shape[0] == 0:
         return
     name, shape, first = views.names[id(param)], views.global_shape(param), views.first_row(param)
     rows_per_chunk = max(1, INIT_BLOCK // max(1, target[0].numel()))
     for start in range(0, target.shape[0], rows_per_chunk):
         count = min(rows_per_chunk, target.shape[0] - start)
-        target[start:start + count].copy_(initial_rows(name, shape, first + start, count, seed, std))
+        target[start:start + count].copy_(rows(name, shape, first + start, count))
