@@ -223,13 +223,12 @@ def update(run: TrainingRun) -> dict:
     return {"grad_norm": grad_norm, "skipped": skipped, **rollback}
 
 
-def set_learning_rate(run: TrainingRun, step: int) -> float:
-    lr = learning_rate(run.config, step)
+def set_learning_rate(run: TrainingRun, lr: float) -> None:
+    """The next step's learning rate, for torch AdamW's groups or the host optimizer."""
     for group in run.optimizer.param_groups:
         group["lr"] = lr
     if run.host is not None:
         run.host.begin_step(lr)
-    return lr
 
 
 def train(config: Config) -> list[dict]:
@@ -256,7 +255,8 @@ def _train(config: Config, runtime: Runtime) -> list[dict]:
     for step in range(first_step, config.train.steps):
         reset_peak_memory(runtime.device, run.offload_store)
         start = time.perf_counter()
-        lr = set_learning_rate(run, step)
+        lr = learning_rate(config, step)
+        set_learning_rate(run, lr)
         losses = train_step(run, run.next_batches())
         outcome = update(run)
         elapsed = time.perf_counter() - start
@@ -280,8 +280,10 @@ def _train(config: Config, runtime: Runtime) -> list[dict]:
         if config.log.plot:
             plot_run(logger.path, run_dir / "loss.png")
         if records:
+            per_param = ", ".join(f"{kind} {state_memory[f'device_bytes_per_param_{kind}']:g}"
+                                  for kind in ("weights", "gradients", "optimizer"))
             print(f"mop: steps {first_step}-{config.train.steps - 1}, loss {records[0]['loss']:.4f} -> "
-                  f"{records[-1]['loss']:.4f}; run directory {run_dir}")
+                  f"{records[-1]['loss']:.4f}; device bytes per parameter: {per_param}; run directory {run_dir}")
     return records
 
 

@@ -109,7 +109,7 @@ def _host_round_trip(rank, world, base):
     run = build_run(config, _runtime(rank, world, config))
     from mop.train import set_learning_rate, train_step, update
     for step in range(2):
-        set_learning_rate(run, step)
+        set_learning_rate(run, 1e-3)
         train_step(run, run.next_batches())
         update(run)
     run.host.synchronize()

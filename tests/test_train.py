@@ -47,6 +47,8 @@ def test_reference_writes_metrics_tensorboard_and_plot(tmp_path):
     records = run(tmp_path, "full", "--log.tensorboard=true", "--log.plot=true")
     assert [r["step"] for r in records] == list(range(5))
     assert all(REQUIRED <= r.keys() for r in records)
+    # torch AdamW: fp32 weights, gradients until the update and two fp32 moments on the device.
+    assert [records[0][f"device_bytes_per_param_{k}"] for k in ("weights", "gradients", "optimizer")] == [4, 4, 8]
     assert list((tmp_path / "full/tensorboard").glob("events.out.tfevents.*"))
     assert (tmp_path / "full/loss.png").stat().st_size > 1000
 
@@ -133,14 +135,19 @@ def test_loss_falls(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_default_layout_trains_with_every_technique(tmp_path):
-    """No parallel or optimizer settings: the automatic full MoP layout on 2 local ranks."""
+@pytest.mark.parametrize("dtype, weight_bytes", [("float32", 4), ("bfloat16", 2)])
+def test_the_default_layout_trains_with_every_technique(tmp_path, dtype, weight_bytes):
+    """No parallel or optimizer settings: the automatic full MoP layout on 2 local ranks, in fp32 and
+    in bf16 (bf16 working weights, fp32 masters on the host)."""
     run_dir = tmp_path / "default"
     assert main(["train", *TINY_RUN, "--train.steps=30", "--optim.warmup_steps=5", "--parallel.llep_min_chunk=4",
-                 f"--log.run_dir={run_dir}"]) == 0
+                 f"--train.dtype={dtype}", f"--log.run_dir={run_dir}"]) == 0
     records = read_metrics(run_dir / "metrics.jsonl")
     assert {"rank_load_imbalance_before", "rollback", "gradients_handed_over_in_backward"} <= records[0].keys()
     assert records[0]["mem_optimizer_on_host"] and records[-1]["loss"] < records[0]["loss"] - 1.0
+    # The device keeps only the working weights: no gradient kept between steps, no optimizer state.
+    assert [records[0][f"device_bytes_per_param_{k}"] for k in ("weights", "gradients", "optimizer")] == \
+        [weight_bytes, 0, 0]
 
 
 def test_an_existing_run_is_not_overwritten(tmp_path, capsys):

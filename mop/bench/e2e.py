@@ -9,8 +9,9 @@ thread each). Each builds its config with `mop.config.load_config`, every parall
 memory option given explicitly (`base_settings`, then the configuration's own), and its training
 run with `mop.build.build_run`, exactly as `mop train` does (model shards, `parallelize` or
 `parallelize_fsdp2`, torch AdamW or the host optimizer with its gradient feed), and runs
-optimizer steps with the trainer's own `train_step` and `update`. It differs from `mop train`
-in one way: every step trains the same batches (the step's data is read once), so each
+optimizer steps with the trainer's own `train_step` (which all-reduces the step's target count
+and losses, as in `mop train`) and `update`. It differs from `mop train` in two ways: every step
+trains the same batches (the step's data is read once) at the constant `optim.lr`, so each
 configuration does identical work. fp32, clipping at 1.0.
 
 Data. A step is 2 sequences of S tokens of the shipped corpus (byte tokenizer), packed with
@@ -270,19 +271,17 @@ class Trainer:
         self.host_gradients = HostGradients(self.run.model) if p.fsdp_cpu_offload else None
         self.optimizer_on_device = not (config.optim.offload or p.fsdp_cpu_offload)
         self.batches = rank_batches(self.run, documents)
-        self.steps = 0
 
     @property
     def host(self):
         return self.run.host
 
     def backward(self) -> None:
-        set_learning_rate(self.run, self.steps)
+        set_learning_rate(self.run, self.run.config.optim.lr)  # constant: every step does the same work
         train_step(self.run, self.batches)
 
     def update(self) -> None:
         update(self.run)
-        self.steps += 1
 
     def step(self) -> None:
         self.backward()
@@ -297,8 +296,10 @@ class Trainer:
         """Bytes of the state that outlives a step, by category, on the device and on the host
         (`TrainingRun.state_bytes`; gradients are counted in the step's transient peak)."""
         state = self.run.state_bytes()
+        per_param = sum(state[f"device_bytes_per_param_{k}"] for k in ("weights", "gradients", "optimizer"))
         return {"parameters": state["device_weights_bytes"], "optimizer_state": state["device_optimizer_bytes"],
-                "host_parameters": state["host_weights_bytes"], "host_optimizer_state": state["host_optimizer_bytes"]}
+                "host_parameters": state["host_weights_bytes"], "host_optimizer_state": state["host_optimizer_bytes"],
+                "device_bytes_per_param": per_param}
 
     def step_peak(self) -> tuple[int, int]:
         """One step: (its transient device peak, the device bytes of the gradients its backward left)."""
@@ -492,12 +493,13 @@ def report(args, results: dict) -> None:
                   r["fsdp2_best_tokens_per_s"] or "OOM", _cell(r["fsdp2_best"]), _cell(r["speedup"])]
                  for r in results["table1"]]))
     print()
-    print(table("every configuration: per-rank device MiB (step peak includes the gradients)",
-                ["context", "config", "params", "optimizer", "step peak", "of it grads", "device", "tok/s/rank",
-                 "fits"],
-                [[r["context"], r["config"], r["parameters"] / MIB, r["optimizer_state"] / MIB, r["step_peak"] / MIB,
-                  r["gradients"] / MIB, r["device"] / MIB, _cell(r["tokens_per_s_per_rank"]),
-                  "yes" if r["fits"] else "OOM"] for r in results["points"]]))
+    print(table("every configuration: per-rank device MiB (step peak includes the gradients); persistent device "
+                "bytes per parameter (weights, optimizer state and gradients kept between steps)",
+                ["context", "config", "params", "optimizer", "B/param", "step peak", "of it grads", "device",
+                 "tok/s/rank", "fits"],
+                [[r["context"], r["config"], r["parameters"] / MIB, r["optimizer_state"] / MIB,
+                  r.get("device_bytes_per_param", "-"), r["step_peak"] / MIB, r["gradients"] / MIB, r["device"] / MIB,
+                  _cell(r["tokens_per_s_per_rank"]), "yes" if r["fits"] else "OOM"] for r in results["points"]]))
     t = results["targets"]
     mop_longest = f"{t['mop_longest_context']}{' (--max-context)' if t['mop_stopped_by_max_context'] else ''}"
     print(f"\nlongest context that fits: fsdp2-best {t['fsdp2_best_longest_context']}, mop {mop_longest}: "

@@ -18,8 +18,11 @@ One optimizer step:
    staging buffer on the current stream (FSDP2's post-reduce stream inside the hook) and an event
    is recorded; the worker thread waits on that event, not the Python thread, and adds the copy
    into the shard's fp32 host gradient (on a CPU machine the first fp32 gradient is lent, not
-   copied). With `last`, the host gradient is final: the worker computes its squared norm (for
-   clipping: `local_squared_norm`) and then, piece by piece, copies the state into the spare and
+   copied). A bf16 weight's gradient arrives in bf16: FSDP2 reduce-scatters in fp32 and then
+   rounds the shard to the parameter's dtype (the paper's 2 bytes per parameter); the host sums
+   micro-batches in fp32. With `last` (or at `gradients_final`, for a shard the last micro-batch
+   did not reach), the host gradient is final: a thread of its own computes its squared norm (for
+   clipping: `local_squared_norm`) and the worker, piece by piece, copies the state into the spare and
    applies a speculative AdamW update with torch's fused kernel (`torch._fused_adamw_`), using
    the step count + 1 (the count itself is only committed in `finish`). Nothing waits for the
    rest of the backward.
@@ -150,6 +153,10 @@ class HostAdamW:
                 self.shards.append(shard)
                 self._by_param[id(param)] = shard
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="host-adamw")
+        # Arrivals (accumulation into the host gradients) and their norms on a thread of their own,
+        # in hand-over order: the global norm, on the step's critical path, never queues behind
+        # speculative updates.
+        self.arrivals = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-adamw-arrivals")
         self._copy_streams: dict[torch.device, torch.Stream] = {}  # per device, for the copies back
         self.rollbacks = 0
 
@@ -184,7 +191,7 @@ class HostAdamW:
                     shard.host_grad = _host_like(grad)
                 shard.grad = shard.host_grad
             previous = shard.arrived
-            shard.arrived = self.pool.submit(self._accumulate, shard, previous, incoming, copied, first)
+            shard.arrived = self.arrivals.submit(self._accumulate, shard, previous, incoming, copied, first)
         if last:
             self._queue_update(shard)
 
@@ -218,11 +225,18 @@ class HostAdamW:
         shard.grad_pieces = _pieces(shard.grad, shard.piece_elements)
         count = len(shard.pieces)
         shard.speculated = [False] * count
-        shard.squared_norm = self.pool.submit(self._squared_norm, shard)
+        shard.squared_norm = self.arrivals.submit(self._squared_norm, shard)
         # After a clipped step the next one usually clips too: wait for the norm instead of
         # speculating work that would be rolled back.
         if self.speculative and not self.last_clipped:
             shard.pending = [self.pool.submit(self._speculate, shard, index) for index in range(count)]
+
+    def gradients_final(self) -> None:
+        """The step's last backward is over: a shard whose gradient came from earlier micro-batches
+        only (it was handed over, but not in the last one) is final too."""
+        for shard in self.shards:
+            if shard.grad is not None and shard.squared_norm is None:
+                self._queue_update(shard)
 
     @staticmethod
     def _squared_norm(shard: ShardState) -> torch.Tensor:

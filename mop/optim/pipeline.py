@@ -100,5 +100,7 @@ class GradientFeed:
     def flush(self) -> None:
         """After a micro-batch's backward: deliver everything not handed over yet, and disarm."""
         self._deliver(self.params)
+        if self.last:
+            self.optimizer.gradients_final()
         self.armed = False
         self.delivered.clear()
