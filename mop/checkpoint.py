@@ -112,15 +112,16 @@ def save(directory: Path, step: int, model, optimizer, host, views: GlobalViews,
     return final
 
 
-def save_hf_import(path: Path, hf_dir: Path, config: Config) -> None:
+def save_hf_import(path: Path, hf_dir: Path, fingerprint: dict[str, str], config: Config) -> None:
     """A step-0 checkpoint whose weights are those of the Hugging Face directory `hf_dir`, read in
     place whenever it is loaded: each rank reads only the rows of its own shards from the
     safetensors files (`mop.models.hf.HFWeights`), so no process ever holds the whole model. Nothing
-    is copied: `hf_dir` must stay where it is. One process; atomic like `save`."""
+    is copied: `hf_dir` must stay where it is, unchanged (its `fingerprint` is checked at load).
+    One process; atomic like `save`."""
     partial = path.with_name(path.name + PARTIAL)
     partial.mkdir(parents=True)
     meta = {"step": 0, "data": None, "config": asdict(config), "has_optimizer": False,
-            "hf_weights": str(hf_dir.resolve())}
+            "hf_weights": str(hf_dir.resolve()), "hf_fingerprint": fingerprint}
     (partial / META).write_text(json.dumps(meta, indent=1))
     partial.rename(path)
 
@@ -190,6 +191,9 @@ def _load_hf_weights(path: Path, source: Path, model, host, views: GlobalViews) 
         raise ConfigError("checkpoint.resume", f"{path} imports the weights of {source}, which is not a directory "
                           "any more; restore it or import again with mop convert from-hf")
     with HFWeights(source) as weights:
+        if weights.fingerprint() != read_meta(path)["hf_fingerprint"]:
+            raise ConfigError("checkpoint.resume", f"{source} has changed since it was imported into {path}; "
+                              "import it again with mop convert from-hf")
         for param in model.parameters():
             target = views.local(param, host.state_of(param)["master"] if host is not None else None)
             write_rows(param, target, views, weights.rows)

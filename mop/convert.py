@@ -61,9 +61,9 @@ def import_hf(hf_dir: Path, path: Path) -> None:
     if path.exists():
         raise ConfigError(str(path), "already exists; choose a new checkpoint directory")
     with HFWeights(hf_dir) as weights:  # checks keys and shapes; reads no tensor data
-        cfg = weights.cfg
+        cfg, fingerprint = weights.cfg, weights.fingerprint()
     path.parent.mkdir(parents=True, exist_ok=True)
-    checkpoint.save_hf_import(path, hf_dir, Config(model=cfg))
+    checkpoint.save_hf_import(path, hf_dir, fingerprint, Config(model=cfg))
     (path / "model.toml").write_text(model_toml(cfg))
     print(f"mop: wrote {path}; fine-tune with: mop train {path / 'model.toml'} --checkpoint.resume={path}")
 

@@ -1,6 +1,7 @@
 """Building a run: shards only (never the full model on a rank), identical initial weights in every
 layout, bf16 working weights with fp32 host masters, and host-optimizer checkpoints in place."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -10,9 +11,10 @@ from torch.distributed.tensor import DTensor
 
 from mop import checkpoint
 from mop.build import build_model_shards, build_run
-from mop.config import load_config, validate
+from mop.config import ConfigError, load_config, validate
 from mop.models.transformer import build_model
 from mop.parallel import DistLayout, Layout
+from mop.parallel.views import GlobalViews
 from mop.runtime import Runtime
 from mop.testing import run_distributed
 from test_train import TINY_RUN
@@ -203,3 +205,8 @@ def test_a_hugging_face_import_is_read_shard_by_shard(tmp_path):
     dcp.load(loaded, checkpoint_id=str(tmp_path / "masters"), no_dist=True)
     for name, value in expected.items():
         assert torch.equal(loaded[name], value.detach()), name
+    # The directory is read at every load: a changed one is refused, not silently trained.
+    save_hf(build_model(dataclasses.replace(cfg, experts=8), seed=3), tmp_path / "hf", dtype=torch.float32)
+    model = build_model(cfg, seed=0)
+    with pytest.raises(ConfigError, match="has changed since it was imported"):
+        checkpoint.load(tmp_path / "imported", model, None, None, GlobalViews(model, None))

@@ -43,6 +43,7 @@ Every problem a user can fix raises `HFConversionError` with a one-line message.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -327,6 +328,13 @@ class HFWeights:
                                         "the config and the weights are from different models")
             self.pieces.setdefault(piece.param, []).append(piece)
 
+    def fingerprint(self) -> dict[str, str]:
+        """Per safetensors file: its size and a hash of its header (every tensor's name, dtype,
+        shape and byte range), to tell a changed directory from the one imported. Weights
+        rewritten in place with the same layout are not told apart."""
+        files = sorted({file for _, file in self.tensors.values()})
+        return {file.name: f"{file.stat().st_size}:{_header_digest(file)}" for file in files}
+
     def __enter__(self) -> "HFWeights":
         return self
 
@@ -342,6 +350,12 @@ class HFWeights:
             elif first <= piece.index[0] < first + count:
                 out[(piece.index[0] - first, *piece.index[1:])] = handle.get_tensor(piece.key)
         return out
+
+
+def _header_digest(file: Path) -> str:
+    with open(file, "rb") as handle:
+        length = int.from_bytes(handle.read(8), "little")  # safetensors: u64 header size, then JSON
+        return hashlib.sha256(handle.read(length)).hexdigest()[:16]
 
 
 def load_hf(path: str | Path, dtype: torch.dtype = torch.float32) -> MoETransformer:
