@@ -16,6 +16,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import math
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -49,13 +50,14 @@ class ParallelConfig:
     reference strategy, 2 otherwise."""
     sequence: int = 0
     """D: ranks that share one sequence (Ulysses sequence parallelism); divides the world size. 0: under
-    "mop" the largest that divides the world size, model.heads and data.seq_len; 1 otherwise."""
+    "mop" the largest that divides the ranks of one node, model.heads and data.seq_len; 1 otherwise.
+    (Automatic degrees keep every group inside a node; set one explicitly to cross nodes.)"""
     expert: int = 0
     """Ep: ranks the experts are partitioned over; divides the world size and model.experts. 0: under
-    "mop" the largest that divides both; 1 otherwise."""
+    "mop" the largest that divides the ranks of one node and model.experts; 1 otherwise."""
     vocab: int = 0
     """P: ranks the output projection's rows are sharded over; divides the world size. 0: under "mop"
-    the world size (1 with tied embeddings); 1 otherwise."""
+    the ranks of one node (1 with tied embeddings); 1 otherwise."""
     expert_balance: Literal["auto", "ep", "llep"] = "auto"
     """Token placement for expert parallelism (parallel.expert > 1): "ep" computes every expert on its
     owner; "llep" spills an overloaded owner's tokens (and ships the expert's weights) to the
@@ -283,16 +285,21 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     return config
 
 
-def resolve(config: Config, world: int | None = None) -> Config:
+def resolve(config: Config, world: int | None = None, local_world: int | None = None) -> Config:
     """A copy with every automatic setting (0, "auto") decided for the strategy and the world size
-    (`world`: the real one once known; else parallel.nproc). Explicit settings are kept as given."""
+    (`world`: the real one once known; else parallel.nproc). Explicit settings are kept as given.
+
+    Automatic degrees divide `local_world`, the ranks of one node (default: the world): groups are
+    blocks of consecutive ranks and torchrun numbers a node's ranks consecutively, so every group
+    (Ulysses, experts, vocabulary ring) stays on the node's fast links."""
     p, m = config.parallel, config.model
     mop = p.strategy == "mop"
     nproc = p.nproc or (1 if p.strategy == "reference" else 2)
     world = world or nproc
+    node = math.gcd(world, local_world or world)
 
     def largest(fits) -> int:
-        return max(n for n in range(1, world + 1) if world % n == 0 and fits(n)) if mop else 1
+        return max(n for n in range(1, node + 1) if node % n == 0 and fits(n)) if mop else 1
 
     parallel = dataclasses.replace(
         p, nproc=nproc,
@@ -305,12 +312,12 @@ def resolve(config: Config, world: int | None = None) -> Config:
     return dataclasses.replace(config, parallel=parallel, optim=optim)
 
 
-def validate(config: Config, world: int | None = None) -> Config:
+def validate(config: Config, world: int | None = None, local_world: int | None = None) -> Config:
     """Range and cross-field checks of the resolved config (see `resolve`), which is returned;
-    `world` is the real world size once known (else parallel.nproc)."""
+    `world` is the real world size once known (else parallel.nproc), `local_world` a node's ranks."""
     for key, message in config.model.validate():
         raise ConfigError(f"model.{key}", message)
-    config = resolve(config, world)  # a negative degree stays, and the Layout names it
+    config = resolve(config, world, local_world)  # a negative degree stays, and the Layout names it
     p, t, d = config.parallel, config.train, config.data
     world = world or p.nproc
     _positive(config, ["parallel.nproc", "parallel.attention_head_chunks", "parallel.llep_min_chunk",

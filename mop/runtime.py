@@ -51,7 +51,7 @@ def setup_runtime(config: Config) -> tuple[Config, Runtime]:
         config = validate(config, world=1)
         return config, Runtime(0, 1, pick_device(config, 0), None)
     env = TorchrunEnv.from_environ()
-    config = validate(config, world=env.world_size)
+    config = validate(config, world=env.world_size, local_world=env.local_world_size)
     device = pick_device(config, env.local_rank)
     if device.type == "cpu":
         set_rank_threads(env.local_world_size)

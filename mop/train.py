@@ -184,7 +184,8 @@ def forward_backward(model: MoETransformer, batches: list[dict], global_targets:
     is not finished yet, and every backward hands each gradient to the optimizer (which
     accumulates them on the host) as soon as it is reduced; the last one's are final.
     """
-    ce_total, aux_total = 0.0, 0.0
+    # Summed on the device: one host read per step, not per micro-batch.
+    ce_total = aux_total = torch.zeros((), dtype=torch.float64, device=runtime.device)
     if feed is not None:
         feed.before_forward()
     for index, batch in enumerate(batches):
@@ -196,10 +197,11 @@ def forward_backward(model: MoETransformer, batches: list[dict], global_targets:
         loss.backward()
         if feed is not None:
             feed.flush()
-        ce_part = terms.ce_sum.item() / max(global_targets, 1)
-        ce_total += ce_part
-        aux_total += loss.item() - ce_part
-    return ce_total, aux_total
+        ce_part = terms.ce_sum.detach().double() / max(global_targets, 1)
+        ce_total = ce_total + ce_part
+        aux_total = aux_total + (loss.detach().double() - ce_part)
+    ce, aux = torch.stack([ce_total, aux_total]).tolist()
+    return ce, aux
 
 
 def train_step(run: TrainingRun, batches: list[dict]) -> dict:

@@ -199,6 +199,32 @@ def test_layout_groups(world, layouts):
     assert run_distributed(layout_groups, world, layouts=layouts) == [None] * world
 
 
+def warm_up_groups(rank, world):
+    """The process groups that see a collective while a DistLayout is built."""
+    seen = []
+    all_reduce = dist.all_reduce
+
+    def recording(tensor, *args, group=None, **kwargs):
+        seen.append(tuple(dist.get_process_group_ranks(group)))
+        return all_reduce(tensor, *args, group=group, **kwargs)
+
+    dist.all_reduce = recording
+    try:
+        dl = DistLayout(Layout(world, 2, 4, 1), torch.device("cpu"))
+    finally:
+        dist.all_reduce = all_reduce
+    return seen, tuple(dist.get_process_group_ranks(dl.expert_p2p_group))
+
+
+def test_every_group_is_warmed_up_once_it_is_created():
+    """NCCL creates communicators lazily; a first point-to-point call from part of the LLEP group is
+    undefined there: every group, the p2p one included, gets one collective at construction."""
+    for rank, (seen, p2p) in enumerate(run_distributed(warm_up_groups, 4)):
+        assert seen[0] == (0, 1, 2, 3) and seen[-1] == p2p == (0, 1, 2, 3)
+        assert len(seen) == 8  # world, two per mesh (replicas and blocks), the p2p group
+        assert (rank - rank % 2, rank - rank % 2 + 1) in seen  # this rank's sequence group
+
+
 # Harness self-tests.
 
 

@@ -133,6 +133,11 @@ def test_automatic_settings_follow_the_strategy_and_the_world_size():
     assert mop.optim.offload is True
     on_eight = validate(load_config(), world=8).parallel  # 4 heads, 8 experts, seq_len 256
     assert (on_eight.sequence, on_eight.expert, on_eight.vocab) == (4, 8, 8)
+    # Two nodes of 4 ranks: the automatic groups stay inside a node; an explicit degree may cross.
+    two_nodes = validate(load_config(), world=8, local_world=4).parallel
+    assert (two_nodes.sequence, two_nodes.expert, two_nodes.vocab) == (4, 4, 4)
+    across = validate(load_config(None, ["--parallel.nproc=8", "--parallel.expert=8"]), world=8, local_world=4).parallel
+    assert across.expert == 8
     for strategy, world in (("reference", 1), ("fsdp2", 2)):
         config = validate(load_config(None, [f"--parallel.strategy={strategy}"]))
         p = config.parallel

@@ -17,7 +17,7 @@ from mop.parallel import DistLayout, Layout
 from mop.parallel.experts import shard_experts
 from mop.parallel.llep import BalanceOptions, drain_records
 from mop.parallel.llep_chunked import chunk_plans
-from mop.parallel.llep_routing import build_routing
+from mop.parallel.llep_routing import _segments, build_routing
 from mop.parallel.llep_plan import plan_ep, plan_llep
 from mop.testing import run_distributed
 
@@ -121,12 +121,52 @@ def test_routing_sends_every_row_once_and_groups_received_rows_by_expert():
     for plan in (plan_ep(loads, 2), plan_llep(loads, 2, gate=1.0, alpha=1.0, min_chunk=1)):
         routes = [build_routing(plan, counts, r) for r in range(2)]
         for r, route in enumerate(routes):
-            assert sorted(route.send_rows) == list(range(sum(counts[r])))
+            assert sorted(route.send_rows.tolist()) == list(range(sum(counts[r])))
             assert route.recv_splits == [routes[s].send_splits[r] for s in range(2)]
-            assert sorted(route.compute_rows) == list(range(sum(route.recv_splits)))
+            assert sorted(route.compute_rows.tolist()) == list(range(sum(route.recv_splits)))
             assert sum(route.native_counts) + sum(route.foreign_counts) == sum(route.recv_splits)
         assert sum(rt.native_counts[i] for rt in routes for i in range(2)) + sum(
             sum(rt.foreign_counts) for rt in routes) == sum(loads)
+
+
+def rows_by_lists(plan, counts, rank):
+    """The routing's row permutations built one row at a time in Python lists (the previous
+    implementation): the oracle for the tensor-built ones."""
+    ranks, experts = len(counts), len(counts[0])
+    before = [[sum(counts[s][e] for s in range(source)) for e in range(experts)] for source in range(ranks)]
+    per_source = [_segments(plan, counts[s], before[s]) for s in range(ranks)]
+    send_rows = [p for destination in range(ranks) for dest, _, first, rows in per_source[rank] if dest == destination
+                 for p in range(first, first + rows)]
+    by_expert, position = {}, 0
+    for expert, rows in [(e, n) for s in range(ranks) for d, e, _, n in per_source[s] if d == rank]:
+        by_expert.setdefault(expert, []).extend(range(position, position + rows))
+        position += rows
+    per_rank = experts // ranks
+    owned = range(rank * per_rank, (rank + 1) * per_rank)
+    foreign = sorted(e for e in by_expert if e not in owned)
+    return send_rows, [p for e in [*owned, *foreign] for p in by_expert.get(e, [])]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_routing_permutations_from_tensor_ops_equal_the_row_by_row_ones(seed):
+    g = torch.Generator().manual_seed(seed)
+    ranks = (1, 2, 4)[seed % 3]
+    experts = ranks * (1, 2, 4)[seed // 3 % 3]
+    kind = ("random", "skewed", "empty")[seed % 3 if seed < 9 else 2]
+    counts = torch.randint(0, 40, (ranks, experts), generator=g)
+    if kind == "skewed":
+        counts[:, 0] += 500
+    if kind == "empty":
+        counts[torch.rand(ranks, experts, generator=g) < 0.7] = 0
+        counts[0] = 0  # a rank that routes nothing
+    counts = counts.tolist()
+    loads = [sum(c) for c in zip(*counts)]
+    for plan in (plan_ep(loads, ranks), plan_llep(loads, ranks, gate=1.0, alpha=1.0, min_chunk=1)):
+        for rank in range(ranks):
+            route = build_routing(plan, counts, rank)
+            send_rows, compute_rows = rows_by_lists(plan, counts, rank)
+            assert route.send_rows.tolist() == send_rows
+            assert route.compute_rows.tolist() == compute_rows
 
 
 def test_a_chunk_without_rows_of_a_shipped_expert_counts_it_as_zero():

@@ -5,14 +5,15 @@ at position p of its group owns experts `[p*E/Ep, (p+1)*E/Ep)` (`mop.parallel.ex
 that partition over its expert-replica group with FSDP2). Every rank routes its own tokens.
 
 Phases of one forward (one MoE layer):
-1. counts: each rank sorts its token-expert assignments by expert and all-gathers its per-expert
-   counts over the group, so every rank knows the `[Ep, E]` count matrix (its column sums are the
-   all-reduced expert loads).
+1. counts: each rank sorts its token-expert assignments by expert (on the device) and all-gathers
+   its per-expert counts over the group, so every rank knows the `[Ep, E]` count matrix (its
+   column sums are the all-reduced expert loads): the layer pass's only device-to-host copy.
 2. plan: every rank computes the same plan from the loads (`llep_plan`): "ep" keeps each expert
    on its owner; "llep" spills an overloaded owner's tokens to the least-loaded ranks. Tokens of
    expert e are numbered globally in (source rank, local order); a plan slice `[start, stop)` of
    that numbering says which rank computes them, so send and receive sizes follow from the count
-   matrix alone (`build_routing`).
+   matrix alone (`build_routing`, per segment on the host, the row permutations expanded on the
+   device). A checkpointed block's recomputation reuses the forward's route (`LayerRoute`).
 3. dispatch: one uneven all-to-all moves each assignment's token row to the rank computing it;
    the expert weights a helper needs travel owner -> helper by `batch_isend_irecv` on the
    separate p2p group, issued before the token all-to-all and waited after it (overlap).
@@ -41,7 +42,7 @@ from torch import nn
 from mop.models.moe import Experts, expert_order
 from mop.parallel.checkpointing import KeepsForwardOutputs
 from mop.parallel.comms import all_gather_rows, all_to_all
-from mop.parallel.llep_chunked import ChunkedExperts, chunk_job
+from mop.parallel.llep_chunked import ChunkedExperts, ChunkJob, chunk_job
 from mop.parallel.llep_plan import Plan, imbalance, plan_ep, plan_llep
 from mop.parallel.llep_routing import (Exchange, Routing, build_routing, expert_outputs, finish_gradient_return,
                                       start_gradient_return, start_weight_shipping)
@@ -62,6 +63,20 @@ class BalanceOptions:
         if self.mode == "llep":
             return plan_llep(loads, ranks, gate=self.gate, alpha=self.alpha, min_chunk=self.min_chunk)
         return plan_ep(loads, ranks)
+
+
+@dataclass
+class LayerRoute:
+    """One layer pass's routing, built once in its forward and reused by a checkpointed block's
+    recomputation. Its row permutations (`routing`, the chunked `job`) stay on the device until
+    the block's backward: about 16 bytes per token-expert assignment per layer."""
+
+    count_matrix: list[list[int]]
+    loads: list[int]
+    plan: Plan
+    routing: Routing
+    exchange: Exchange
+    job: ChunkJob | None
 
 
 class _Dispatch(torch.autograd.Function):
@@ -114,35 +129,42 @@ class ExpertParallel(KeepsForwardOutputs, nn.Module):
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         top_k = expert_ids.shape[-1]
         order, counts = expert_order(expert_ids, self.num_experts)
-        # In a checkpointed block's recomputation the counts (and the chunked path's output) are
-        # those of the forward: no count exchange, no second record, no third expert computation.
+        # In a checkpointed block's recomputation the route (count matrix, plan, row permutations,
+        # transfers) and the chunked path's output are the forward's: no count exchange, no host
+        # work, no second record, no third expert computation.
         kept = self.kept_output()
         if kept is None:
-            count_matrix, kept_out = all_gather_rows(counts.unsqueeze(0), self.group).tolist(), None
+            # The layer pass's one device-to-host synchronisation: the [Ep, E] count matrix.
+            route = self._route(all_gather_rows(counts.unsqueeze(0), self.group).tolist(), order, top_k, x.device)
+            self._record(route.plan, route.loads, x)
+            kept_out = None
         else:
-            count_matrix, kept_out = kept
+            route, kept_out = kept
             # The recomputed routing must be the forward's (checked on the device, no host sync).
-            torch._assert_async((counts == counts.new_tensor(count_matrix[self.rank])).all(),
+            torch._assert_async((counts == counts.new_tensor(route.count_matrix[self.rank])).all(),
                                 "the recomputed routing differs from the forward's")
-        loads = [sum(column) for column in zip(*count_matrix)]
-        plan = self.options.plan(loads, self.ranks)
-        routing = build_routing(plan, count_matrix, self.rank)
-        exchange = self._exchange(plan, routing)
-        if kept is None:
-            self._record(plan, loads, x)
-        if self.options.chunks > 1:
-            job = chunk_job(plan, self.options.chunks, count_matrix, self.rank, order, exchange, top_k)
-            out = ChunkedExperts.apply(x, weights.reshape(-1), (self.w_gate_up, self.w_down), job, kept_out)
-            self.keep_output((count_matrix, out))
+        if route.job is not None:
+            out = ChunkedExperts.apply(x, weights.reshape(-1), (self.w_gate_up, self.w_down), route.job, kept_out)
+            self.keep_output((route, out))
             return out
-        self.keep_output((count_matrix, None))
-        assignment = order[torch.tensor(routing.send_rows, dtype=torch.long, device=x.device)]
+        self.keep_output((route, None))
+        routing, exchange = route.routing, route.exchange
+        assignment = order[routing.send_rows]
         received, foreign_gate_up, foreign_down = _Dispatch.apply(
             x[assignment // top_k], (self.w_gate_up, self.w_down), exchange)
         y = expert_outputs(received, routing, (self.w_gate_up, self.w_down, foreign_gate_up, foreign_down))
         back = all_to_all(y, exchange.send_splits, exchange.recv_splits, self.group)
         y = back * weights.reshape(-1)[assignment].unsqueeze(-1).to(back.dtype)
         return torch.zeros_like(x).index_add_(0, assignment // top_k, y.to(x.dtype))
+
+    def _route(self, count_matrix: list[list[int]], order: torch.Tensor, top_k: int, device) -> LayerRoute:
+        loads = [sum(column) for column in zip(*count_matrix)]
+        plan = self.options.plan(loads, self.ranks)
+        routing = build_routing(plan, count_matrix, self.rank, device=device)
+        exchange = self._exchange(plan, routing)
+        job = chunk_job(plan, self.options.chunks, count_matrix, self.rank, order, exchange, top_k) \
+            if self.options.chunks > 1 else None
+        return LayerRoute(count_matrix, loads, plan, routing, exchange, job)
 
     def _exchange(self, plan: Plan, routing: Routing) -> Exchange:
         transfers = plan.transfers()

@@ -65,9 +65,9 @@ def chunk_job(plan: Plan, chunks: int, counts: list[list[int]], rank: int, order
     routings, assignments = [], []
     shipped = [expert for expert, _ in exchange.receive]  # the foreign weights every chunk computes with
     for sub in chunk_plans(plan, chunks):
-        routing = build_routing(sub, counts, rank, shipped)
+        routing = build_routing(sub, counts, rank, shipped, device=order.device)
         routings.append(routing)
-        assignments.append(order[torch.tensor(routing.send_rows, dtype=torch.long, device=order.device)])
+        assignments.append(order[routing.send_rows])
     return ChunkJob(assignments, routings, exchange, top_k)
 
 

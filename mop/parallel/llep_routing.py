@@ -5,6 +5,10 @@ Tokens of expert e are numbered globally in (source rank, local expert-sorted or
 slice `[start, stop)` of that numbering (`llep_plan`) names the rank that computes those rows, so
 every rank derives, from the plan and the all-gathered `[Ep, E]` count matrix alone, what it
 sends to each rank, what it receives from each, and how the received rows group by expert.
+Everything is derived per segment (a run of rows of one expert from one source to one rank:
+O(Ep x (E + plan slices)) host integers, never one per token); the two row permutations are then
+expanded on the device from the segments' starts and lengths (`_ranges`: `repeat_interleave` +
+`arange`, no host synchronisation), so the host does no per-token work.
 Owners and helpers enumerate weight transfers in the plan's sorted order, so point-to-point
 messages between two ranks pair up without any handshake.
 """
@@ -24,10 +28,10 @@ from mop.parallel.llep_plan import Plan
 class Routing:
     """Where this rank's rows go and how the rows it receives are grouped for the GEMMs."""
 
-    send_rows: list[int]  # positions in this rank's expert-sorted assignments, grouped by destination
+    send_rows: torch.Tensor  # positions in this rank's expert-sorted assignments, grouped by destination
     send_splits: list[int]
     recv_splits: list[int]
-    compute_rows: list[int]  # positions in the received rows: owned experts ascending, then foreign ones
+    compute_rows: torch.Tensor  # positions in the received rows: owned experts ascending, then foreign ones
     native_counts: list[int]  # rows per owned expert (all E/Ep of them, zeros included)
     foreign_experts: list[int]  # shipped experts this rank computes, ascending
     foreign_counts: list[int]
@@ -49,8 +53,10 @@ def _segments(plan: Plan, counts: list[int], before: list[int]) -> list[tuple[in
     return segments
 
 
-def build_routing(plan: Plan, counts: list[list[int]], rank: int, foreign: list[int] | None = None) -> Routing:
-    """The routing of group rank `rank` from the plan and the `[Ep, E]` count matrix.
+def build_routing(plan: Plan, counts: list[list[int]], rank: int, foreign: list[int] | None = None,
+                  device: torch.device | str = "cpu") -> Routing:
+    """The routing of group rank `rank` from the plan and the `[Ep, E]` count matrix; the row
+    permutations as `device` tensors.
 
     `foreign`: the shipped experts whose weights this rank holds, in that order (default: those
     the plan sends it rows of, ascending). A chunk of a chunked layer passes the whole layer's, so
@@ -60,29 +66,41 @@ def build_routing(plan: Plan, counts: list[list[int]], rank: int, foreign: list[
     before = [[sum(counts[s][e] for s in range(source)) for e in range(experts)] for source in range(ranks)]
     per_source = [_segments(plan, counts[s], before[s]) for s in range(ranks)]
     mine = per_source[rank]
-    send_rows, send_splits = [], []
-    for destination in range(ranks):
-        chosen = [seg for seg in mine if seg[0] == destination]
-        send_rows += [p for _, _, first, rows in chosen for p in range(first, first + rows)]
-        send_splits.append(sum(seg[3] for seg in chosen))
+    sent = [seg for destination in range(ranks) for seg in mine if seg[0] == destination]
+    send_splits = [sum(rows for dest, _, _, rows in mine if dest == destination) for destination in range(ranks)]
     # Received rows arrive source by source, each source's segments in its local order.
     arriving = [(expert, rows) for s in range(ranks) for dest, expert, _, rows in per_source[s] if dest == rank]
     recv_splits = [sum(rows for dest, _, _, rows in per_source[s] if dest == rank) for s in range(ranks)]
-    by_expert: dict[int, list[int]] = {}
-    position = 0
-    for expert, rows in arriving:
-        by_expert.setdefault(expert, []).extend(range(position, position + rows))
-        position += rows
     per_rank = experts // ranks
-    owned = range(rank * per_rank, (rank + 1) * per_rank)
-    received_foreign = sorted(e for e in by_expert if e not in owned)
+    owned = list(range(rank * per_rank, (rank + 1) * per_rank))
+    received_foreign = sorted({expert for expert, _ in arriving} - set(owned))
     if foreign is None:
         foreign = received_foreign
     elif not set(received_foreign) <= set(foreign):
         raise ValueError(f"rank {rank} receives rows of experts {received_foreign} but holds weights of {foreign}")
-    compute_rows = [p for e in [*owned, *foreign] for p in by_expert.get(e, [])]
-    return Routing(send_rows, send_splits, recv_splits, compute_rows, [len(by_expert.get(e, [])) for e in owned],
-                   foreign, [len(by_expert.get(e, [])) for e in foreign])
+    group = {expert: index for index, expert in enumerate([*owned, *foreign])}
+    starts = [0]
+    for _, rows in arriving:
+        starts.append(starts[-1] + rows)
+    # Received segments grouped by expert (owned ascending, then foreign), in arrival order within one.
+    grouped = sorted(range(len(arriving)), key=lambda i: (group[arriving[i][0]], i))
+    rows_of = [0] * len(group)
+    for expert, rows in arriving:
+        rows_of[group[expert]] += rows
+    return Routing(_ranges([first for _, _, first, _ in sent], [rows for *_, rows in sent], device),
+                   send_splits, recv_splits,
+                   _ranges([starts[i] for i in grouped], [arriving[i][1] for i in grouped], device),
+                   rows_of[:len(owned)], foreign, rows_of[len(owned):])
+
+
+def _ranges(starts: list[int], lengths: list[int], device) -> torch.Tensor:
+    """`cat([arange(s, s + n) for s, n in zip(starts, lengths)])`, expanded on `device` from the
+    per-segment integers (no per-row host work, no device-to-host synchronisation)."""
+    total = sum(lengths)
+    start = torch.tensor(starts, dtype=torch.long, device=device)
+    length = torch.tensor(lengths, dtype=torch.long, device=device)
+    shift = torch.repeat_interleave(start - (length.cumsum(0) - length), length, output_size=total)
+    return shift + torch.arange(total, device=device)
 
 
 @dataclass
@@ -161,7 +179,7 @@ def expert_outputs(received: torch.Tensor, routing: Routing, weights) -> torch.T
     owned experts first, then foreign ones, for one grouped GEMM each.
     """
     w_gate_up, w_down, foreign_gate_up, foreign_down = weights
-    compute = torch.tensor(routing.compute_rows, dtype=torch.long, device=received.device)
+    compute = routing.compute_rows
     rows = received[compute]
     native = sum(routing.native_counts)
     y = swiglu_experts(rows[:native], routing.native_counts, w_gate_up, w_down)

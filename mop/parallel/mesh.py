@@ -215,6 +215,18 @@ class DistLayout:
             group = dist.new_group(ranks=ranks)
             if self.rank in ranks:
                 self.expert_p2p_group = group
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """One all-reduce on every group this rank belongs to, family by family in the same order on
+        every rank. NCCL creates a group's communicator at its first collective, and the first use
+        of the LLEP point-to-point group would otherwise be a send between two of its ranks only,
+        which NCCL leaves undefined; it also moves every communicator's set-up cost to start-up."""
+        token = torch.zeros(1, device=self.device)
+        meshes = [(self.world_mesh, ("world",)), (self.sequence_mesh, ("data", "sequence")),
+                  (self.expert_mesh, ("expert_replica", "expert")), (self.vocab_mesh, ("vocab_replica", "vocab"))]
+        for group in [mesh.get_group(name) for mesh, names in meshes for name in names] + [self.expert_p2p_group]:
+            dist.all_reduce(token, group=group)
 
     def _mesh(self, n: int, names: tuple[str, str]) -> DeviceMesh:
         w, r = self.layout.world, self.rank

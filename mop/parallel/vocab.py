@@ -142,8 +142,11 @@ class _RingCrossEntropy(torch.autograd.Function):
             for block in _blocks(tokens, ring.token_block) if valid_columns else []:
                 d_logits = _logits(compute_hidden[block], shard, valid_columns)
                 d_logits.sub_(lse[block].unsqueeze(1)).exp_().mul_(scale[block].unsqueeze(1))
-                mine = ((local[block] >= 0) & (local[block] < rows)).nonzero().squeeze(1)
-                d_logits[mine, local[block][mine]] -= valid[block][mine]
+                # Minus the one-hot target where it lies in this shard (adding 0 elsewhere): no
+                # data-dependent shapes, so no device-to-host synchronisation per tile.
+                in_shard = (local[block] >= 0) & (local[block] < rows)
+                d_logits.scatter_add_(1, local[block].clamp(0, rows - 1).unsqueeze(1),
+                                      -(valid[block] * in_shard).unsqueeze(1))
                 grad_hidden[block] += d_logits.to(ctx.dtype) @ shard
                 shard_grad.addmm_(d_logits.t(), compute_hidden[block].float())
                 del d_logits
