@@ -10,6 +10,7 @@ from torch.testing import assert_close
 from mop.models.config import ModelConfig
 from mop.models.transformer import build_model
 from mop.optim.host_adamw import HostAdamW
+from conftest import devices
 
 STEPS = 6
 # Gradient scale per step: clipping (max_norm 1.0) is active on the large steps, not on the small;
@@ -198,20 +199,23 @@ def test_fsdp2_sharded_parameters_end_where_torch_adamw_takes_them():
         assert pending == len(list(build_model(SMALL, seed=4).layers[0].parameters()))
 
 
+@pytest.mark.parametrize("device", devices(1))
 @pytest.mark.parametrize("working_dtype", [torch.float32, torch.bfloat16])
-def test_micro_batches_accumulate_on_the_host_even_when_the_last_one_skips_a_parameter(working_dtype):
-    """Micro-batch gradients are summed in fp32 on the host; a parameter the last micro-batch did not
-    reach is still updated (`gradients_final`), and the norm covers it."""
-    reference, mine = make_params(), [torch.nn.Parameter(p.detach().to(working_dtype)) for p in make_params()]
+def test_micro_batches_accumulate_on_the_host_even_when_the_last_one_skips_a_parameter(working_dtype, device):
+    """Micro-batch gradients are summed in fp32 on the host (on CUDA through pinned staging copies on
+    the current stream); a parameter the last micro-batch did not reach is still updated
+    (`gradients_final`), and the norm covers it."""
+    reference = make_params()
+    mine = [torch.nn.Parameter(p.detach().to(device, working_dtype)) for p in make_params()]
     for ref in reference:  # the same starting point as the (possibly rounded) working weights
         ref.data.copy_(ref.data.to(working_dtype))
     torch_opt = torch.optim.AdamW(groups(reference), lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
     host = HostAdamW(groups(mine), betas=(0.9, 0.95), eps=1e-8)
     g = torch.Generator().manual_seed(7)
-    first = [torch.randn(p.shape, generator=g).to(working_dtype) for p in mine]
-    last = [torch.randn(p.shape, generator=g).to(working_dtype) for p in mine[:2]]  # params 2 and 3 skip it
+    first = [torch.randn(p.shape, generator=g).to(device, working_dtype) for p in mine]
+    last = [torch.randn(p.shape, generator=g).to(device, working_dtype) for p in mine[:2]]  # params 2 and 3 skip it
     for ref, a, b in zip(reference, first, last + [None, None]):
-        ref.grad = a.float() + (b.float() if b is not None else 0)
+        ref.grad = a.float().cpu() + (b.float().cpu() if b is not None else 0)
     norm = torch.nn.utils.clip_grad_norm_(reference, 100.0)
     torch_opt.step()
     host.begin_step(1e-2)
@@ -225,4 +229,4 @@ def test_micro_batches_accumulate_on_the_host_even_when_the_last_one_skips_a_par
     host.synchronize()
     for index, (ref, param) in enumerate(zip(reference, mine)):
         assert_close(host.state_of(param)["master"], ref.detach(), atol=1e-6, rtol=1e-6, msg=f"param {index}")
-        assert_close(param.detach(), ref.detach().to(working_dtype), atol=0, rtol=0, msg=f"working {index}")
+        assert_close(param.detach().cpu(), ref.detach().to(working_dtype), atol=0, rtol=0, msg=f"working {index}")

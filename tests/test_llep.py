@@ -19,7 +19,8 @@ from mop.parallel.llep import BalanceOptions, drain_records
 from mop.parallel.llep_chunked import chunk_plans
 from mop.parallel.llep_routing import _segments, build_routing
 from mop.parallel.llep_plan import plan_ep, plan_llep
-from mop.testing import run_distributed
+from mop.testing import rank_device, run_distributed
+from conftest import devices, to_cpu
 
 CFG = ModelConfig(hidden=16, experts=8, expert_intermediate=8)
 TOKENS = 24  # per rank
@@ -60,21 +61,22 @@ def reference_experts():
 
 
 def expert_rank(rank, world, ep, top_k, kind, mode, chunks=1):
-    layout = DistLayout(Layout(world, expert=ep), torch.device("cpu"))
-    holder = _Holder(reference_experts())
+    device = rank_device()
+    layout = DistLayout(Layout(world, expert=ep), device)
+    holder = _Holder(reference_experts().to(device))
     shard_experts(holder, layout, BalanceOptions(mode, gate=1.3, alpha=1.0, min_chunk=2, chunks=chunks), torch.float32)
     module = holder.layers[0].mlp.experts
     ids, weights = routing(kind, world, top_k, seed=top_k)
     g = torch.Generator().manual_seed(7)
     x_all = torch.randn(world, TOKENS, CFG.hidden, generator=g)
     upstream = torch.randn(world, TOKENS, CFG.hidden, generator=g)
-    x = x_all[rank].clone().requires_grad_()
-    w = weights[rank].clone().requires_grad_()
-    out = module(x, ids[rank], w)
-    (out * upstream[rank]).sum().backward()
+    x = x_all[rank].to(device).requires_grad_()
+    w = weights[rank].to(device).requires_grad_()
+    out = module(x, ids[rank].to(device), w)
+    (out * upstream[rank].to(device)).sum().backward()
     partition = layout.layout.expert_partition(rank)
     grads = {name: p.grad.full_tensor() for name, p in module.named_parameters()}
-    return out.detach(), x.grad, w.grad, partition, grads, drain_records(holder)
+    return to_cpu((out.detach(), x.grad, w.grad, partition, grads, drain_records(holder)))
 
 
 CASES = [(world, ep, top_k, kind, mode, chunks) for world, ep in [(2, 2), (4, 2), (4, 4)] for top_k in (1, 2, 4)
@@ -82,9 +84,10 @@ CASES = [(world, ep, top_k, kind, mode, chunks) for world, ep in [(2, 2), (4, 2)
 
 
 @pytest.mark.parametrize("world, ep", [(2, 2), (4, 2), (4, 4)])
-def test_expert_parallel_matches_the_single_process_layer(world, ep):
+@pytest.mark.parametrize("device", devices(4))
+def test_expert_parallel_matches_the_single_process_layer(world, ep, device):
     cases = [c for c in CASES if c[:2] == (world, ep)]
-    results = run_distributed(_all_cases, world, ep, [c[2:] for c in cases])
+    results = run_distributed(_all_cases, world, ep, [c[2:] for c in cases], device=device)
     for index, (_, _, top_k, kind, mode, chunks) in enumerate(cases):
         label = f"W={world} Ep={ep} k={top_k} {kind} {mode} chunks={chunks}"
         experts = reference_experts()
@@ -186,24 +189,26 @@ def test_a_chunk_without_rows_of_a_shipped_expert_counts_it_as_zero():
 
 def zero_token_rank(rank, world, mode, chunks):
     """Rank 1 routes no tokens at all; rank 0 sends 95% of its assignments to expert 0."""
-    layout = DistLayout(Layout(world, expert=world), torch.device("cpu"))
-    holder = _Holder(reference_experts())
+    device = rank_device()
+    layout = DistLayout(Layout(world, expert=world), device)
+    holder = _Holder(reference_experts().to(device))
     shard_experts(holder, layout, BalanceOptions(mode, gate=1.0, alpha=1.0, min_chunk=1, chunks=chunks), torch.float32)
     module = holder.layers[0].mlp.experts
     ids, weights = routing("skewed", 1, 2, seed=5)
     x_all = torch.randn(TOKENS, CFG.hidden, generator=torch.Generator().manual_seed(3))
     tokens = TOKENS if rank == 0 else 0
-    x = x_all[:tokens].clone().requires_grad_()
-    w = weights[0, :tokens].clone().requires_grad_()
-    out = module(x, ids[0, :tokens], w)
+    x = x_all[:tokens].to(device).requires_grad_()
+    w = weights[0, :tokens].to(device).requires_grad_()
+    out = module(x, ids[0, :tokens].to(device), w)
     out.sum().backward()
     grads = {name: p.grad.full_tensor() for name, p in module.named_parameters()}
-    return out.detach(), x.grad, w.grad, grads
+    return to_cpu((out.detach(), x.grad, w.grad, grads))
 
 
+@pytest.mark.parametrize("device", devices(2))
 @pytest.mark.parametrize("mode, chunks", [("ep", 1), ("llep", 1), ("llep", 3)])
-def test_a_rank_with_no_tokens_still_takes_part(mode, chunks):
-    results = run_distributed(zero_token_rank, 2, mode, chunks)
+def test_a_rank_with_no_tokens_still_takes_part(mode, chunks, device):
+    results = run_distributed(zero_token_rank, 2, mode, chunks, device=device)
     experts = reference_experts()
     ids, weights = routing("skewed", 1, 2, seed=5)
     x = torch.randn(TOKENS, CFG.hidden, generator=torch.Generator().manual_seed(3)).requires_grad_()

@@ -18,7 +18,8 @@ from mop.models.documents import Documents
 from mop.models.transformer import document_positions
 from mop.parallel import DistLayout, Layout
 from mop.parallel.ulysses import UlyssesAttention, head_plan, kv_index
-from mop.testing import run_distributed
+from mop.testing import rank_device, run_distributed
+from conftest import devices, to_cpu
 
 BATCH, SEQ = 2, 16
 
@@ -54,19 +55,23 @@ def run_case(attention, x, upstream, documents, positions, rows=slice(None)):
 
 
 def ulysses_cases(rank, world):
-    layout = DistLayout(Layout(world, sequence=world), torch.device("cpu"))
+    device = rank_device()
+    layout = DistLayout(Layout(world, sequence=world), device)
     results = []
     for heads, kv_heads, chunks, packed in cases(world):
-        attention, x, upstream, documents, positions = attention_case(heads, kv_heads, packed)
-        attention.core = UlyssesAttention(layout.sequence_group, heads, kv_heads, chunks)
+        attention, *tensors = attention_case(heads, kv_heads, packed)
+        attention.to(device).core = UlyssesAttention(layout.sequence_group, heads, kv_heads, chunks)
         tokens = SEQ // world
-        results.append(run_case(attention, x, upstream, documents, positions, slice(rank * tokens, (rank + 1) * tokens)))
+        x, upstream, documents, positions = (t.to(device) if t is not None else None for t in tensors)
+        results.append(to_cpu(run_case(attention, x, upstream, documents, positions,
+                                       slice(rank * tokens, (rank + 1) * tokens))))
     return results
 
 
+@pytest.mark.parametrize("device", devices(4))
 @pytest.mark.parametrize("world", [2, 4])
-def test_ulysses_matches_single_process_attention(world):
-    per_rank = run_distributed(ulysses_cases, world)
+def test_ulysses_matches_single_process_attention(world, device):
+    per_rank = run_distributed(ulysses_cases, world, device=device)
     tokens = SEQ // world
     for case, (heads, kv_heads, chunks, packed) in enumerate(cases(world)):
         out, x_grad, weight_grads = run_case(*attention_case(heads, kv_heads, packed))

@@ -16,7 +16,8 @@ from mop.models.config import ModelConfig
 from mop.models.transformer import IGNORE_INDEX, LMHead
 from mop.parallel import DistLayout, Layout
 from mop.parallel.vocab import VocabParallelHead
-from mop.testing import run_distributed
+from mop.testing import rank_device, run_distributed
+from conftest import devices, to_cpu
 
 HIDDEN = 16
 
@@ -41,23 +42,25 @@ def problem(world: int, vocab: int, z_loss: float):
 
 
 def vocab_rank(rank, world, vocab_size, vocab, token_block, z_loss):
-    layout = DistLayout(Layout(world, vocab=vocab), torch.device("cpu"))
+    device = rank_device()
+    layout = DistLayout(Layout(world, vocab=vocab), device)
     head, hidden, labels = problem(world, vocab_size, z_loss)
-    parallel = VocabParallelHead(head, layout, token_block, z_loss)
-    h = hidden[rank].clone().requires_grad_()
-    loss = parallel.loss_sum(h, labels[rank])
+    parallel = VocabParallelHead(head, layout, token_block, z_loss).to(device)
+    h = hidden[rank].to(device).requires_grad_()
+    loss = parallel.loss_sum(h, labels[rank].to(device))
     (2.0 * loss).backward()
-    return loss.detach(), h.grad, parallel.weight.grad, layout.layout.vocab_shard(rank)
+    return to_cpu((loss.detach(), h.grad, parallel.weight.grad, layout.layout.vocab_shard(rank)))
 
 
 CASES = [(2, 2, 12, 0), (2, 2, 13, 4), (4, 4, 13, 2), (4, 4, 6, 0), (4, 2, 11, 3)]
 
 
+@pytest.mark.parametrize("device", devices(4))
 @pytest.mark.parametrize("world, vocab, vocab_size, token_block", CASES)
 @pytest.mark.parametrize("z_loss", [0.0, 0.1])
-def test_ring_loss_matches_full_logits(world, vocab, vocab_size, token_block, z_loss):
+def test_ring_loss_matches_full_logits(world, vocab, vocab_size, token_block, z_loss, device):
     # token_block 0: the automatic size, which here covers all of a rank's tokens in one tile.
-    results = run_distributed(vocab_rank, world, vocab_size, vocab, token_block, z_loss)
+    results = run_distributed(vocab_rank, world, vocab_size, vocab, token_block, z_loss, device=device)
     head, hidden, labels = problem(world, vocab_size, z_loss)
     h = torch.cat(hidden).requires_grad_()
     target = torch.cat(labels)

@@ -1,5 +1,5 @@
-"""Test support: the spawned-gloo-ranks harness used by every distributed test."""
+"""Test support: the spawned-ranks harness used by every distributed test (gloo on CPU, NCCL on CUDA)."""
 
-from mop.testing.distributed import DistributedError, run_distributed
+from mop.testing.distributed import DistributedError, cuda_ranks_available, rank_device, run_distributed
 
-__all__ = ["DistributedError", "run_distributed"]
+__all__ = ["DistributedError", "cuda_ranks_available", "rank_device", "run_distributed"]

@@ -1,11 +1,12 @@
-"""Run a function on W spawned gloo ranks and collect what each returns; never hang.
+"""Run a function on W spawned ranks (gloo on CPU, NCCL on CUDA) and collect what each returns; never hang.
 
 Algorithm. The parent picks a free localhost port, pickles ``(fn, args, kwargs)`` once, and
 starts one process per rank as a fork of a fork server that has already imported torch. As with
 'spawn', children share no state with the parent and get its sys.path and working directory;
 their environment is the fork server's (the parent's at the first call). Each child sets the
 torchrun variables for itself and joins through ``mop.parallel.init_distributed`` (the trainer's
-own path, on CPU so gloo), with one intra-op thread and seed 0 on every rank (tests build full
+own path: on ``device="cpu"`` gloo; on ``device="cuda"`` NCCL with rank r on GPU r, so W GPUs are
+needed, ``cuda_ranks_available``), with one intra-op thread and seed 0 on every rank (tests build full
 tensors from one seed, then shard, as the stack does). It meets the others in a barrier, calls
 ``fn(rank, world_size, *args, **kwargs)``, meets the others in a barrier again, destroys the group, and writes ``("ok", value)`` or
 ``("error", traceback)`` to its own result file. The parent waits on the process sentinels until
@@ -47,10 +48,28 @@ class DistributedError(RuntimeError):
     """One or more ranks raised, or died without reporting a result."""
 
 
+def cuda_ranks_available(world_size: int) -> bool:
+    """Whether ``world_size`` NCCL ranks can run here: NCCL takes one GPU per rank."""
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.device_count() >= world_size
+
+
+def rank_device():
+    """The device of the calling rank (inside ``fn``): its GPU under NCCL, else the CPU."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def run_distributed(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, **kwargs: Any
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, device: str = "cpu", **kwargs: Any
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks.
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` ranks of ``device`` ("cpu":
+    gloo; "cuda": NCCL, one GPU per rank; ``fn`` finds its device with ``rank_device()``).
 
     ``fn`` must be a module-level function and its arguments and return value picklable.
     Returns the per-rank return values in rank order. Raises ``DistributedError`` when a rank
@@ -58,6 +77,8 @@ def run_distributed(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if device == "cuda" and not cuda_ranks_available(world_size):
+        raise ValueError(f"{world_size} CUDA ranks need {world_size} GPUs (NCCL runs one rank per GPU)")
     # Pickle here so an unpicklable fn (a lambda, a closure) fails in the caller, not in W children.
     payload = pickle.dumps((fn, args, kwargs))
     ctx = mp.get_context("forkserver")
@@ -69,7 +90,7 @@ def run_distributed(
         paths = [Path(tmp) / f"rank{rank}.pkl" for rank in range(world_size)]
         port = _free_port()
         procs = [
-            ctx.Process(target=_child, args=(rank, world_size, port, payload, str(paths[rank])), daemon=True)
+            ctx.Process(target=_child, args=(rank, world_size, port, payload, str(paths[rank]), device), daemon=True)
             for rank in range(world_size)
         ]
         try:
@@ -150,7 +171,7 @@ def _write(path: str, outcome: tuple[str, Any]) -> None:
     os.replace(path + ".tmp", path)
 
 
-def _child(rank: int, world_size: int, port: int, payload: bytes, path: str) -> None:
+def _child(rank: int, world_size: int, port: int, payload: bytes, path: str, device: str) -> None:
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -172,7 +193,7 @@ def _child(rank: int, world_size: int, port: int, payload: bytes, path: str) -> 
     try:
         # Unpickled inside the try so an import error in fn's module is reported like any other.
         fn, args, kwargs = pickle.loads(payload)
-        init_distributed(torch.device("cpu"))
+        init_distributed(torch.device("cuda", rank) if device == "cuda" else torch.device("cpu"))
         # Every rank is connected to every other before fn runs: a rank that dies early in fn
         # (the harness's own tests make one) must not break a peer still joining the group.
         dist.barrier()
