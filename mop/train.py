@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from mop import checkpoint
 from mop.build import TrainingRun, build_run
 from mop.config import Config
+from mop.flops import attended_keys, flops_per_token, peak_flops
 from mop.metrics import MetricsLogger, peak_memory_bytes, plot_run, reset_peak_memory
 from mop.models.transformer import IGNORE_INDEX, MoETransformer
 from mop.optim.host_adamw import HostAdamW
@@ -205,14 +206,20 @@ def forward_backward(model: MoETransformer, batches: list[dict], global_targets:
 
 
 def train_step(run: TrainingRun, batches: list[dict]) -> dict:
-    """Forward/backward over this rank's micro-batches of a step; returns the globally reduced losses."""
+    """Forward/backward over this rank's micro-batches of a step; returns the globally reduced
+    losses and the step's model FLOPs (`mop.flops`)."""
     runtime = run.runtime
     local_targets = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
-    global_targets = int(sum_over_ranks([local_targets], runtime)[0])
-    shares = forward_backward(run.model, batches, global_targets, run.config.train.global_batch, runtime,
+    keys = sum(int(attended_keys(b["position_ids"]).sum()) for b in batches)
+    tokens = sum(b["input_ids"].numel() for b in batches)
+    global_targets, keys, tokens = sum_over_ranks([local_targets, keys, tokens], runtime)
+    shares = forward_backward(run.model, batches, int(global_targets), run.config.train.global_batch, runtime,
                               run.autocast(), run.feed)
     ce_loss, aux_loss = sum_over_ranks(list(shares), runtime)
-    return {"loss": ce_loss + aux_loss, "ce_loss": ce_loss, "aux_loss": aux_loss, "targets": global_targets}
+    # Every rank of a sequence group holds distinct tokens, so the sums count each token once.
+    model_flops = flops_per_token(run.config.model, keys / tokens) * tokens
+    return {"loss": ce_loss + aux_loss, "ce_loss": ce_loss, "aux_loss": aux_loss, "targets": int(global_targets),
+            "model_flops": model_flops}
 
 
 def update(run: TrainingRun) -> dict:
@@ -223,6 +230,13 @@ def update(run: TrainingRun) -> dict:
         return {"grad_norm": grad_norm, "skipped": skipped}
     grad_norm, skipped, rollback = host_update(run.model, run.host, run.feed, clip, run.runtime)
     return {"grad_norm": grad_norm, "skipped": skipped, **rollback}
+
+
+def utilisation(model_flops: float, seconds: float, runtime: Runtime) -> dict:
+    """Model TFLOP/s per rank and, on a GPU of known peak, MFU (`mop.flops`)."""
+    per_rank = model_flops / seconds / runtime.world
+    peak = peak_flops(runtime.device)
+    return {"model_tflops_per_s_per_rank": per_rank / 1e12, **({"mfu": per_rank / peak} if peak else {})}
 
 
 def set_learning_rate(run: TrainingRun, lr: float) -> None:
@@ -264,6 +278,7 @@ def _train(config: Config, runtime: Runtime) -> list[dict]:
         elapsed = time.perf_counter() - start
         record = {"step": step, **losses, "lr": lr, **outcome,
                   "tokens_per_s": tokens_per_step / elapsed, "step_time_s": elapsed,
+                  **utilisation(losses["model_flops"], elapsed, runtime),
                   **step_memory(runtime, run.offload_store), **state_memory,
                   **expert_metrics(run.model, runtime, config.parallel.expert)}
         records.append(record)

@@ -159,6 +159,7 @@ def test_ulysses_core_matches_the_dense_mask(world):
                              msg=f"{label} D={world} {name} kv_heads={kv_heads} chunks={chunks} rank {rank}")
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the varlen kernel needs a GPU")
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("autocast", [False, True])

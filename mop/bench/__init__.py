@@ -4,6 +4,6 @@ A benchmark module provides `add_arguments(parser)`, `run(args) -> dict` and
 `report(args, results)`; every comparison is against a baseline measured in the same run.
 """
 
-from mop.bench import attention, build, context, e2e, moe, optimizer, vocab
+from mop.bench import attention, build, context, e2e, gpu, moe, optimizer, vocab
 
-BENCHMARKS = {"attention": attention, "build": build, "context": context, "e2e": e2e, "moe": moe, "optimizer": optimizer, "vocab": vocab}
+BENCHMARKS = {"attention": attention, "build": build, "context": context, "e2e": e2e, "gpu": gpu, "moe": moe, "optimizer": optimizer, "vocab": vocab}

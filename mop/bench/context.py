@@ -57,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def mop_train(args, name: str, context: int, extra: list[str]) -> dict:
     """`mop train` in a subprocess; its metrics, or how it failed."""
-    run_dir = args.out.parent / "context-runs" / f"{name}-{context}"
+    run_dir = args.out.with_name(f"{args.out.stem}-runs") / f"{name}-{context}"
     command = [sys.executable, "-m", "mop.cli", "train", str(args.config), f"--data.seq_len={context}",
                f"--train.steps={args.steps}", f"--log.run_dir={run_dir}", "--log.overwrite=true",
                "--log.progress=false", "--log.plot=false", "--log.tensorboard=false", *extra]
@@ -78,7 +78,8 @@ def mop_train(args, name: str, context: int, extra: list[str]) -> dict:
     config = resolve(load_config(str(args.config), [f"--data.seq_len={context}", *extra]))
     tokens_per_rank = config.train.global_batch * context / config.parallel.nproc
     return {**result, "peak_bytes_per_rank": records[-1]["peak_mem_bytes_per_rank"], "seconds_per_step": seconds,
-            "tokens_per_s_per_rank": tokens_per_rank / seconds, "losses": [r["loss"] for r in records]}
+            "tokens_per_s_per_rank": tokens_per_rank / seconds, "losses": [r["loss"] for r in records],
+            "last_record": records[-1]}
 
 
 def hf_rank(rank: int, world: int, config_path: str, context: int, steps: int) -> dict:
