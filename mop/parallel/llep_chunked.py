@@ -7,13 +7,15 @@ is a smaller plan with the same placement (same helpers, same shipped weights).
 Forward, one autograd node for the whole expert computation of the layer:
 - the shipped expert weights move once (p2p, overlapped with the first token exchange);
 - chunk c: its token rows are gathered from the input and dispatched by an async all-to-all,
-  chunk c+1's dispatch is started before chunk c's experts run, chunk c's outputs go back by the
-  combine all-to-all and are weighted and summed into the output. Only about one chunk's
-  dispatch buffers and expert intermediate exist at a time; nothing per chunk is saved.
-Backward, per chunk: the source sends [token rows | their output gradients] in one all-to-all;
-the computing rank recomputes the expert forward, takes its gradients, and returns [row
-gradients | outputs] in one all-to-all (the outputs give the routing weights' gradients at the
-source). The foreign experts' weight gradients accumulate over the chunks and return to their
+  chunk c+1's dispatch is started before chunk c's experts run, chunk c's outputs go back by an
+  async combine all-to-all that runs while chunk c+1 computes, and are then weighted and summed
+  into the output (in chunk order). Only about two chunks' buffers and one chunk's expert
+  intermediate exist at a time; nothing per chunk is saved.
+Backward, per chunk, pipelined the same way (chunk c+1's rows travel and chunk c-1's results come
+back while chunk c computes): the source sends [token rows | their output gradients] in one
+all-to-all; the computing rank recomputes the expert forward, takes its gradients, and returns
+[row gradients | outputs] in one all-to-all (the outputs give the routing weights' gradients at
+the source). The foreign experts' weight gradients accumulate over the chunks and return to their
 owners once, at the end, as in the unchunked path.
 In a checkpointed block's recomputation the node is given the forward's output (`kept`): it only
 ships the foreign weights again (its backward needs them) and returns it, so the expert
@@ -96,15 +98,18 @@ class ChunkedExperts(torch.autograd.Function):
         for work in weight_works:
             work.wait()
         weights = (*(w.detach() for w in owned), *foreign)
+        combining = None  # chunk c-1's combine, in flight while chunk c computes
         for c, routing in enumerate(job.routings):
             received, work = pending
             work.wait()
             if c + 1 < len(job.routings):
                 pending = _dispatch(x, job, c + 1)
             y = expert_outputs(received, routing, weights)
-            back, _ = _exchange_rows(y, routing.send_splits, routing.recv_splits, ex.group)
-            assignment = job.assignments[c]
-            out.index_add_(0, assignment // job.top_k, back * weights_flat[assignment].unsqueeze(-1).to(back.dtype))
+            del received
+            if combining is not None:
+                _add_combined(out, weights_flat, job, *combining)
+            combining = (c, y, *_exchange_rows(y, routing.send_splits, routing.recv_splits, ex.group, async_op=True))
+        _add_combined(out, weights_flat, job, *combining)
         ctx.save_for_backward(x, weights_flat, *foreign)
         return out
 
@@ -122,24 +127,53 @@ class ChunkedExperts(torch.autograd.Function):
         for leaf, buffer in zip(leaves, [p.grad for p in owned] + [torch.zeros_like(w) for w in foreign]):
             leaf.grad = buffer
         grad_x, grad_weights = torch.zeros_like(x), torch.zeros_like(weights_flat)
-        for assignment, routing in zip(job.assignments, job.routings):
-            tokens = assignment // job.top_k
-            grad_rows = grad_out[tokens] * weights_flat[assignment].unsqueeze(-1).to(grad_out.dtype)
-            received, _ = _exchange_rows(torch.cat([x[tokens], grad_rows], dim=1), routing.recv_splits,
-                                         routing.send_splits, ex.group)
+
+        def send_rows(c: int):
+            """Start chunk c's [token rows | output gradients] exchange to the computing ranks."""
+            tokens = job.assignments[c] // job.top_k
+            grad_rows = grad_out[tokens] * weights_flat[job.assignments[c]].unsqueeze(-1).to(grad_out.dtype)
+            routing = job.routings[c]
+            return _exchange_rows(torch.cat([x[tokens], grad_rows], dim=1), routing.recv_splits, routing.send_splits,
+                                  ex.group, async_op=True)
+
+        def take_back(c: int, sent: torch.Tensor, back: torch.Tensor, work) -> None:
+            work.wait()
+            tokens = job.assignments[c] // job.top_k
+            grad_x.index_add_(0, tokens, back[:, :hidden])
+            grad_weights[job.assignments[c]] = (grad_out[tokens] * back[:, hidden:]).sum(-1).to(grad_weights.dtype)
+
+        # Pipelined like the forward: chunk c+1's rows travel and chunk c-1's results come back
+        # while chunk c's experts are recomputed and differentiated.
+        incoming, returning = send_rows(0), None
+        for c, routing in enumerate(job.routings):
+            received, work = incoming
+            work.wait()
+            if c + 1 < len(job.routings):
+                incoming = send_rows(c + 1)
             rows = received[:, :hidden].detach().requires_grad_()
             used = [rows] + (leaves[:2] if sum(routing.native_counts) else []) + (
                 leaves[2:] if sum(routing.foreign_counts) else [])
             with torch.enable_grad(), ctx.autocast():
                 y = expert_outputs(rows, routing, leaves)
                 torch.autograd.backward(y, received[:, hidden:], inputs=used)
-            back, _ = _exchange_rows(torch.cat([rows.grad, y.detach()], dim=1), routing.send_splits,
-                                     routing.recv_splits, ex.group)
-            grad_x.index_add_(0, tokens, back[:, :hidden])
-            grad_weights[assignment] = (grad_out[tokens] * back[:, hidden:]).sum(-1).to(grad_weights.dtype)
+            sent = torch.cat([rows.grad, y.detach()], dim=1)
+            del received, rows, y
+            if returning is not None:
+                take_back(*returning)
+            returning = (c, sent, *_exchange_rows(sent, routing.send_splits, routing.recv_splits, ex.group,
+                                                  async_op=True))
+        take_back(*returning)
         returned, works = start_gradient_return([leaf.grad for leaf in leaves[2:]], owned, ex)
         finish_gradient_return(owned, ex, returned, works)
         return grad_x, grad_weights, None, None, None
+
+
+def _add_combined(out: torch.Tensor, weights_flat: torch.Tensor, job: ChunkJob, c: int, sent: torch.Tensor,
+                  back: torch.Tensor, work) -> None:
+    """Wait for chunk c's combine (`sent` stays referenced until then) and add its weighted rows."""
+    work.wait()
+    assignment = job.assignments[c]
+    out.index_add_(0, assignment // job.top_k, back * weights_flat[assignment].unsqueeze(-1).to(back.dtype))
 
 
 def _dispatch(x: torch.Tensor, job: ChunkJob, c: int):
