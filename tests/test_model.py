@@ -155,6 +155,23 @@ def test_grouped_gemm_and_the_expert_loop_are_identical():
     assert not grouped_gemm_applies(x[:, :15], w_gate_up[:, :, :15], w_down[:, :15])
 
 
+def test_groups_padded_for_cuda_alignment_give_the_same_outputs_and_gradients():
+    """The zero rows that pad each expert's group to an aligned size (as on CUDA) change no result
+    (up to the GEMM kernel's summation order, which may follow the group size)."""
+    torch.manual_seed(4)
+    x = torch.randn(13, 16, requires_grad=True)
+    # Weights scaled like a trained layer's (1/sqrt(fan-in)), so values stay O(1) and fp32 tolerances apply.
+    w_gate_up = (torch.randn(4, 2 * 8, 16) / 4).requires_grad_()
+    w_down = (torch.randn(4, 16, 8) / 8**0.5).requires_grad_()
+    counts = [5, 0, 6, 2]
+    padded = swiglu_experts(x, counts, w_gate_up, w_down, grouped=True, align=8)
+    plain = swiglu_experts(x, counts, w_gate_up, w_down, grouped=True, align=1)
+    assert_close(padded, plain, atol=1e-5, rtol=1e-5)
+    for a, b in zip(torch.autograd.grad(padded.square().sum(), [x, w_gate_up, w_down]),
+                    torch.autograd.grad(plain.square().sum(), [x, w_gate_up, w_down])):
+        assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 def test_a_non_finite_gradient_skips_the_update_and_leaves_the_state():
     from mop.config import Config
     from mop.build import build_optimizer

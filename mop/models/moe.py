@@ -89,19 +89,48 @@ def grouped_gemm_applies(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch
     return x.shape[-1] % align == 0 and w_down.shape[-1] % align == 0
 
 
+def row_ranges(starts: list[int], lengths: list[int], device) -> torch.Tensor:
+    """`cat([arange(s, s + n) for s, n in zip(starts, lengths)])`, expanded on `device` from the
+    per-range integers (no per-row host work, no device-to-host synchronisation)."""
+    total = sum(lengths)
+    start = torch.tensor(starts, dtype=torch.long, device=device)
+    length = torch.tensor(lengths, dtype=torch.long, device=device)
+    shift = torch.repeat_interleave(start - (length.cumsum(0) - length), length, output_size=total)
+    return shift + torch.arange(total, device=device)
+
+
 def swiglu_experts(x_sorted: torch.Tensor, counts: list[int], w_gate_up: torch.Tensor, w_down: torch.Tensor,
-                   grouped: bool | None = None):
+                   grouped: bool | None = None, align: int | None = None):
     """Apply expert e to its contiguous run of `counts[e]` rows of `x_sorted`.
 
     One grouped GEMM per projection where `torch._grouped_mm` applies (`grouped=None` decides),
     otherwise one GEMM pair per expert; the two give identical results (tested bit for bit).
+    Groups are padded with zero rows to a multiple of `align` rows (default: 16 bytes of rows on
+    CUDA, whose weight-gradient grouped GEMM, grouped along the rows, needs 16-byte-aligned group
+    offsets; none on the CPU): the padding rows are zeros, so the real rows' outputs and the
+    gradients are unchanged up to the kernel's summation order.
     """
     if grouped is None:
         grouped = grouped_gemm_applies(x_sorted, w_gate_up, w_down)
-    if grouped:
-        offsets = torch.tensor(counts, device=x_sorted.device).cumsum(0).to(torch.int32)
-        gate, up = torch._grouped_mm(x_sorted, w_gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
-        return torch._grouped_mm(F.silu(gate) * up, w_down.transpose(1, 2), offs=offsets)
+    if not grouped:
+        return _expert_loop(x_sorted, counts, w_gate_up, w_down)
+    align = align or (16 // x_sorted.element_size() if x_sorted.is_cuda else 1)
+    if align == 1:
+        return _grouped_swiglu(x_sorted, counts, w_gate_up, w_down)
+    padded = [-(-count // align) * align for count in counts]
+    starts = [sum(padded[:e]) for e in range(len(padded))]
+    rows = row_ranges(starts, counts, x_sorted.device)  # where each real row sits among the padded ones
+    x_padded = x_sorted.new_zeros((sum(padded), x_sorted.shape[1])).index_copy(0, rows, x_sorted)
+    return _grouped_swiglu(x_padded, padded, w_gate_up, w_down)[rows]
+
+
+def _grouped_swiglu(x_sorted, counts: list[int], w_gate_up, w_down) -> torch.Tensor:
+    offsets = torch.tensor(counts, device=x_sorted.device).cumsum(0).to(torch.int32)
+    gate, up = torch._grouped_mm(x_sorted, w_gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
+    return torch._grouped_mm(F.silu(gate) * up, w_down.transpose(1, 2), offs=offsets)
+
+
+def _expert_loop(x_sorted, counts: list[int], w_gate_up, w_down) -> torch.Tensor:
     outputs = []
     # unbind once: its backward stacks the per-expert gradients in one tensor, where indexing
     # w[expert] per expert would allocate a full-size zero gradient for every expert.

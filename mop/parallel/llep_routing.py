@@ -7,7 +7,7 @@ every rank derives, from the plan and the all-gathered `[Ep, E]` count matrix al
 sends to each rank, what it receives from each, and how the received rows group by expert.
 Everything is derived per segment (a run of rows of one expert from one source to one rank:
 O(Ep x (E + plan slices)) host integers, never one per token); the two row permutations are then
-expanded on the device from the segments' starts and lengths (`_ranges`: `repeat_interleave` +
+expanded on the device from the segments' starts and lengths (`row_ranges`: `repeat_interleave` +
 `arange`, no host synchronisation), so the host does no per-token work.
 Owners and helpers enumerate weight transfers in the plan's sorted order, so point-to-point
 messages between two ranks pair up without any handshake.
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from mop.models.moe import swiglu_experts
+from mop.models.moe import row_ranges, swiglu_experts
 from mop.parallel.llep_plan import Plan
 
 
@@ -87,20 +87,10 @@ def build_routing(plan: Plan, counts: list[list[int]], rank: int, foreign: list[
     rows_of = [0] * len(group)
     for expert, rows in arriving:
         rows_of[group[expert]] += rows
-    return Routing(_ranges([first for _, _, first, _ in sent], [rows for *_, rows in sent], device),
+    return Routing(row_ranges([first for _, _, first, _ in sent], [rows for *_, rows in sent], device),
                    send_splits, recv_splits,
-                   _ranges([starts[i] for i in grouped], [arriving[i][1] for i in grouped], device),
+                   row_ranges([starts[i] for i in grouped], [arriving[i][1] for i in grouped], device),
                    rows_of[:len(owned)], foreign, rows_of[len(owned):])
-
-
-def _ranges(starts: list[int], lengths: list[int], device) -> torch.Tensor:
-    """`cat([arange(s, s + n) for s, n in zip(starts, lengths)])`, expanded on `device` from the
-    per-segment integers (no per-row host work, no device-to-host synchronisation)."""
-    total = sum(lengths)
-    start = torch.tensor(starts, dtype=torch.long, device=device)
-    length = torch.tensor(lengths, dtype=torch.long, device=device)
-    shift = torch.repeat_interleave(start - (length.cumsum(0) - length), length, output_size=total)
-    return shift + torch.arange(total, device=device)
 
 
 @dataclass
