@@ -12,8 +12,8 @@ Per trained token (forward + backward = 3 x forward, multiply-add = 2 FLOPs):
 Activation-checkpointing recomputation, LLEP's extra chunk work and the vocabulary ring's
 recomputed logits are not model FLOPs: MFU is model FLOPs / step time / peak.
 
-Peak: bf16 dense tensor-core FLOP/s of the device, from its name (H100 / H200 SXM 989e12,
-A100 312e12); unknown devices give no MFU.
+Peak: bf16 dense tensor-core FLOP/s of the device, from its name (H100 / H200 SXM 989e12, their
+PCIe / NVL cards less, A100 312e12); unknown devices give no MFU.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ import torch
 
 from mop.models.config import ModelConfig
 
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+# bf16 dense peaks by device name, most specific first: the PCIe and NVL cards run lower clocks.
+PEAK_BF16_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H200 NVL": 835e12, "H100": 989e12, "H200": 989e12,
+                   "A100": 312e12}
 
 
 def matmul_params_per_token(cfg: ModelConfig) -> int:

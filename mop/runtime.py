@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from mop.config import Config, ConfigError, validate
 from mop.parallel.mesh import DistLayout, Layout, TorchrunEnv, device_for, init_distributed, set_rank_threads
@@ -51,11 +52,20 @@ def setup_runtime(config: Config) -> tuple[Config, Runtime]:
         config = validate(config, world=1)
         return config, Runtime(0, 1, pick_device(config, 0), None)
     env = TorchrunEnv.from_environ()
-    config = validate(config, world=env.world_size, local_world=env.local_world_size)
+    validate(config, world=env.world_size)  # a bad setting stops every rank before it joins
     device = pick_device(config, env.local_rank)
     if device.type == "cpu":
         set_rank_threads(env.local_world_size)
     init_distributed(device)
+    config = validate(config, world=env.world_size, local_world=smallest_node(env.local_world_size, device))
     p = config.parallel
     layout = DistLayout(Layout(env.world_size, p.sequence, p.expert, p.vocab), device)
     return config, Runtime(env.rank, env.world_size, device, layout)
+
+
+def smallest_node(local_world: int, device: torch.device) -> int:
+    """The fewest ranks any node runs: every rank must resolve the same automatic degrees, and
+    nodes may run different numbers of ranks."""
+    ranks = torch.tensor([local_world], device=device)
+    dist.all_reduce(ranks, op=dist.ReduceOp.MIN)
+    return int(ranks.item())

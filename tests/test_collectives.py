@@ -264,3 +264,13 @@ def test_deadlock_times_out():
 def test_unpicklable_fn_fails_in_the_caller():
     with pytest.raises((pickle.PicklingError, AttributeError)):
         run_distributed(lambda rank, world: None, 2)
+
+
+def _smallest_node(rank, world):
+    from mop.runtime import smallest_node
+
+    return smallest_node(local_world=4 - rank, device=torch.device("cpu"))  # nodes of unequal size
+
+
+def test_every_rank_resolves_degrees_from_the_smallest_node():
+    assert run_distributed(_smallest_node, 3) == [2, 2, 2]

@@ -60,9 +60,8 @@ def reference_experts():
     return experts
 
 
-def expert_rank(rank, world, ep, top_k, kind, mode, chunks=1):
-    device = rank_device()
-    layout = DistLayout(Layout(world, expert=ep), device)
+def expert_rank(layout, rank, world, top_k, kind, mode, chunks=1):
+    device = layout.device
     holder = _Holder(reference_experts().to(device))
     shard_experts(holder, layout, BalanceOptions(mode, gate=1.3, alpha=1.0, min_chunk=2, chunks=chunks), torch.float32)
     module = holder.layers[0].mlp.experts
@@ -115,7 +114,9 @@ def test_expert_parallel_matches_the_single_process_layer(world, ep, device):
 
 
 def _all_cases(rank, world, ep, cases):
-    return [expert_rank(rank, world, ep, *case) for case in cases]
+    # One layout for every case: each builds process groups (NCCL communicators on CUDA).
+    layout = DistLayout(Layout(world, expert=ep), rank_device())
+    return [expert_rank(layout, rank, world, *case) for case in cases]
 
 
 def test_routing_sends_every_row_once_and_groups_received_rows_by_expert():

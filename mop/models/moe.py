@@ -89,6 +89,11 @@ def grouped_gemm_applies(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch
     return x.shape[-1] % align == 0 and w_down.shape[-1] % align == 0
 
 
+# Rows per expert group on CUDA: 16 bytes of bf16 rows (and of fp32 ones), whatever dtype
+# autocast computes the grouped GEMM in.
+CUDA_GROUP_ROWS = 8
+
+
 def row_ranges(starts: list[int], lengths: list[int], device) -> torch.Tensor:
     """`cat([arange(s, s + n) for s, n in zip(starts, lengths)])`, expanded on `device` from the
     per-range integers (no per-row host work, no device-to-host synchronisation)."""
@@ -105,16 +110,16 @@ def swiglu_experts(x_sorted: torch.Tensor, counts: list[int], w_gate_up: torch.T
 
     One grouped GEMM per projection where `torch._grouped_mm` applies (`grouped=None` decides),
     otherwise one GEMM pair per expert; the two give identical results (tested bit for bit).
-    Groups are padded with zero rows to a multiple of `align` rows (default: 16 bytes of rows on
-    CUDA, whose weight-gradient grouped GEMM, grouped along the rows, needs 16-byte-aligned group
-    offsets; none on the CPU): the padding rows are zeros, so the real rows' outputs and the
+    Groups are padded with zero rows to a multiple of `align` rows (default on CUDA:
+    CUDA_GROUP_ROWS, whose weight-gradient grouped GEMM, grouped along the rows, needs group
+    offsets aligned to 16 bytes; none on the CPU): the padding rows are zeros, so the real rows' outputs and the
     gradients are unchanged up to the kernel's summation order.
     """
     if grouped is None:
         grouped = grouped_gemm_applies(x_sorted, w_gate_up, w_down)
     if not grouped:
         return _expert_loop(x_sorted, counts, w_gate_up, w_down)
-    align = align or (16 // x_sorted.element_size() if x_sorted.is_cuda else 1)
+    align = align or (CUDA_GROUP_ROWS if x_sorted.is_cuda else 1)
     if align == 1:
         return _grouped_swiglu(x_sorted, counts, w_gate_up, w_down)
     padded = [-(-count // align) * align for count in counts]

@@ -33,6 +33,7 @@ or compute no tokens.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -68,8 +69,8 @@ class BalanceOptions:
 @dataclass
 class LayerRoute:
     """One layer pass's routing, built once in its forward and reused by a checkpointed block's
-    recomputation. Its row permutations (`routing`, the chunked `job`) stay on the device until
-    the block's backward: about 16 bytes per token-expert assignment per layer."""
+    recomputation. Its row permutations (`routing`'s, or the chunked `job`'s) stay on the device
+    until the block's backward, offload or not: about 16 bytes per token-expert assignment per layer."""
 
     count_matrix: list[list[int]]
     loads: list[int]
@@ -162,8 +163,10 @@ class ExpertParallel(KeepsForwardOutputs, nn.Module):
         plan = self.options.plan(loads, self.ranks)
         routing = build_routing(plan, count_matrix, self.rank, device=device)
         exchange = self._exchange(plan, routing)
-        job = chunk_job(plan, self.options.chunks, count_matrix, self.rank, order, exchange, top_k) \
-            if self.options.chunks > 1 else None
+        job = None
+        if self.options.chunks > 1:
+            job = chunk_job(plan, self.options.chunks, count_matrix, self.rank, order, exchange, top_k)
+            routing = dataclasses.replace(routing, send_rows=None, compute_rows=None)  # the chunks carry their own
         return LayerRoute(count_matrix, loads, plan, routing, exchange, job)
 
     def _exchange(self, plan: Plan, routing: Routing) -> Exchange:
