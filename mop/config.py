@@ -114,6 +114,9 @@ class TrainConfig:
     parameter) of the fp32 masters in host memory; with torch AdamW weights and moments stay fp32."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0 disables clipping)."""
+    max_skipped_steps: int = 10
+    """A step whose gradients are not finite is skipped (the state is left as it was); after this many
+    consecutive skipped steps the run stops with an error, keeping its last good checkpoint."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """"auto" picks CUDA when available (one GPU per local rank), else the CPU."""
     activation_checkpointing: Literal["none", "full"] = "none"
@@ -320,7 +323,7 @@ def validate(config: Config, world: int | None = None, local_world: int | None =
     config = resolve(config, world, local_world)  # a negative degree stays, and the Layout names it
     p, t, d = config.parallel, config.train, config.data
     world = world or p.nproc
-    _positive(config, ["parallel.nproc", "parallel.attention_head_chunks", "parallel.llep_min_chunk",
+    _positive(config, ["parallel.nproc", "parallel.attention_head_chunks", "parallel.llep_min_chunk", "train.max_skipped_steps",
                        "parallel.llep_chunks", "data.seq_len",
                        "train.steps", "train.global_batch", "train.micro_batch", "checkpoint.keep"])
     _at_least_zero(config, ["train.seed", "train.grad_clip", "optim.lr", "optim.warmup_steps", "optim.weight_decay",

@@ -6,6 +6,7 @@ exit code 2.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import sys
 import uuid
@@ -30,6 +31,9 @@ def launch(config: Config) -> list[dict]:
     if not config.log.run_dir:
         # Rank 0 writes the run directory; fixing it here keeps it the one the user is told about.
         config = dataclasses.replace(config, log=dataclasses.replace(config.log, run_dir=str(resolve_run_dir(config))))
+    # The launcher's own log of a failed rank is a traceback of its process pool, not of the rank:
+    # a rank's user error is already one line (`worker`), and `mop.cli` names any other failure.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     results = elastic_launch(launch_config, worker)(config)
     return results[0]
 

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from mop import checkpoint
 from mop.build import TrainingRun, build_run
-from mop.config import Config
+from mop.config import Config, ConfigError
 from mop.flops import attended_keys, flops_per_token, peak_flops
 from mop.metrics import MetricsLogger, peak_memory_bytes, plot_run, reset_peak_memory
 from mop.models.transformer import IGNORE_INDEX, MoETransformer
@@ -232,6 +232,28 @@ def update(run: TrainingRun) -> dict:
     return {"grad_norm": grad_norm, "skipped": skipped, **rollback}
 
 
+class SkippedSteps:
+    """Steps skipped for non-finite gradients: counted in every record, bounded in a row."""
+
+    def __init__(self, limit: int):
+        self.limit, self.total, self.in_a_row, self.last = limit, 0, 0, None
+
+    def count(self, step: int, skipped: bool) -> dict:
+        self.total += skipped
+        self.in_a_row = self.in_a_row + 1 if skipped else 0
+        self.last = step if skipped else self.last
+        return {"skipped_steps": self.total, "skipped_in_a_row": self.in_a_row}
+
+    def check(self, checkpoints: Path) -> None:
+        """Stop the run (every rank alike: the norm is global) after `limit` skips in a row."""
+        if self.in_a_row >= self.limit:
+            kept = checkpoint.complete_checkpoints(checkpoints)
+            last_good = f"the last good checkpoint is {kept[-1]}" if kept else "no checkpoint was saved"
+            raise ConfigError("train.max_skipped_steps", f"{self.in_a_row} steps in a row had non-finite gradients "
+                              f"(the last at step {self.last}); {last_good}; lower optim.lr or raise "
+                              "train.max_skipped_steps")
+
+
 def utilisation(model_flops: float, seconds: float, runtime: Runtime) -> dict:
     """Model TFLOP/s per rank and, on a GPU of known peak, MFU (`mop.flops`)."""
     per_rank = model_flops / seconds / runtime.world
@@ -268,6 +290,7 @@ def _train(config: Config, runtime: Runtime) -> list[dict]:
     tokens_per_step = config.train.global_batch * config.data.seq_len
     progress = StepProgress(run.model.layers, first_step, config.train.steps, run.micro_batches_per_step(),
                             enabled=runtime.is_main and config.log.progress)
+    skips = SkippedSteps(config.train.max_skipped_steps)
     for step in range(first_step, config.train.steps):
         reset_peak_memory(runtime.device, run.offload_store)
         start = time.perf_counter()
@@ -281,11 +304,16 @@ def _train(config: Config, runtime: Runtime) -> list[dict]:
                   **utilisation(losses["model_flops"], elapsed, runtime),
                   **step_memory(runtime, run.offload_store), **state_memory,
                   **expert_metrics(run.model, runtime, config.parallel.expert)}
+        record.update(skips.count(step, outcome["skipped"]))
         records.append(record)
-        progress.step_done(step, loss=f"{losses['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+        progress.step_done(step, loss=f"{losses['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                           **({"skipped": record["skipped_steps"]} if record["skipped_steps"] else {}))
         if logger is not None:
             logger.log(record)
+        skips.check(checkpoint.checkpoint_dir(config, run_dir))
         done = step + 1
+        if outcome["skipped"]:
+            continue  # a skipped step changed nothing: no checkpoint rotates out a good one for it
         if config.checkpoint.every and (done % config.checkpoint.every == 0 or done == config.train.steps):
             checkpoint.save(checkpoint.checkpoint_dir(config, run_dir), done, run.model, run.optimizer, run.host,
                             run.views, run.data.stream.state_dict(), config, config.checkpoint.keep)
@@ -296,6 +324,8 @@ def _train(config: Config, runtime: Runtime) -> list[dict]:
         logger.close()
         if config.log.plot:
             plot_run(logger.path, run_dir / "loss.png")
+        if records and skips.total:
+            print(f"mop: {skips.total} step(s) skipped for non-finite gradients")
         if records:
             per_param = ", ".join(f"{kind} {state_memory[f'device_bytes_per_param_{kind}']:g}"
                                   for kind in ("weights", "gradients", "optimizer"))

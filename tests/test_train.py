@@ -208,3 +208,21 @@ def test_the_progress_bar_moves_within_a_step():
     progress.step_done(4, loss="1.0")
     assert progress.bar.n == 5
     progress.close()
+
+
+@pytest.mark.parametrize("layout", [[], ["--parallel.strategy=mop", "--parallel.nproc=2"]])
+def test_non_finite_steps_are_counted_and_stop_the_run_keeping_the_last_good_checkpoint(tmp_path, capfd, layout):
+    """lr 1e30: step 0 is finite and its update makes every later gradient non-finite."""
+    run_dir = tmp_path / "nan"
+    code = main(["train", *TINY, "--train.steps=10", "--optim.lr=1e30", "--optim.warmup_steps=0",
+                 "--checkpoint.every=1", "--train.max_skipped_steps=3", f"--log.run_dir={run_dir}", *layout])
+    assert code == 2
+    err = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith("mop: error: train.max_skipped_steps: 3 steps in a row"), err
+    assert "step_1" in err[0]
+    records = read_metrics(run_dir / "metrics.jsonl")
+    assert [(r["skipped"], r["skipped_steps"]) for r in records] == [(False, 0), (True, 1), (True, 2), (True, 3)]
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_1"]  # no checkpoint of a skipped step
+    resumed = main(["train", *TINY, "--train.steps=2", f"--log.run_dir={tmp_path / 'again'}",
+                    f"--checkpoint.resume={run_dir / 'checkpoints/step_1'}"])
+    assert resumed == 0  # the last good checkpoint is intact
