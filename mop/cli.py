@@ -15,9 +15,9 @@ import typing
 
 from mop.bench import BENCHMARKS
 from mop.config import Config, field_docs, load_config, sections
-from mop.launch import USER_ERRORS, launch
+from mop.launch import NOTHING_TO_TRAIN, USER_ERRORS, launch
 from mop.runtime import under_torchrun
-from mop.train import train
+from mop.train import NothingToTrain, train
 
 
 def config_reference() -> str:
@@ -113,10 +113,13 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as err:
         print(f"mop: error: {err}", file=sys.stderr)
         return 2
+    except NothingToTrain as done:
+        print(f"mop: {done}", file=sys.stderr)
+        return NOTHING_TO_TRAIN
     except ChildFailedError as err:
         codes = {failure.exitcode for failure in err.failures.values()}
-        if codes == {2}:
-            return 2  # a user error, already printed by rank 0
+        if codes in ({2}, {NOTHING_TO_TRAIN}):
+            return codes.pop()  # a user error or a finished run, already said by rank 0
         print(f"mop: error: {launch_failure(err.failures)}", file=sys.stderr)
         return 1
     return 0

@@ -16,9 +16,10 @@ from mop.data import DataError
 from mop.models.hf import HFConversionError
 from mop.parallel.mesh import LayoutError
 from mop.run_dir import resolve_run_dir
-from mop.train import train
+from mop.train import NothingToTrain, train
 
 USER_ERRORS = (ConfigError, DataError, HFConversionError, LayoutError, NotImplementedError)
+NOTHING_TO_TRAIN = 3  # the exit code of a resume with no step left to run
 
 
 def launch(config: Config) -> list[dict]:
@@ -46,3 +47,7 @@ def worker(config: Config) -> list[dict]:
         if os.environ.get("RANK", "0") == "0":
             print(f"mop: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+    except NothingToTrain as done:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"mop: {done}", file=sys.stderr)
+        raise SystemExit(NOTHING_TO_TRAIN) from None

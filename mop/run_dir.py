@@ -1,7 +1,7 @@
 """The run directory: where metrics, TensorBoard files, plots and (by default) checkpoints go.
 
-Rank 0 chooses it (`log.run_dir`, or `runs/<UTC time>`) and refuses another run's directory
-unless told to overwrite it or to resume; every rank learns rank 0's answer (or its error).
+Rank 0 chooses it (`log.run_dir`, or `runs/<UTC time>`) and never mixes two runs in it (see
+`resolve_run_dir`); every rank learns rank 0's answer (or its error).
 """
 
 from __future__ import annotations
@@ -11,18 +11,46 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from mop import checkpoint
 from mop.config import Config, ConfigError
 from mop.runtime import Runtime
 
 
 def resolve_run_dir(config: Config) -> Path:
-    """The run directory, refusing to overwrite another run's metrics unless log.overwrite is set
-    (or the run resumes from a checkpoint: its metrics continue)."""
+    """The run directory, which never mixes two runs.
+
+    A directory holding another run (metrics or complete checkpoints) is refused, unless
+    `log.overwrite` is set, when that run's files (and its checkpoints, wherever `checkpoint.dir`
+    puts them) are moved aside, never deleted; or unless the run resumes: resuming this
+    directory's own checkpoint continues its metrics, and a resume that finds no checkpoint of this
+    directory (or resumes another directory's) moves this directory's earlier files aside first.
+    """
     run_dir = Path(config.log.run_dir or Path("runs") / datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S"))
-    if (run_dir / "metrics.jsonl").exists() and not (config.log.overwrite or config.checkpoint.resume):
+    checkpoints = checkpoint.checkpoint_dir(config, run_dir)
+    held = (run_dir / "metrics.jsonl").exists() or bool(checkpoint.complete_checkpoints(checkpoints))
+    if not held:
+        return run_dir
+    resume = config.checkpoint.resume
+    if not (config.log.overwrite or resume):
         raise ConfigError("log.run_dir", f"{run_dir} already holds a run; choose another directory, pass "
-                          "--log.overwrite=true, or resume it with --checkpoint.resume=latest")
+                          "--log.overwrite=true (the old run is moved aside), or resume it with "
+                          "--checkpoint.resume=latest")
+    resumed = checkpoint.resolve_resume(config, run_dir) if resume else None
+    if resumed is None or resumed.parent.resolve() != checkpoints.resolve():
+        aside = _move_aside(run_dir, checkpoints)
+        print(f"mop: the earlier run in {run_dir} was moved to {aside}")
     return run_dir
+
+
+def _move_aside(run_dir: Path, checkpoints: Path) -> Path:
+    """Rename the run directory (and a checkpoint directory outside it) to `<name>.replaced-<UTC time>`."""
+    suffix = ".replaced-" + datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S-%f")
+    if checkpoints.exists() and not checkpoints.resolve().is_relative_to(run_dir.resolve()):
+        checkpoints.rename(checkpoints.with_name(checkpoints.name + suffix))
+    aside = run_dir.with_name(run_dir.name + suffix)
+    if run_dir.exists():
+        run_dir.rename(aside)
+    return aside
 
 
 def shared_run_dir(config: Config, runtime: Runtime) -> Path:

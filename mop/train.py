@@ -18,6 +18,8 @@ torchrun or by `mop.launch`; each joins the others in `mop.runtime`.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import time
 from contextlib import nullcontext
@@ -232,6 +234,22 @@ def update(run: TrainingRun) -> dict:
     return {"grad_norm": grad_norm, "skipped": skipped, **rollback}
 
 
+class NothingToTrain(Exception):
+    """A resume whose checkpoint already reached `train.steps` (exit code 3: not an error, no work)."""
+
+
+def announce(config: Config, runtime: Runtime, run_dir: Path) -> None:
+    """Write the resolved configuration (every default filled in, the layout chosen) to the run
+    directory as `config.json`, and say in one line what runs."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=1))
+    p = config.parallel
+    layout = f"D={p.sequence} Ep={p.expert} P={p.vocab}" if p.strategy != "reference" else "one process"
+    print(f"mop: {p.strategy} on {runtime.world} rank(s) ({layout}, {runtime.device.type}), {config.train.dtype}, "
+          f"{'host' if config.optim.offload else 'torch'} AdamW, {config.train.steps} steps of "
+          f"{config.train.global_batch} x {config.data.seq_len} tokens; resolved settings in {run_dir / 'config.json'}")
+
+
 class SkippedSteps:
     """Steps skipped for non-finite gradients: counted in every record, bounded in a row."""
 
@@ -284,6 +302,11 @@ def _train(config: Config, runtime: Runtime) -> list[dict]:
     run = build_run(config, runtime)
     state_memory = worst_rank_state(run)
     first_step = resume(run, run_dir)
+    if first_step >= config.train.steps:
+        raise NothingToTrain(f"the checkpoint resumed is at step {first_step} and train.steps is {config.train.steps}: "
+                             f"nothing left to train; raise --train.steps to continue")
+    if runtime.is_main:
+        announce(config, runtime, run_dir)
 
     logger = MetricsLogger(run_dir, config.log.tensorboard, first_step) if runtime.is_main else None
     records = []

@@ -4,6 +4,7 @@ Runs go through the real command line (in-process `main`, or torchrun in a subpr
 launcher, the config validation, the data split, metrics and plots are all exercised.
 """
 
+import json
 import signal
 import subprocess
 import sys
@@ -226,3 +227,52 @@ def test_non_finite_steps_are_counted_and_stop_the_run_keeping_the_last_good_che
     resumed = main(["train", *TINY, "--train.steps=2", f"--log.run_dir={tmp_path / 'again'}",
                     f"--checkpoint.resume={run_dir / 'checkpoints/step_1'}"])
     assert resumed == 0  # the last good checkpoint is intact
+
+
+def test_overwriting_a_run_moves_the_old_one_aside_whole(tmp_path, capsys):
+    """The old run's metrics and checkpoints go aside together: the new run's checkpoints are not
+    pruned against the old ones, and resuming continues the new run."""
+    run_dir = tmp_path / "run"
+    keep = ["--checkpoint.every=1", "--checkpoint.keep=2", f"--log.run_dir={run_dir}"]
+    assert main(["train", *TINY, "--train.steps=4", *keep]) == 0
+    old_metrics = (run_dir / "metrics.jsonl").read_text()
+    assert main(["train", *TINY, "--train.steps=2", "--optim.lr=1e-4", "--log.overwrite=true", *keep]) == 0
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("run.replaced-")]
+    assert len(aside) == 1 and (aside[0] / "metrics.jsonl").read_text() == old_metrics
+    assert sorted(p.name for p in (aside[0] / "checkpoints").iterdir()) == ["step_3", "step_4"]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_1", "step_2"]
+    assert f"moved to {aside[0]}" in capsys.readouterr().out
+    assert main(["train", *TINY, "--train.steps=3", "--optim.lr=1e-4", "--checkpoint.resume=latest", *keep]) == 0
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [0, 1, 2]  # the new run, continued
+
+
+def test_a_resume_without_a_checkpoint_never_truncates_the_earlier_metrics(tmp_path):
+    run_dir = tmp_path / "run"
+    assert main(["train", *TINY, "--train.steps=2", f"--log.run_dir={run_dir}"]) == 0  # no checkpoint saved
+    earlier = (run_dir / "metrics.jsonl").read_text()
+    assert main(["train", *TINY, "--train.steps=1", "--checkpoint.resume=latest", f"--log.run_dir={run_dir}"]) == 0
+    (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("run.replaced-")]
+    assert (aside / "metrics.jsonl").read_text() == earlier
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [0]
+
+
+def test_a_resume_with_nothing_left_to_train_says_so_with_its_own_exit_code(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert main(["train", *TINY, "--train.steps=2", "--checkpoint.every=2", f"--log.run_dir={run_dir}"]) == 0
+    before = (run_dir / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    assert main(["train", *TINY, "--train.steps=2", "--checkpoint.resume=latest", f"--log.run_dir={run_dir}"]) == 3
+    err = capsys.readouterr().err.strip()
+    assert "nothing left to train" in err and "train.steps" in err and "\n" not in err
+    assert (run_dir / "metrics.jsonl").read_text() == before
+
+
+def test_the_resolved_settings_are_written_and_announced(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert main(["train", *TINY_RUN, "--train.steps=1", "--parallel.nproc=2", f"--log.run_dir={run_dir}"]) == 0
+    settings = json.loads((run_dir / "config.json").read_text())
+    assert settings["parallel"]["sequence"] == 2 and settings["optim"]["offload"] is True  # automatic values resolved
+    capsys.readouterr()
+    assert main(["train", *TINY, "--train.steps=1", f"--log.run_dir={tmp_path / 'ref'}"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("mop: reference on 1 rank(s) (one process, cpu), float32") and "config.json" in first
