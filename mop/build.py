@@ -159,7 +159,8 @@ def _host_optimizer_bytes(host: HostAdamW) -> int:
 def build_run(config: Config, runtime: Runtime) -> TrainingRun:
     """Data, model shards, optimizer and gradient feed of one rank (see the module docstring)."""
     d = config.data
-    data = build_data(d.source, d.tokenizer, d.seq_len, config.train.seed, text_field=d.text_field, bin_dtype=d.bin_dtype)
+    data = build_data(d.source, d.tokenizer, d.seq_len, config.train.seed, text_field=d.text_field, bin_dtype=d.bin_dtype,
+                      eos_token=d.eos_token or None)
     if data.tokenizer.vocab_size > config.model.vocab_size:
         raise ConfigError("model.vocab_size", f"{config.model.vocab_size} is smaller than the tokenizer's "
                           f"{data.tokenizer.vocab_size} ids; set --model.vocab_size={data.tokenizer.vocab_size} or more")

@@ -96,6 +96,9 @@ class DataConfig:
     """Field of a .jsonl object / column of a .parquet file holding the document text."""
     bin_dtype: Literal["uint16", "uint32"] = "uint16"
     """Element type of pre-tokenised .bin token files."""
+    eos_token: str = ""
+    """The document separator of a Hugging Face tokenizer ("" : its tokenizer_config.json's eos_token,
+    else a conventional end-of-text token it defines)."""
 
 
 @dataclass
@@ -149,7 +152,9 @@ class OptimConfig:
 @dataclass
 class CheckpointConfig:
     every: int = 0
-    """Save a checkpoint every this many steps (0: never)."""
+    """Save a checkpoint every this many steps (0: only the final one, see `final`)."""
+    final: bool = True
+    """Save a checkpoint after the last step (so every finished run can be resumed or exported)."""
     keep: int = 3
     """Keep the newest this many checkpoints."""
     dir: str = ""

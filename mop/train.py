@@ -337,7 +337,8 @@ def _train(config: Config, runtime: Runtime) -> list[dict]:
         done = step + 1
         if outcome["skipped"]:
             continue  # a skipped step changed nothing: no checkpoint rotates out a good one for it
-        if config.checkpoint.every and (done % config.checkpoint.every == 0 or done == config.train.steps):
+        every, last = config.checkpoint.every, done == config.train.steps
+        if (every and done % every == 0) or (last and (every or config.checkpoint.final)):
             checkpoint.save(checkpoint.checkpoint_dir(config, run_dir), done, run.model, run.optimizer, run.host,
                             run.views, run.data.stream.state_dict(), config, config.checkpoint.keep)
     progress.close()

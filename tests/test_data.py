@@ -73,7 +73,7 @@ def test_hf_tokenizer_eos_sources(tmp_path):
 
 def test_hf_tokenizer_without_eos_is_an_error(tmp_path):
     path = _train_bpe(tmp_path / "tokenizer.json", special=("<unk>",))
-    with pytest.raises(DataError, match="eos_token="):
+    with pytest.raises(DataError, match="set --data.eos_token to its document separator"):
         load_tokenizer(str(path))
 
 

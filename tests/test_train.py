@@ -248,7 +248,7 @@ def test_overwriting_a_run_moves_the_old_one_aside_whole(tmp_path, capsys):
 
 def test_a_resume_without_a_checkpoint_never_truncates_the_earlier_metrics(tmp_path):
     run_dir = tmp_path / "run"
-    assert main(["train", *TINY, "--train.steps=2", f"--log.run_dir={run_dir}"]) == 0  # no checkpoint saved
+    assert main(["train", *TINY, "--train.steps=2", "--checkpoint.final=false", f"--log.run_dir={run_dir}"]) == 0
     earlier = (run_dir / "metrics.jsonl").read_text()
     assert main(["train", *TINY, "--train.steps=1", "--checkpoint.resume=latest", f"--log.run_dir={run_dir}"]) == 0
     (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("run.replaced-")]
@@ -258,7 +258,7 @@ def test_a_resume_without_a_checkpoint_never_truncates_the_earlier_metrics(tmp_p
 
 def test_a_resume_with_nothing_left_to_train_says_so_with_its_own_exit_code(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    assert main(["train", *TINY, "--train.steps=2", "--checkpoint.every=2", f"--log.run_dir={run_dir}"]) == 0
+    assert main(["train", *TINY, "--train.steps=2", f"--log.run_dir={run_dir}"]) == 0  # the final checkpoint
     before = (run_dir / "metrics.jsonl").read_text()
     capsys.readouterr()
     assert main(["train", *TINY, "--train.steps=2", "--checkpoint.resume=latest", f"--log.run_dir={run_dir}"]) == 3
@@ -276,3 +276,14 @@ def test_the_resolved_settings_are_written_and_announced(tmp_path, capsys):
     assert main(["train", *TINY, "--train.steps=1", f"--log.run_dir={tmp_path / 'ref'}"]) == 0
     first = capsys.readouterr().out.splitlines()[0]
     assert first.startswith("mop: reference on 1 rank(s) (one process, cpu), float32") and "config.json" in first
+
+
+def test_the_eos_message_names_a_setting_that_exists_and_the_setting_works(tmp_path, capsys):
+    from test_data import _train_bpe
+
+    path = _train_bpe(tmp_path / "tokenizer.json", special=("<unk>", "<sep>"))
+    args = ["train", *TINY, f"--data.tokenizer={path}", "--model.vocab_size=512", "--train.steps=1"]
+    assert main([*args, f"--log.run_dir={tmp_path / 'a'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--data.eos_token" in err and "\n" not in err
+    assert main([*args, "--data.eos_token=<sep>", f"--log.run_dir={tmp_path / 'b'}"]) == 0

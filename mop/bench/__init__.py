@@ -1,9 +1,26 @@
 """Benchmark programs, run as `mop bench NAME`: each prints a table and writes JSON.
 
 A benchmark module provides `add_arguments(parser)`, `run(args) -> dict` and
-`report(args, results)`; every comparison is against a baseline measured in the same run.
+`report(args, results)`; every comparison is against a baseline measured in the same run. A
+module is imported only when its benchmark is asked for (`load`), so `mop --help` and training
+never pay for the benchmarks' imports.
 """
 
-from mop.bench import attention, build, context, e2e, gpu, moe, optimizer, vocab
+import importlib
 
-BENCHMARKS = {"attention": attention, "build": build, "context": context, "e2e": e2e, "gpu": gpu, "moe": moe, "optimizer": optimizer, "vocab": vocab}
+# name -> one line for `mop bench --help`
+BENCHMARKS = {
+    "attention": "per-rank activation memory and time of the dense path against sequence length",
+    "build": "the resident memory of building a real preset's model: shards only against the full model first",
+    "context": "`mop train` at long packed-document context, and plain FSDP2 on Hugging Face's model",
+    "e2e": "training throughput and per-rank memory of mop and of the best fsdp2 setup, against context",
+    "gpu": "on a GPU machine, the CUDA test tier and a short bf16 training of a real-shaped model",
+    "moe": "the expert layer under skewed routing for EP, LLEP and chunked LLEP",
+    "optimizer": "the host optimizer's update throughput and how much of it the step exposes",
+    "vocab": "the output projection + loss, per rank, for three ways of computing it",
+}
+
+
+def load(name: str):
+    """The module of benchmark `name`."""
+    return importlib.import_module(f"mop.bench.{name}")

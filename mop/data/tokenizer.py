@@ -77,8 +77,8 @@ class HFTokenizer:
         if eos_token is not None:
             if eos_token not in vocab:
                 raise DataError(
-                    f"data.tokenizer: eos token {eos_token!r} is not in the vocabulary of "
-                    f"{path}; pass an eos token that the tokenizer defines"
+                    f"data.eos_token: {eos_token!r} is not in the vocabulary of {path}; set "
+                    "--data.eos_token to the document separator this tokenizer defines"
                 )
             self.eos_id = vocab[eos_token]
         else:
@@ -86,7 +86,7 @@ class HFTokenizer:
             if not found:
                 raise DataError(
                     f"data.tokenizer: {path} has none of the end-of-text tokens "
-                    f"{', '.join(EOS_CANDIDATES)}; pass eos_token= naming its document separator"
+                    f"{', '.join(EOS_CANDIDATES)}; set --data.eos_token to its document separator"
                 )
             self.eos_id = vocab[found[0]]
         self.bos_id = self._special(vocab, config.get("bos_token"), BOS_CANDIDATES)

@@ -39,16 +39,23 @@ as the dense mask `causal & same_document` would say (the tests' oracle).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cache, cached_property
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-try:
-    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
-except ImportError:  # torch < 2.10
-    _varlen_attn = None
+
+
+@cache
+def _varlen_kernel():
+    """torch's flash varlen attention, imported on first use on a GPU (importing it loads
+    torch._dynamo, about a second on every process otherwise); None on a torch without it."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # torch < 2.10
+        return None
+    return varlen_attn
 
 SHORT_DOCUMENT = 128  # documents shorter than this are packed with their neighbours...
 PACK_TOKENS = 256  # ...into groups of at most this many tokens, one masked SDPA call each
@@ -156,7 +163,7 @@ def varlen_dtype(q: torch.Tensor) -> torch.dtype | None:
     """The dtype flash varlen attention runs `q` in, or None where it does not apply: the dtype SDPA
     would compute in (autocast's, when autocast is on, as it is for the reference's fp32 weights)
     must be bf16/fp16, the GPU Ampere or newer and the head dim a multiple of 8 up to 256."""
-    if not q.is_cuda or _varlen_attn is None:
+    if not q.is_cuda or _varlen_kernel() is None:
         return None
     dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else q.dtype
     head_dim = q.shape[-1]
@@ -191,7 +198,7 @@ def _segments(q, k, v, documents: Documents, gqa: bool) -> torch.Tensor:
 def _varlen(q, k, v, documents: Documents, gqa: bool) -> torch.Tensor:
     stream = [t.reshape(-1, *t.shape[2:]) for t in (q, k, v)]
     cu, longest = documents.cu_seqlens, documents.max_length
-    out = _varlen_attn(*stream, cu, cu, longest, longest, window_size=(-1, 0), enable_gqa=gqa)
+    out = _varlen_kernel()(*stream, cu, cu, longest, longest, window_size=(-1, 0), enable_gqa=gqa)
     return out.view(q.shape)
 
 
