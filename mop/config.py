@@ -177,7 +177,9 @@ class LogConfig:
     plot: bool = True
     """Write loss.png (loss and throughput curves) into run_dir at the end."""
     progress: bool = True
-    """Show a progress bar on rank 0."""
+    """Show progress on rank 0: a bar on a terminal, else a plain line every log.progress_every steps."""
+    progress_every: int = 10
+    """Steps between the plain progress lines written when stderr is not a terminal."""
 
 
 @dataclass
@@ -328,7 +330,7 @@ def validate(config: Config, world: int | None = None, local_world: int | None =
     config = resolve(config, world, local_world)  # a negative degree stays, and the Layout names it
     p, t, d = config.parallel, config.train, config.data
     world = world or p.nproc
-    _positive(config, ["parallel.nproc", "parallel.attention_head_chunks", "parallel.llep_min_chunk", "train.max_skipped_steps",
+    _positive(config, ["parallel.nproc", "parallel.attention_head_chunks", "parallel.llep_min_chunk", "train.max_skipped_steps", "log.progress_every",
                        "parallel.llep_chunks", "data.seq_len",
                        "train.steps", "train.global_batch", "train.micro_batch", "checkpoint.keep"])
     _at_least_zero(config, ["train.seed", "train.grad_clip", "optim.lr", "optim.warmup_steps", "optim.weight_decay",

@@ -5,23 +5,33 @@ and one per block backward of each micro-batch (2 x layers x micro-batches parts
 on every block marks its forward done and hooks the block's output, whose gradient marks the
 backward reaching the block. tqdm turns that into a rate and an ETA. The hooks only count; at the
 end of each step the bar is set to the exact step count and shows the step's loss.
+
+It writes to stderr. When stderr is not a terminal (a Slurm log, a redirect), a redrawn bar would
+be one endless line: there is no bar then, and every `every` steps (and at the last) one plain
+line says the step, its values, the elapsed time and the estimated time left.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 
 from torch import nn
 from tqdm import tqdm
 
 
 class StepProgress:
-    def __init__(self, blocks: nn.ModuleList, first_step: int, steps: int, micro_batches: int, enabled: bool):
-        self.bar = tqdm(total=steps, initial=first_step, disable=not enabled, file=sys.stdout, dynamic_ncols=True,
-                        bar_format="{percentage:3.0f}%|{bar}| step {n:.2f}/{total} "
-                                   "[{elapsed}<{remaining}{postfix}]")
+    def __init__(self, blocks: nn.ModuleList, first_step: int, steps: int, micro_batches: int, enabled: bool,
+                 every: int = 10, stream=None):
+        stream = stream or sys.stderr
+        self.lines = enabled and not stream.isatty()  # plain lines instead of a bar
+        self.stream, self.every, self.first, self.steps = stream, every, first_step, steps
+        self.start = time.perf_counter()
+        self.bar = tqdm(total=steps, initial=first_step, disable=not enabled or self.lines, file=stream,
+                        dynamic_ncols=True, bar_format="{percentage:3.0f}%|{bar}| step {n:.2f}/{total} "
+                                                       "[{elapsed}<{remaining}{postfix}]")
         self.part = 1.0 / (2 * len(blocks) * micro_batches)
-        if enabled:
+        if enabled and not self.lines:
             for block in blocks:
                 block.register_forward_hook(self._forward_done)
 
@@ -37,6 +47,13 @@ class StepProgress:
     def step_done(self, step: int, **postfix) -> None:
         self.bar.n = step + 1
         self.bar.set_postfix(postfix, refresh=True)
+        done = step + 1
+        if self.lines and (done % self.every == 0 or done == self.steps):
+            elapsed = time.perf_counter() - self.start
+            left = elapsed / (done - self.first) * (self.steps - done)
+            values = " ".join(f"{key}={value}" for key, value in postfix.items())
+            print(f"step {done}/{self.steps} {values} elapsed {elapsed:.0f} s, about {left:.0f} s left",
+                  file=self.stream, flush=True)
 
     def close(self) -> None:
         self.bar.close()

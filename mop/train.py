@@ -312,7 +312,7 @@ def _train(config: Config, runtime: Runtime) -> list[dict]:
     records = []
     tokens_per_step = config.train.global_batch * config.data.seq_len
     progress = StepProgress(run.model.layers, first_step, config.train.steps, run.micro_batches_per_step(),
-                            enabled=runtime.is_main and config.log.progress)
+                            enabled=runtime.is_main and config.log.progress, every=config.log.progress_every)
     skips = SkippedSteps(config.train.max_skipped_steps)
     for step in range(first_step, config.train.steps):
         reset_peak_memory(runtime.device, run.offload_store)

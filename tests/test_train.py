@@ -4,6 +4,7 @@ Runs go through the real command line (in-process `main`, or torchrun in a subpr
 launcher, the config validation, the data split, metrics and plots are all exercised.
 """
 
+import io
 import json
 import signal
 import subprocess
@@ -200,7 +201,7 @@ def test_the_progress_bar_moves_within_a_step():
     """Each block's forward and backward of each micro-batch is an equal part of the step."""
     model = build_model(ModelConfig(vocab_size=97, hidden=16, layers=3, heads=2, kv_heads=1, head_dim=8, experts=4,
                                     expert_intermediate=8), seed=0)
-    progress = StepProgress(model.layers, first_step=4, steps=10, micro_batches=2, enabled=True)
+    progress = StepProgress(model.layers, first_step=4, steps=10, micro_batches=2, enabled=True, stream=Terminal())
     ids = torch.randint(0, 97, (1, 8))
     loss = model(ids, ids)
     assert progress.bar.n == pytest.approx(4.25)  # 3 of the step's 12 parts: the first micro-batch's forward
@@ -209,6 +210,27 @@ def test_the_progress_bar_moves_within_a_step():
     progress.step_done(4, loss="1.0")
     assert progress.bar.n == 5
     progress.close()
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_without_a_terminal_progress_is_a_plain_line_every_n_steps():
+    """A Slurm log gets one short line per `every` steps (and the last), never a redrawn bar."""
+    model = build_model(ModelConfig(vocab_size=97, hidden=16, layers=2, heads=2, kv_heads=1, head_dim=8, experts=4,
+                                    expert_intermediate=8), seed=0)
+    log = io.StringIO()
+    progress = StepProgress(model.layers, first_step=0, steps=7, micro_batches=1, enabled=True, every=3, stream=log)
+    for step in range(7):
+        model(torch.randint(0, 97, (1, 8)), torch.randint(0, 97, (1, 8))).backward()
+        progress.step_done(step, loss=f"{step}.0")
+    progress.close()
+    lines = log.getvalue().splitlines()
+    assert [line.split()[1] for line in lines] == ["3/7", "6/7", "7/7"]
+    assert lines[0].startswith("step 3/7 loss=2.0 elapsed") and lines[-1].endswith("about 0 s left")
+    assert "\r" not in log.getvalue()
 
 
 @pytest.mark.parametrize("layout", [[], ["--parallel.strategy=mop", "--parallel.nproc=2"]])
