@@ -29,7 +29,7 @@ def resolve_run_dir(config: Config) -> Path:
     checkpoints = checkpoint.checkpoint_dir(config, run_dir)
     held = (run_dir / "metrics.jsonl").exists() or bool(checkpoint.complete_checkpoints(checkpoints))
     if not held:
-        return run_dir
+        return writable(run_dir, "log.run_dir", checkpoints)
     resume = config.checkpoint.resume
     if not (config.log.overwrite or resume):
         raise ConfigError("log.run_dir", f"{run_dir} already holds a run; choose another directory, pass "
@@ -39,6 +39,21 @@ def resolve_run_dir(config: Config) -> Path:
     if resumed is None or resumed.parent.resolve() != checkpoints.resolve():
         aside = _move_aside(run_dir, checkpoints)
         print(f"mop: the earlier run in {run_dir} was moved to {aside}")
+    return writable(run_dir, "log.run_dir", checkpoints)
+
+
+def writable(run_dir: Path, key: str, checkpoints: Path) -> Path:
+    """`run_dir`, once it and the checkpoint directory are known to be writable: checked before
+    training starts, not at the first save hours later."""
+    for directory, setting in ((run_dir, key), (checkpoints, "checkpoint.dir")):
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            probe = directory / ".mop-write-test"
+            probe.write_text("")
+            probe.unlink()
+        except OSError as err:
+            raise ConfigError(setting, f"{directory} cannot be written ({err.strerror or err}); "
+                              "choose a directory this user can create and write") from None
     return run_dir
 
 

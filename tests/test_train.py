@@ -309,3 +309,16 @@ def test_the_eos_message_names_a_setting_that_exists_and_the_setting_works(tmp_p
     err = capsys.readouterr().err.strip()
     assert "--data.eos_token" in err and "\n" not in err
     assert main([*args, "--data.eos_token=<sep>", f"--log.run_dir={tmp_path / 'b'}"]) == 0
+
+
+@pytest.mark.parametrize("setting", ["log.run_dir", "checkpoint.dir"])
+def test_an_unwritable_directory_is_refused_before_training(tmp_path, capsys, setting):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    target = {"log.run_dir": f"--log.run_dir={blocker / 'run'}",
+              "checkpoint.dir": f"--checkpoint.dir={blocker / 'ckpt'}"}[setting]
+    others = [] if setting == "log.run_dir" else [f"--log.run_dir={tmp_path / 'run'}"]
+    assert main(["train", *TINY, target, *others]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"mop: error: {setting}: ") and "cannot be written" in err and "\n" not in err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # nothing trained
