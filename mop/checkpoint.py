@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 
 from mop.config import Config, ConfigError
 from mop.models.hf import HFWeights
@@ -156,7 +157,17 @@ def resolve_resume(config: Config, run_dir: Path | None) -> Path | None:
 
 
 def read_meta(path: Path) -> dict:
-    return json.loads((path / META).read_text())
+    try:
+        return json.loads((path / META).read_text())
+    except (OSError, ValueError) as err:
+        raise damaged(path, err) from None
+
+
+def damaged(path: Path, err: BaseException) -> ConfigError:
+    """The one-line error for a checkpoint that cannot be read (corrupt, truncated, files missing)."""
+    reason = (str(err).strip().splitlines() or [type(err).__name__])[-1][:200]
+    return ConfigError("checkpoint.resume", f"{path} cannot be read ({reason}); it is damaged or incomplete: "
+                       "resume an earlier step_<N> of the same run, or start fresh")
 
 
 def check_compatible(meta: dict, config: Config, path: Path) -> None:
@@ -176,8 +187,11 @@ def load(path: Path, model, optimizer, host, views: GlobalViews, with_optimizer:
         _load_hf_weights(path, Path(meta["hf_weights"]), model, host, views)
         return meta
     state = _state(model, optimizer, host, views, with_optimizer=with_optimizer and meta["has_optimizer"])
-    with _quiet_if_single_process():
-        dcp.load(state, storage_reader=FileSystemReader(path), no_dist=not dist.is_initialized())
+    try:
+        with _quiet_if_single_process():
+            dcp.load(state, storage_reader=FileSystemReader(path), no_dist=not dist.is_initialized())
+    except (Exception, CheckpointException) as err:  # DCP's own exception is a BaseException
+        raise damaged(path, err) from None
     torch.set_rng_state(state["rng"]["cpu"])
     if host is not None:
         host.working_from_masters()

@@ -173,3 +173,22 @@ def test_resuming_a_checkpoint_of_another_model_names_the_setting(tmp_path, stra
                  f"--checkpoint.resume={step_4}"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("mop: error: model.hidden:") and "\n" not in err
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing", "metadata"])
+def test_a_damaged_checkpoint_is_one_line_naming_it(tmp_path, capsys, damage):
+    run_dir = tmp_path / "run"
+    assert main(["train", *TINY, "--train.steps=2", f"--log.run_dir={run_dir}"]) == 0
+    step = run_dir / "checkpoints/step_2"
+    files = sorted(step.glob("*.distcp"))
+    if damage == "truncated":
+        files[0].write_bytes(files[0].read_bytes()[:100])
+    elif damage == "missing":
+        files[0].unlink()
+    else:
+        (step / "mop.json").write_text("{not json")
+    capsys.readouterr()
+    assert main(["train", *TINY, "--train.steps=3", f"--log.run_dir={tmp_path / 'b'}",
+                 f"--checkpoint.resume={step}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"mop: error: checkpoint.resume: {step} cannot be read (") and "\n" not in err
