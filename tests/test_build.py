@@ -10,6 +10,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
 from mop import checkpoint
+from mop.bench.memory import ResidentGrowth
 from mop.build import build_model_shards, build_run
 from mop.config import ConfigError, load_config, validate
 from mop.models.transformer import build_model
@@ -31,20 +32,12 @@ def _runtime(rank, world, config) -> Runtime:
                                                               torch.device("cpu")))
 
 
-def _rss_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise AssertionError(f"no {field} in /proc/self/status")
-
-
 def _construction_growth(rank, world, args):
     config = validate(load_config(None, args), world)
     runtime = _runtime(rank, world, config)
-    Path("/proc/self/clear_refs").write_text("5")  # resets the peak resident size (VmHWM) to the current one
-    before = _rss_kib("VmRSS")
-    model, views = build_model_shards(config, runtime)
-    grown = (_rss_kib("VmHWM") - before) * 1024
+    with ResidentGrowth() as growth:
+        model, views = build_model_shards(config, runtime)
+    grown = growth.bytes
     full = sum(views.global_shape(p).numel() for p in model.parameters()) * 4
     local = sum(p.to_local().nbytes if isinstance(p, DTensor) else p.nbytes for p in model.parameters())
     return grown, full, local

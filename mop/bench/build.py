@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from mop.bench.memory import ResidentGrowth
 from mop.bench.report import table, write_json
 from mop.build import build_model_shards
 from mop.config import load_config, validate
@@ -39,26 +40,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/bench/build.json"))
 
 
-def _resident_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
 def _measure(rank: int, world: int, config_path: str, settings: list[str], path: str) -> dict:
     config = validate(load_config(config_path, settings), world)
     p = config.parallel
     layout = DistLayout(Layout(world, p.sequence, p.expert, p.vocab), torch.device("cpu"))
-    Path("/proc/self/clear_refs").write_text("5")  # the peak resident size restarts from the current one
-    before = _resident_kib("VmRSS")
-    if path == "mop":
-        model, _ = build_model_shards(config, Runtime(rank, world, layout.device, layout))
-    else:
-        model = parallelize(build_model(config.model, config.train.seed), layout, config)
-    grown = (_resident_kib("VmHWM") - before) * 1024
+    with ResidentGrowth() as growth:
+        if path == "mop":
+            model, _ = build_model_shards(config, Runtime(rank, world, layout.device, layout))
+        else:
+            model = parallelize(build_model(config.model, config.train.seed), layout, config)
     local = sum((q.to_local() if hasattr(q, "to_local") else q).nbytes for q in model.parameters())
-    return {"grown_bytes": grown, "local_parameter_bytes": local}
+    return {"grown_bytes": growth.bytes, "local_parameter_bytes": local}
 
 
 def run(args) -> dict:

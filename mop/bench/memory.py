@@ -16,6 +16,7 @@ from __future__ import annotations
 import gc
 import time
 import weakref
+from pathlib import Path
 from collections.abc import Callable
 
 import torch
@@ -112,3 +113,25 @@ def measure_step(step: Callable[[], None], repeats: int, exclude: Callable[[], i
     for _ in range(repeats):
         step()
     return {"peak_bytes": memory.peak_bytes, "seconds": (time.perf_counter() - start) / repeats}
+
+
+class ResidentGrowth:
+    """How much this process's peak resident size grows inside the block, in bytes (Linux): the peak
+    (VmHWM) is reset to the current size on entry (`/proc/self/clear_refs`), so an earlier peak of
+    the process does not count."""
+
+    def __enter__(self) -> "ResidentGrowth":
+        Path("/proc/self/clear_refs").write_text("5")
+        self._before = _status_kib("VmRSS")
+        self.bytes = 0
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bytes = (_status_kib("VmHWM") - self._before) * 1024
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
