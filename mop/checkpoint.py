@@ -89,7 +89,21 @@ def complete_checkpoints(directory: Path) -> list[Path]:
 
 def save(directory: Path, step: int, model, optimizer, host, views: GlobalViews, data_state: dict,
          config: Config, keep: int) -> Path:
-    """Write checkpoint `step_<step>` atomically (collective over all ranks) and prune to the newest `keep`."""
+    """Write checkpoint `step_<step>` atomically (collective over all ranks) and prune to the newest `keep`.
+
+    A file-system failure (read-only, full, permissions) is one line naming `checkpoint.dir`; the
+    complete checkpoints before it are untouched."""
+    try:
+        return _save(directory, step, model, optimizer, host, views, data_state, config, keep)
+    except (OSError, CheckpointException) as err:  # DCP's own exception is a BaseException
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[-1][:200]
+        raise ConfigError("checkpoint.dir", f"{directory} cannot be written ({reason}); the checkpoints before "
+                          f"step {step} are intact: free space or fix permissions, then resume with "
+                          "--checkpoint.resume=latest") from None
+
+
+def _save(directory: Path, step: int, model, optimizer, host, views: GlobalViews, data_state: dict,
+          config: Config, keep: int) -> Path:
     final = directory / f"step_{step}"
     partial = directory / f"step_{step}{PARTIAL}"
     main = not dist.is_initialized() or dist.get_rank() == 0

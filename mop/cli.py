@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import signal
+import os
 import sys
 import typing
 
 from mop.bench import BENCHMARKS
 from mop.bench import load as load_benchmark
 from mop.config import Config, field_docs, load_config, sections
-from mop.launch import NOTHING_TO_TRAIN, USER_ERRORS, launch
+from mop.faults import Stopped
+from mop.launch import NOTHING_TO_TRAIN, USER_ERRORS, failed_launch, launch
 from mop.runtime import under_torchrun
 from mop.train import NothingToTrain, train
 
@@ -74,18 +75,6 @@ def run_bench(args) -> None:
     module.report(args, module.run(args))
 
 
-def launch_failure(failures: dict) -> str:
-    """One line on why launched ranks failed: a rank killed by SIGKILL without a traceback was, on
-    Linux, almost always stopped by the out-of-memory killer, which is what to say then."""
-    ranks = ", ".join(map(str, sorted(failures)))
-    if any(failure.exitcode == -signal.SIGKILL for failure in failures.values()):
-        return (f"rank(s) {ranks} failed and at least one was killed by SIGKILL, usually the out-of-memory killer: "
-                "lower data.seq_len or train.micro_batch, or set train.activation_checkpointing=full, "
-                "train.offload_activations=true and raise parallel.sequence / parallel.attention_head_chunks / "
-                "parallel.llep_chunks")
-    return f"rank(s) {ranks} failed; their tracebacks are above"
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(argv[1] if len(argv) > 1 and argv[0] == "bench" else None)
@@ -111,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [arg for arg in rest if not (arg.startswith("--") and "." in arg.split("=", 1)[0])]
     if unknown:
         parser.error(f"unrecognised arguments: {' '.join(unknown)} (settings look like --section.key=value)")
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
@@ -121,14 +111,18 @@ def main(argv: list[str] | None = None) -> int:
     except NothingToTrain as done:
         print(f"mop: {done}", file=sys.stderr)
         return NOTHING_TO_TRAIN
+    except Stopped as stopped:  # one process (the reference strategy or under torchrun)
+        if os.environ.get("RANK", "0") == "0":
+            print(f"mop: {stopped}", file=sys.stderr)
+        return stopped.exit_code
     except ChildFailedError as err:
-        codes = {failure.exitcode for failure in err.failures.values()}
-        if codes in ({2}, {NOTHING_TO_TRAIN}):
-            return codes.pop()  # a user error or a finished run, already said by rank 0
-        print(f"mop: error: {launch_failure(err.failures)}", file=sys.stderr)
-        return 1
+        code, line = failed_launch(err.failures)
+        if line:
+            print(line, file=sys.stderr)
+        return code
+    except SignalException as err:  # the launcher itself was signalled; its ranks said what they saved
+        return 128 + err.sigval
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -82,6 +82,10 @@ class ParallelConfig:
     fsdp_cpu_offload: bool = False
     """With parallel.strategy=fsdp2: FSDP2's CPUOffloadPolicy keeps the parameter and gradient shards in host
     memory and torch.optim.AdamW steps there (mop's own offload is optim.offload)."""
+    timeout_s: int = 600
+    """Seconds any collective may wait for the other ranks before the run stops with an error naming the
+    operation and the group (a rank died or hangs). Raise it when one step legitimately keeps ranks
+    apart longer (a very slow checkpoint save on a shared file system)."""
 
 
 @dataclass
@@ -159,6 +163,10 @@ class CheckpointConfig:
     """Keep the newest this many checkpoints."""
     dir: str = ""
     """Checkpoint directory; empty means `<log.run_dir>/checkpoints`."""
+    stop_grace_s: int = 120
+    """After SIGTERM or SIGINT every rank finishes its step and saves a checkpoint; mop's launcher kills
+    ranks still running after this many seconds (under torchrun: TORCH_ELASTIC_SHUTDOWN_TIMEOUT). Keep a
+    step plus a save below the scheduler's notice (Slurm: --signal=TERM@<seconds>)."""
     resume: str = ""
     """Empty: start fresh. "latest": resume from the newest complete checkpoint in checkpoint.dir
     (start fresh if there is none). A path: resume from that step_<N> directory, saved by any
@@ -331,6 +339,7 @@ def validate(config: Config, world: int | None = None, local_world: int | None =
     p, t, d = config.parallel, config.train, config.data
     world = world or p.nproc
     _positive(config, ["parallel.nproc", "parallel.attention_head_chunks", "parallel.llep_min_chunk", "train.max_skipped_steps", "log.progress_every",
+                       "parallel.timeout_s", "checkpoint.stop_grace_s",
                        "parallel.llep_chunks", "data.seq_len",
                        "train.steps", "train.global_batch", "train.micro_batch", "checkpoint.keep"])
     _at_least_zero(config, ["train.seed", "train.grad_clip", "optim.lr", "optim.warmup_steps", "optim.weight_decay",

@@ -1,6 +1,10 @@
 """Starting local ranks: `launch` runs `parallel.nproc` processes of `mop.train.train` through torch's
-elastic launcher (what torchrun uses), each a `worker` that turns a user error into one line and
-exit code 2.
+elastic launcher (what torchrun uses), each a `worker`.
+
+A rank's user error (or a collective timeout) is not printed by the rank: the worker records its
+one line in torch elastic's error file for the launcher and exits with code 2 (1 for a timeout),
+and `failed_launch` prints the first one once, whichever rank raised it. A rank stopped by a
+signal prints (rank 0) how to resume and exits with 128 + the signal number.
 """
 
 from __future__ import annotations
@@ -11,14 +15,18 @@ import os
 import sys
 import uuid
 
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
 from mop.config import Config, ConfigError, resolve
 from mop.data import DataError
+from mop.faults import CollectiveTimeout, Stopped, launch_failure, recorded_error, secondary
 from mop.models.hf import HFConversionError
 from mop.parallel.mesh import LayoutError
 from mop.run_dir import resolve_run_dir
 from mop.train import NothingToTrain, train
 
 USER_ERRORS = (ConfigError, DataError, HFConversionError, LayoutError, NotImplementedError)
+ONE_LINE_ERRORS = (*USER_ERRORS, CollectiveTimeout)  # what a rank records for the launcher to print
 NOTHING_TO_TRAIN = 3  # the exit code of a resume with no step left to run
 
 
@@ -28,26 +36,54 @@ def launch(config: Config) -> list[dict]:
 
     launch_config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=resolve(config).parallel.nproc, run_id=f"mop-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1, start_method="spawn")
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1, start_method="spawn",
+        shutdown_timeout=config.checkpoint.stop_grace_s)
     if not config.log.run_dir:
         # Rank 0 writes the run directory; fixing it here keeps it the one the user is told about.
         config = dataclasses.replace(config, log=dataclasses.replace(config.log, run_dir=str(resolve_run_dir(config))))
     # The launcher's own log of a failed rank is a traceback of its process pool, not of the rank:
     # a rank's user error is already one line (`worker`), and `mop.cli` names any other failure.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    # Its modules' loggers each set their own level, so the family is cut off at its root instead;
+    # and the process pool's line on each rank it terminates after another failed.
+    for family in ("torch.distributed.elastic", "torch.multiprocessing.spawn"):
+        logging.getLogger(family).addHandler(logging.NullHandler())
+        logging.getLogger(family).propagate = False
+    # A rank killed by a signal cannot release its queues' semaphores; multiprocessing's resource
+    # tracker (a process started with this interpreter's warning options) releases them, and would
+    # warn about each one on the terminal.
+    quiet_tracker = "ignore::UserWarning:multiprocessing.resource_tracker"
+    if quiet_tracker not in sys.warnoptions:
+        sys.warnoptions.append(quiet_tracker)
     results = elastic_launch(launch_config, worker)(config)
     return results[0]
 
 
 def worker(config: Config) -> list[dict]:
-    """Entry point of a launched rank: user errors print one line (rank 0) and exit with code 2."""
+    """Entry point of a launched rank (see the module docstring for what it says and its exit codes)."""
     try:
         return train(config)
-    except USER_ERRORS as err:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"mop: error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
-    except NothingToTrain as done:
+    except ONE_LINE_ERRORS as err:
+        ErrorHandler().record_exception(err)  # "<type>: <message>", read back by `failed_launch`
+        raise SystemExit(2 if isinstance(err, USER_ERRORS) else 1) from None
+    except (NothingToTrain, Stopped) as done:
         if os.environ.get("RANK", "0") == "0":
             print(f"mop: {done}", file=sys.stderr)
-        raise SystemExit(NOTHING_TO_TRAIN) from None
+        raise SystemExit(done.exit_code if isinstance(done, Stopped) else NOTHING_TO_TRAIN) from None
+
+
+def failed_launch(failures: dict) -> tuple[int, str | None]:
+    """The exit code of a launch whose ranks failed (`failures`: rank -> torch elastic's
+    ProcessFailure) and the one line to print, if the ranks have not said it already.
+
+    The first recorded one-line error (by time, then rank) is printed once; ranks that only
+    stopped because another failed are not the cause (`mop.faults.secondary`)."""
+    causes = {rank: f for rank, f in failures.items() if not secondary(f)}
+    if not causes:  # every rank stopped on a signal, after saving (rank 0 said so) or not
+        return max(f.exitcode if f.exitcode > 0 else 128 - f.exitcode for f in failures.values()), None
+    recorded = sorted((f.timestamp, rank) for rank, f in causes.items() if recorded_error(f, ONE_LINE_ERRORS))
+    if recorded:
+        first = causes[recorded[0][1]]
+        return first.exitcode, f"mop: error: {recorded_error(first, ONE_LINE_ERRORS)}"
+    if {f.exitcode for f in causes.values()} == {NOTHING_TO_TRAIN}:
+        return NOTHING_TO_TRAIN, None
+    return 1, f"mop: error: {launch_failure(failures)}"

@@ -70,7 +70,9 @@ class MetricsLogger:
 
 
 def read_metrics(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The records of metrics.jsonl; a last line cut off by a killed run (no newline yet) is not one."""
+    lines = path.read_text().split("\n")[:-1]  # the text after the last newline is incomplete or empty
+    return [json.loads(line) for line in lines if line.strip()]
 
 
 def plot_run(metrics_path: Path, png_path: Path) -> None:

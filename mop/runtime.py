@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -56,10 +57,11 @@ def setup_runtime(config: Config) -> tuple[Config, Runtime]:
     device = pick_device(config, env.local_rank)
     if device.type == "cpu":
         set_rank_threads(env.local_world_size)
-    init_distributed(device)
+    timeout = timedelta(seconds=config.parallel.timeout_s)
+    init_distributed(device, timeout)
     config = validate(config, world=env.world_size, local_world=smallest_node(env.local_world_size, device))
     p = config.parallel
-    layout = DistLayout(Layout(env.world_size, p.sequence, p.expert, p.vocab), device)
+    layout = DistLayout(Layout(env.world_size, p.sequence, p.expert, p.vocab), device, timeout)
     return config, Runtime(env.rank, env.world_size, device, layout)
 
 

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from mop import checkpoint
 from mop.build import TrainingRun, build_run
 from mop.config import Config, ConfigError
+from mop.faults import Stopped, StopRequest, collective_timeout, quiet_exit_code
 from mop.flops import attended_keys, flops_per_token, peak_flops
 from mop.metrics import MetricsLogger, peak_memory_bytes, plot_run, reset_peak_memory
 from mop.models.transformer import IGNORE_INDEX, MoETransformer
@@ -288,16 +289,32 @@ def set_learning_rate(run: TrainingRun, lr: float) -> None:
 
 
 def train(config: Config) -> list[dict]:
-    """Run the configured training in this process (one rank); returns the per-step records."""
+    """Run the configured training in this process (one rank); returns the per-step records.
+
+    SIGTERM / SIGINT stop it after the current step with a checkpoint (`mop.faults.Stopped`). A
+    rank that fails only because another one stopped first exits quietly (`quiet_exit_code`); a
+    collective that outlives `parallel.timeout_s` is one line naming it (`collective_timeout`)."""
     config, runtime = setup_runtime(config)
     try:
-        return _train(config, runtime)
+        with StopRequest() as stop:
+            try:
+                return _train(config, runtime, stop)
+            except (Stopped, NothingToTrain):
+                raise
+            except Exception as err:
+                quiet = quiet_exit_code(err, stop) if runtime.layout is not None else None
+                if quiet is not None:
+                    raise SystemExit(quiet) from None
+                timeout = collective_timeout(err)
+                if timeout is not None:
+                    raise timeout from None
+                raise
     finally:
         if runtime.layout is not None:
             dist.destroy_process_group()
 
 
-def _train(config: Config, runtime: Runtime) -> list[dict]:
+def _train(config: Config, runtime: Runtime, stop: StopRequest) -> list[dict]:
     run_dir = shared_run_dir(config, runtime)
     run = build_run(config, runtime)
     state_memory = worst_rank_state(run)
@@ -314,6 +331,7 @@ def _train(config: Config, runtime: Runtime) -> list[dict]:
     progress = StepProgress(run.model.layers, first_step, config.train.steps, run.micro_batches_per_step(),
                             enabled=runtime.is_main and config.log.progress, every=config.log.progress_every)
     skips = SkippedSteps(config.train.max_skipped_steps)
+    stopped = None
     for step in range(first_step, config.train.steps):
         reset_peak_memory(runtime.device, run.offload_store)
         start = time.perf_counter()
@@ -335,12 +353,14 @@ def _train(config: Config, runtime: Runtime) -> list[dict]:
             logger.log(record)
         skips.check(checkpoint.checkpoint_dir(config, run_dir))
         done = step + 1
-        if outcome["skipped"]:
-            continue  # a skipped step changed nothing: no checkpoint rotates out a good one for it
+        signum = stop.agreed(runtime.layout.world_group if runtime.layout else None, runtime.device)
+        if signum is not None and done < config.train.steps:
+            stopped = Stopped(signum, done, config.train.steps, save(run, run_dir, done), run_dir)
+            break
+        # A skipped step changed nothing: no checkpoint rotates out a good one for it.
         every, last = config.checkpoint.every, done == config.train.steps
-        if (every and done % every == 0) or (last and (every or config.checkpoint.final)):
-            checkpoint.save(checkpoint.checkpoint_dir(config, run_dir), done, run.model, run.optimizer, run.host,
-                            run.views, run.data.stream.state_dict(), config, config.checkpoint.keep)
+        if not outcome["skipped"] and ((every and done % every == 0) or (last and (every or config.checkpoint.final))):
+            save(run, run_dir, done)
     progress.close()
     if run.host is not None:
         run.host.synchronize()  # the last step's updates, before the model is returned or read
@@ -353,9 +373,18 @@ def _train(config: Config, runtime: Runtime) -> list[dict]:
         if records:
             per_param = ", ".join(f"{kind} {state_memory[f'device_bytes_per_param_{kind}']:g}"
                                   for kind in ("weights", "gradients", "optimizer"))
-            print(f"mop: steps {first_step}-{config.train.steps - 1}, loss {records[0]['loss']:.4f} -> "
+            print(f"mop: steps {first_step}-{records[-1]['step']}, loss {records[0]['loss']:.4f} -> "
                   f"{records[-1]['loss']:.4f}; device bytes per parameter: {per_param}; run directory {run_dir}")
+    if stopped is not None:
+        raise stopped
     return records
+
+
+def save(run: TrainingRun, run_dir: Path, done: int) -> Path:
+    """Checkpoint `step_<done>` of the run (collective over all ranks)."""
+    config = run.config
+    return checkpoint.save(checkpoint.checkpoint_dir(config, run_dir), done, run.model, run.optimizer, run.host,
+                           run.views, run.data.stream.state_dict(), config, config.checkpoint.keep)
 
 
 def resume(run: TrainingRun, run_dir: Path) -> int:

@@ -34,10 +34,14 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+# Subgroups (new_group, DeviceMesh) get the backend's default timeout, not the default group's;
+# this sets it on the groups DeviceMesh has already created.
+from torch.distributed.distributed_c10d import _set_pg_timeout
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 
@@ -191,7 +195,9 @@ class DistLayout:
     same point in the program, because creating a group is itself a collective over all ranks.
     """
 
-    def __init__(self, layout: Layout, device: torch.device) -> None:
+    def __init__(self, layout: Layout, device: torch.device, timeout: timedelta | None = None) -> None:
+        """`timeout`: how long any collective of the layout's groups may wait (`parallel.timeout_s`);
+        None keeps torch's defaults (10 minutes for NCCL, 30 for gloo)."""
         if not dist.is_initialized():
             raise RuntimeError("DistLayout needs an initialised default process group; call init_distributed first")
         if dist.get_world_size() != layout.world:
@@ -212,9 +218,12 @@ class DistLayout:
         # new_group is collective over the world, so every rank creates every block's group.
         self.expert_p2p_group: dist.ProcessGroup
         for ranks in layout.expert_groups():
-            group = dist.new_group(ranks=ranks)
+            group = dist.new_group(ranks=ranks, group_desc="llep_weights")
             if self.rank in ranks:
                 self.expert_p2p_group = group
+        if timeout is not None:
+            for group in self._groups():
+                _set_pg_timeout(timeout, group)
         self._warm_up()
 
     def _warm_up(self) -> None:
@@ -223,10 +232,14 @@ class DistLayout:
         of the LLEP point-to-point group would otherwise be a send between two of its ranks only,
         which NCCL leaves undefined; it also moves every communicator's set-up cost to start-up."""
         token = torch.zeros(1, device=self.device)
+        for group in self._groups():
+            dist.all_reduce(token, group=group)
+
+    def _groups(self) -> list[dist.ProcessGroup]:
+        """Every group this rank belongs to, in the same order on every rank."""
         meshes = [(self.world_mesh, ("world",)), (self.sequence_mesh, ("data", "sequence")),
                   (self.expert_mesh, ("expert_replica", "expert")), (self.vocab_mesh, ("vocab_replica", "vocab"))]
-        for group in [mesh.get_group(name) for mesh, names in meshes for name in names] + [self.expert_p2p_group]:
-            dist.all_reduce(token, group=group)
+        return [mesh.get_group(name) for mesh, names in meshes for name in names] + [self.expert_p2p_group]
 
     def _mesh(self, n: int, names: tuple[str, str]) -> DeviceMesh:
         w, r = self.layout.world, self.rank
@@ -308,8 +321,9 @@ def device_for(local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def init_distributed(device: torch.device) -> None:
-    """Join the job via env:// (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, as torchrun sets them)."""
+def init_distributed(device: torch.device, timeout: timedelta | None = None) -> None:
+    """Join the job via env:// (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, as torchrun sets them);
+    `timeout` bounds every collective of the default group (None: torch's default)."""
     if device.type == "cuda":
         # Bind before init so NCCL's communicators and the barrier use this rank's GPU.
         torch.cuda.set_device(device)
@@ -317,6 +331,7 @@ def init_distributed(device: torch.device) -> None:
         backend=backend_for(device),
         init_method="env://",
         device_id=device if device.type == "cuda" else None,
+        timeout=timeout,
     )
 
 
