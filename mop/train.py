@@ -340,7 +340,8 @@ def _train(config: Config, runtime: Runtime) -> list[dict]:
         every, last = config.checkpoint.every, done == config.train.steps
         if (every and done % every == 0) or (last and (every or config.checkpoint.final)):
             checkpoint.save(checkpoint.checkpoint_dir(config, run_dir), done, run.model, run.optimizer, run.host,
-                            run.views, run.data.stream.state_dict(), config, config.checkpoint.keep)
+                            run.views, run.data.stream.state_dict(), config, config.checkpoint.keep,
+                            run.data.tokenizer)
     progress.close()
     if run.host is not None:
         run.host.synchronize()  # the last step's updates, before the model is returned or read
@@ -368,6 +369,7 @@ def resume(run: TrainingRun, run_dir: Path) -> int:
         return 0
     meta = checkpoint.read_meta(path)
     checkpoint.check_compatible(meta, config, path)
+    checkpoint.check_tokenizer(meta, run.data.tokenizer, config, path)
     checkpoint.load(path, run.model, run.optimizer, run.host, run.views)
     if meta["data"] is not None:
         run.data.stream.load_state_dict(meta["data"])
