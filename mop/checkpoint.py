@@ -7,9 +7,20 @@ Content of one checkpoint (a directory `step_<N>`, N = optimizer steps completed
   `torch.optim.AdamW` or from `HostAdamW` (the two are interchangeable; the fp32 master is the
   parameter itself);
 - `rng/cpu`: the CPU generator state;
-- `mop.json` (written by rank 0): the step, the data stream's position, the run's config.
-A Hugging Face import (`save_hf_import`) is a `mop.json` alone, naming the HF directory whose
-safetensors each rank reads its own rows from when it loads.
+- `mop.json` (written by rank 0): the step, the data stream's position, the run's config, and
+  the tokenizer the run trained with (`mop.data.tokenizer.describe`: kind, fingerprint, vocabulary
+  size, eos/bos/pad ids);
+- `tokenizer/` (written by rank 0): the Hugging Face files of that tokenizer (`hf_files()`: for the
+  byte tokenizer its exact HF equivalent), so that `mop convert to-hf` is self-contained and a
+  run can name the checkpoint's own copy as `data.tokenizer`.
+A Hugging Face import (`save_hf_import`) is a `mop.json` and a `tokenizer/` alone, naming the HF
+directory whose safetensors each rank reads its own rows from when it loads.
+
+Tokenizer. The ids a model was trained on mean the tokens of one vocabulary; resuming with a
+tokenizer of another fingerprint (`check_tokenizer`) is an error unless
+`checkpoint.allow_tokenizer_change`. A changed document separator (`data.eos_token`) is not a
+change of vocabulary and is allowed. Checkpoints saved before mop recorded tokenizers have no
+record and no `tokenizer/`; they resume unchecked.
 
 Global views. DCP reshards by global tensor metadata, so each rank presents its local tensors as
 DTensors of the global shape, without communication (`mop.parallel.views.GlobalViews`). Loading
@@ -45,12 +56,14 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
 from mop.config import Config, ConfigError
+from mop.data.tokenizer import AnyTokenizer, describe
 from mop.models.hf import HFWeights
 from mop.parallel.materialize import write_rows
 from mop.parallel.views import GlobalViews
 
 META = "mop.json"
 PARTIAL = ".partial"
+TOKENIZER = "tokenizer"
 
 
 def _state(model, optimizer, host, views: GlobalViews, with_optimizer: bool) -> dict:
@@ -88,13 +101,13 @@ def complete_checkpoints(directory: Path) -> list[Path]:
 
 
 def save(directory: Path, step: int, model, optimizer, host, views: GlobalViews, data_state: dict,
-         config: Config, keep: int) -> Path:
+         config: Config, keep: int, tokenizer: AnyTokenizer) -> Path:
     """Write checkpoint `step_<step>` atomically (collective over all ranks) and prune to the newest `keep`.
 
     A file-system failure (read-only, full, permissions) is one line naming `checkpoint.dir`; the
     complete checkpoints before it are untouched."""
     try:
-        return _save(directory, step, model, optimizer, host, views, data_state, config, keep)
+        return _save(directory, step, model, optimizer, host, views, data_state, config, keep, tokenizer)
     except (OSError, CheckpointException) as err:  # DCP's own exception is a BaseException
         reason = (str(err).strip().splitlines() or [type(err).__name__])[-1][:200]
         raise ConfigError("checkpoint.dir", f"{directory} cannot be written ({reason}); the checkpoints before "
@@ -103,7 +116,7 @@ def save(directory: Path, step: int, model, optimizer, host, views: GlobalViews,
 
 
 def _save(directory: Path, step: int, model, optimizer, host, views: GlobalViews, data_state: dict,
-          config: Config, keep: int) -> Path:
+          config: Config, keep: int, tokenizer: AnyTokenizer) -> Path:
     final = directory / f"step_{step}"
     partial = directory / f"step_{step}{PARTIAL}"
     main = not dist.is_initialized() or dist.get_rank() == 0
@@ -116,7 +129,8 @@ def _save(directory: Path, step: int, model, optimizer, host, views: GlobalViews
         dcp.save(_state(model, optimizer, host, views, with_optimizer=True), checkpoint_id=partial,
                  no_dist=not dist.is_initialized())
     if main:
-        meta = {"step": step, "data": data_state, "config": asdict(config), "has_optimizer": True}
+        meta = {"step": step, "data": data_state, "config": asdict(config), "has_optimizer": True,
+                "tokenizer": _write_tokenizer(partial, tokenizer)}
         (partial / META).write_text(json.dumps(meta, indent=1))
         if final.exists():  # a complete checkpoint of this step from an earlier attempt: replace it
             shutil.rmtree(final)
@@ -127,18 +141,28 @@ def _save(directory: Path, step: int, model, optimizer, host, views: GlobalViews
     return final
 
 
-def save_hf_import(path: Path, hf_dir: Path, fingerprint: dict[str, str], config: Config) -> None:
+def save_hf_import(path: Path, hf_dir: Path, fingerprint: dict[str, str], config: Config,
+                   tokenizer: AnyTokenizer) -> None:
     """A step-0 checkpoint whose weights are those of the Hugging Face directory `hf_dir`, read in
     place whenever it is loaded: each rank reads only the rows of its own shards from the
-    safetensors files (`mop.models.hf.HFWeights`), so no process ever holds the whole model. Nothing
-    is copied: `hf_dir` must stay where it is, unchanged (its `fingerprint` is checked at load).
-    One process; atomic like `save`."""
+    safetensors files (`mop.models.hf.HFWeights`), so no process ever holds the whole model. No
+    weights are copied: `hf_dir` must stay where it is, unchanged (its `fingerprint` is checked at
+    load); the `tokenizer` (small) is, like every checkpoint's. One process; atomic like `save`."""
     partial = path.with_name(path.name + PARTIAL)
     partial.mkdir(parents=True)
     meta = {"step": 0, "data": None, "config": asdict(config), "has_optimizer": False,
-            "hf_weights": str(hf_dir.resolve()), "hf_fingerprint": fingerprint}
+            "hf_weights": str(hf_dir.resolve()), "hf_fingerprint": fingerprint,
+            "tokenizer": _write_tokenizer(partial, tokenizer)}
     (partial / META).write_text(json.dumps(meta, indent=1))
     partial.rename(path)
+
+
+def _write_tokenizer(directory: Path, tokenizer: AnyTokenizer) -> dict:
+    """Write the tokenizer's Hugging Face files into `directory/tokenizer`; returns its record."""
+    (directory / TOKENIZER).mkdir()
+    for name, content in tokenizer.hf_files().items():
+        (directory / TOKENIZER / name).write_bytes(content)
+    return describe(tokenizer)
 
 
 @contextmanager
@@ -191,6 +215,24 @@ def check_compatible(meta: dict, config: Config, path: Path) -> None:
         if saved.get(key) != value:
             raise ConfigError(f"model.{key}", f"checkpoint {path} was saved with model.{key}={saved.get(key)!r}, "
                               f"this run has {value!r}; use the checkpoint's model settings")
+
+
+def check_tokenizer(meta: dict, tokenizer: AnyTokenizer, config: Config, path: Path) -> None:
+    """The run's tokenizer must be the checkpoint's (same kind and fingerprint: every id means the
+    same token), unless `checkpoint.allow_tokenizer_change`; a checkpoint without a record (saved
+    before mop kept one) is not checked."""
+    saved = meta.get("tokenizer")
+    if saved is None or config.checkpoint.allow_tokenizer_change:
+        return
+    if (saved["kind"], saved["fingerprint"]) != (tokenizer.kind, tokenizer.fingerprint):
+        own = "byte" if saved["kind"] == "byte" else path / TOKENIZER
+        raise ConfigError("data.tokenizer", f"checkpoint {path} was trained with the tokenizer {_label(saved)}, "
+                          f"this run has {_label(describe(tokenizer))}; set --data.tokenizer={own} (the checkpoint's "
+                          "own), or --checkpoint.allow_tokenizer_change=true to train it with another vocabulary")
+
+
+def _label(record: dict) -> str:
+    return "byte" if record["kind"] == "byte" else f"{record['name']} (sha256 {record['fingerprint'][:12]})"
 
 
 def load(path: Path, model, optimizer, host, views: GlobalViews, with_optimizer: bool = True) -> dict:

@@ -93,7 +93,9 @@ class DataConfig:
     source: str = "builtin"
     """"builtin" (the shipped corpus) or a path to a .txt/.jsonl/.parquet/.bin file or a directory of them."""
     tokenizer: str = "byte"
-    """"byte" (built-in byte-level) or a path to a Hugging Face tokenizer.json (or its directory)."""
+    """"byte" (built-in byte-level) or a path to a Hugging Face tokenizer.json (or its directory).
+    Checkpoints record it and carry a copy (step_<N>/tokenizer); resuming with another one is an
+    error (see checkpoint.allow_tokenizer_change)."""
     seq_len: int = 256
     """Tokens per packed training sequence."""
     text_field: str = "text"
@@ -172,6 +174,10 @@ class CheckpointConfig:
     (start fresh if there is none). A path: resume from that step_<N> directory, saved by any
     layout or world size; a checkpoint without optimizer state (`mop convert from-hf`) starts
     the optimizer fresh."""
+    allow_tokenizer_change: bool = False
+    """Resume even though data.tokenizer is not the tokenizer the checkpoint was trained with (another
+    fingerprint of tokenizer.json, or byte vs HF): the checkpoint's ids then stand for other tokens,
+    so only for a deliberate change of vocabulary. A resumed run's data stream must still match."""
 
 
 @dataclass

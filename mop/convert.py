@@ -1,13 +1,22 @@
 """`mop convert`: between mop checkpoints and Hugging Face model directories.
 
 - `to-hf CHECKPOINT OUT`: the checkpoint's weights (saved by any layout) as a `qwen3_moe` or
-  `mixtral` directory that transformers loads (`mop.models.hf.save_hf`).
+  `mixtral` directory that transformers loads (`mop.models.hf.save_hf`), with the tokenizer the
+  checkpoint was trained with (a copy of its `tokenizer/`: the HF files of the tokenizer, for the
+  byte tokenizer its exact HF equivalent), `generation_config.json` (its bos/eos/pad ids) and
+  `eos_token_id`/`bos_token_id` in config.json. No `pad_token_id` goes into config.json:
+  transformers would freeze that embedding row in a fine-tune, and mop's pad is often eos itself.
+  The weights are written in the dtype the run trained in (`train.dtype` in the checkpoint's
+  config; float32 for an import that was never trained: lossless) unless `--dtype` says otherwise.
 - `from-hf HF_DIR CHECKPOINT`: a HF directory as a step-0 mop checkpoint (the optimizer starts
-  fresh), plus `model.toml`, the matching [model] section. Fine-tune with
-  `mop train CHECKPOINT/model.toml --checkpoint.resume=CHECKPOINT [...]`. The import checks the
-  directory (every tensor config.json implies, of the shape it implies) and copies no weights:
-  when the run loads it, each rank reads only its own shards' rows from the safetensors files,
-  so HF_DIR must stay where it is.
+  fresh) with a copy of its tokenizer, plus `model.toml`: the matching [model] section and a
+  [data] section naming that copy as `data.tokenizer`, so that
+  `mop train CHECKPOINT/model.toml --checkpoint.resume=CHECKPOINT [...]` fine-tunes it on the ids
+  it was trained with. A directory without tokenizer.json needs `--tokenizer` (another
+  tokenizer.json, or `byte` for a model mop trained with its byte tokenizer). The import checks
+  the directory (every tensor config.json implies, of the shape it implies) and copies no
+  weights: when the run loads it, each rank reads only its own shards' rows from the
+  safetensors files, so HF_DIR must stay where it is.
 `to-hf` runs in one process and holds the whole model in host memory.
 """
 
@@ -15,17 +24,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from mop import checkpoint
-from mop.config import Config, ConfigError
+from mop.config import Config, ConfigError, DataConfig
+from mop.data.tokenizer import COMPANION_FILES, AnyTokenizer, load_tokenizer
 from mop.models.config import ModelConfig
-from mop.models.hf import HFWeights, empty_model, save_hf
+from mop.models.hf import HFConversionError, HFWeights, empty_model, save_hf
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+GENERATION_CONFIG = "generation_config.json"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,40 +47,99 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     to_hf.add_argument("out", type=Path, help="the Hugging Face directory to write")
     to_hf.add_argument("--model-type", choices=["qwen3_moe", "mixtral"], default=None,
                        help="architecture to write (default: the one the model's settings express)")
-    to_hf.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="dtype of the written weights")
+    to_hf.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                       help="dtype of the written weights (default: the train.dtype the checkpoint was trained in)")
     from_hf = directions.add_parser("from-hf", help="import a Hugging Face model directory as a mop checkpoint")
     from_hf.add_argument("hf_dir", type=Path, help="a qwen3_moe or mixtral directory (config.json + safetensors)")
     from_hf.add_argument("checkpoint", type=Path, help="the checkpoint directory to create")
+    from_hf.add_argument("--tokenizer", default=None,
+                         help="the model's tokenizer: a tokenizer.json or its directory, or 'byte' "
+                              "(default: HF_DIR's tokenizer.json)")
+    from_hf.add_argument("--eos-token", default=None,
+                         help="its document separator, when its tokenizer_config.json names none "
+                              "(model.toml then sets data.eos_token)")
 
 
 def run(args) -> None:
     if args.direction == "to-hf":
-        export(args.checkpoint, args.out, args.model_type, DTYPES[args.dtype])
+        export(args.checkpoint, args.out, args.model_type, args.dtype)
     else:
-        import_hf(args.hf_dir, args.checkpoint)
+        import_hf(args.hf_dir, args.checkpoint, args.tokenizer, args.eos_token)
 
 
-def export(path: Path, out: Path, model_type: str | None, dtype: torch.dtype) -> None:
+def export(path: Path, out: Path, model_type: str | None, dtype: str | None) -> None:
     if not (path / checkpoint.META).is_file():
         raise ConfigError(str(path), f"is not a complete mop checkpoint (no {checkpoint.META}); pass a step_<N> directory")
-    model = empty_model(ModelConfig(**checkpoint.read_meta(path)["config"]["model"]), torch.float32)
+    meta = checkpoint.read_meta(path)
+    model = empty_model(ModelConfig(**meta["config"]["model"]), torch.float32)
     checkpoint.load(path, model, None, None, checkpoint.GlobalViews(model, None), with_optimizer=False)
-    save_hf(model, out, dtype=dtype, model_type=model_type)
+    out.mkdir(parents=True, exist_ok=True)
+    token_ids = export_tokenizer(path, meta, out)
+    save_hf(model, out, dtype=DTYPES[dtype or meta["config"]["train"]["dtype"]], model_type=model_type,
+            token_ids=token_ids)
     print(f"mop: wrote {out} from {path}")
 
 
-def import_hf(hf_dir: Path, path: Path) -> None:
+def export_tokenizer(path: Path, meta: dict, out: Path) -> dict[str, int]:
+    """Copy the checkpoint's tokenizer files into `out` and write generation_config.json; returns
+    the ids config.json carries. A checkpoint saved before mop recorded tokenizers gets a note."""
+    for name in ("tokenizer.json", *COMPANION_FILES, GENERATION_CONFIG):  # an earlier export's, into the same `out`
+        (out / name).unlink(missing_ok=True)
+    record = meta.get("tokenizer")
+    if record is None:
+        print(f"mop: note: {path} does not record its tokenizer (saved by an older mop); "
+              f"wrote no tokenizer files, {GENERATION_CONFIG} or token ids")
+        return {}
+    copy = path / checkpoint.TOKENIZER
+    if not copy.is_dir():
+        raise ConfigError(str(path), f"has no {checkpoint.TOKENIZER}/ although {checkpoint.META} records a tokenizer; "
+                          "the checkpoint is incomplete: export another step_<N>")
+    for file in copy.iterdir():
+        shutil.copyfile(file, out / file.name)
+    ids = {f"{kind}_token_id": record[f"{kind}_id"] for kind in ("bos", "eos", "pad")
+           if record[f"{kind}_id"] is not None}
+    (out / GENERATION_CONFIG).write_text(json.dumps(ids, indent=2) + "\n")
+    return {key: value for key, value in ids.items() if key != "pad_token_id"}
+
+
+def import_hf(hf_dir: Path, path: Path, tokenizer_spec: str | None, eos_token: str | None) -> None:
     if path.exists():
         raise ConfigError(str(path), "already exists; choose a new checkpoint directory")
     with HFWeights(hf_dir) as weights:  # checks keys and shapes; reads no tensor data
         cfg, fingerprint = weights.cfg, weights.fingerprint()
+    tokenizer = import_tokenizer(hf_dir, tokenizer_spec, eos_token, cfg.vocab_size)
+    own = "byte" if tokenizer.kind == "byte" else str(path.resolve() / checkpoint.TOKENIZER)
+    config = Config(model=cfg, data=DataConfig(tokenizer=own, eos_token=eos_token or ""))
     path.parent.mkdir(parents=True, exist_ok=True)
-    checkpoint.save_hf_import(path, hf_dir, fingerprint, Config(model=cfg))
-    (path / "model.toml").write_text(model_toml(cfg))
-    print(f"mop: wrote {path}; fine-tune with: mop train {path / 'model.toml'} --checkpoint.resume={path}")
+    checkpoint.save_hf_import(path, hf_dir, fingerprint, config, tokenizer)
+    (path / "model.toml").write_text(config_toml(config))
+    print(f"mop: wrote {path} (tokenizer {tokenizer.name}); fine-tune with: "
+          f"mop train {path / 'model.toml'} --checkpoint.resume={path}")
 
 
-def model_toml(cfg: ModelConfig) -> str:
-    """The [model] section of a config file that builds `cfg` (JSON scalars are valid TOML values)."""
-    lines = ["[model]"] + [f"{key} = {json.dumps(value)}" for key, value in asdict(cfg).items()]
-    return "\n".join(lines) + "\n"
+def import_tokenizer(hf_dir: Path, spec: str | None, eos_token: str | None, vocab_size: int) -> AnyTokenizer:
+    """The tokenizer an import trains with: `spec` (--tokenizer), else HF_DIR's tokenizer.json;
+    its ids must fit the model's vocabulary."""
+    if spec is None:
+        if not (hf_dir / "tokenizer.json").is_file():
+            raise HFConversionError(f"{hf_dir}: no tokenizer.json, so the tokens its ids stand for are unknown; pass "
+                                    "--tokenizer PATH (the model's tokenizer.json or its directory), or "
+                                    "--tokenizer=byte for a model trained with mop's byte tokenizer")
+        spec = str(hf_dir)
+    tokenizer = load_tokenizer(spec, eos_token)
+    if tokenizer.vocab_size > vocab_size:
+        raise HFConversionError(f"the tokenizer {tokenizer.name} has {tokenizer.vocab_size} ids but "
+                                f"{hf_dir}/config.json has vocab_size={vocab_size}: it is not this model's; "
+                                "pass the model's own with --tokenizer")
+    return tokenizer
+
+
+def config_toml(config: Config) -> str:
+    """model.toml: the [model] section that builds the imported model and the [data] settings that
+    name its tokenizer (JSON scalars are valid TOML values)."""
+    data = {"tokenizer": config.data.tokenizer}
+    if config.data.eos_token:
+        data["eos_token"] = config.data.eos_token
+    sections = {"model": asdict(config.model), "data": data}
+    return "\n".join(f"[{name}]\n" + "".join(f"{key} = {json.dumps(value)}\n" for key, value in values.items())
+                     for name, values in sections.items())

@@ -384,7 +384,7 @@ def save(run: TrainingRun, run_dir: Path, done: int) -> Path:
     """Checkpoint `step_<done>` of the run (collective over all ranks)."""
     config = run.config
     return checkpoint.save(checkpoint.checkpoint_dir(config, run_dir), done, run.model, run.optimizer, run.host,
-                           run.views, run.data.stream.state_dict(), config, config.checkpoint.keep)
+                           run.views, run.data.stream.state_dict(), config, config.checkpoint.keep, run.data.tokenizer)
 
 
 def resume(run: TrainingRun, run_dir: Path) -> int:
@@ -397,6 +397,7 @@ def resume(run: TrainingRun, run_dir: Path) -> int:
         return 0
     meta = checkpoint.read_meta(path)
     checkpoint.check_compatible(meta, config, path)
+    checkpoint.check_tokenizer(meta, run.data.tokenizer, config, path)
     checkpoint.load(path, run.model, run.optimizer, run.host, run.views)
     if meta["data"] is not None:
         run.data.stream.load_state_dict(meta["data"])

@@ -118,7 +118,8 @@ def _host_round_trip(rank, world, base):
     on_cpu_mesh = all(t.device_mesh.device_type == "cpu" for t in presented if isinstance(t, DTensor))
     shared = {t.to_local().data_ptr() if isinstance(t, DTensor) else t.data_ptr() for t in presented}
     no_copy = shared <= {t.data_ptr() for t in host_tensors}
-    saved = checkpoint.save(Path(base) / "ckpt", 2, run.model, run.optimizer, run.host, run.views, {}, config, keep=1)
+    saved = checkpoint.save(Path(base) / "ckpt", 2, run.model, run.optimizer, run.host, run.views, {}, config, 1,
+                            run.data.tokenizer)
     expected = [t.clone() for t in real_rows]
     pointers = [t.data_ptr() for t in host_tensors]
     for tensor in real_rows:

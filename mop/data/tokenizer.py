@@ -6,15 +6,24 @@ Both expose the same small interface, which is all the rest of the stack relies 
 - ``encode_batch(texts) -> list[list[int]]``: the same, for many documents at once;
 - ``decode(ids) -> str``: special tokens are dropped, invalid UTF-8 becomes U+FFFD;
 - ``vocab_size`` (one more than the largest id), ``eos_id``, ``bos_id`` (None for an HF
-  tokenizer without one), ``pad_id`` and ``name`` (what ``data.tokenizer`` was set to).
+  tokenizer without one), ``pad_id`` and ``name`` (what ``data.tokenizer`` was set to);
+- ``kind`` ("byte" or "hf") and ``fingerprint`` ("byte", or the sha256 of the ``tokenizer.json``
+  bytes): equal fingerprints mean every id stands for the same token, which is what a checkpoint
+  checks on resume (``describe`` is the record it keeps, ``mop.checkpoint.check_tokenizer``);
+- ``hf_files()``: the files of a Hugging Face directory that loads the same tokenizer, which
+  checkpoints carry and ``mop convert to-hf`` writes.
 
 ``ByteTokenizer`` needs no files: ids 0-255 are raw UTF-8 bytes, then ``<|bos|>`` = 256,
-``<|eos|>`` = 257, ``<|pad|>`` = 258. ``HFTokenizer`` takes its eos token from an explicit
+``<|eos|>`` = 257, ``<|pad|>`` = 258. Its Hugging Face equivalent is a byte-level BPE without
+merges, so each byte is one token of the same id; it encodes every text as ``ByteTokenizer``
+does, except that, like every HF tokenizer, it reads the literal text of a special token
+(``"<|eos|>"``) as that token. ``HFTokenizer`` takes its eos token from an explicit
 ``eos_token`` argument, else from ``tokenizer_config.json`` next to the file, else from the
 first of a few conventional names present in the vocabulary; without one, documents could not
 be separated, so that is an error. Nothing is ever downloaded.
 """
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -27,16 +36,22 @@ from mop.data.errors import DataError
 EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>", "<|eot_id|>")
 BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>")
 PAD_CANDIDATES = ("<|pad|>", "<pad>", "[PAD]", "<|finetune_right_pad_id|>")
+# What a Hugging Face directory holds of a fast tokenizer besides tokenizer.json: the special
+# tokens, the tokenizer class and the chat template (transformers 5 keeps it in its own file).
+COMPANION_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
 class ByteTokenizer:
     """UTF-8 bytes as tokens, plus bos/eos/pad; lossless for any text."""
 
     name = "byte"
+    kind = "byte"
+    fingerprint = "byte"
     bos_id = 256
     eos_id = 257
     pad_id = 258
     vocab_size = 259
+    SPECIAL = {"<|bos|>": bos_id, "<|eos|>": eos_id, "<|pad|>": pad_id}
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -46,6 +61,48 @@ class ByteTokenizer:
 
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def hf_files(self) -> dict[str, bytes]:
+        """The Hugging Face equivalent (module docstring): a byte-level BPE without merges whose
+        vocabulary maps GPT-2's printable stand-in of byte b to id b, written as JSON directly so
+        that it is the same whatever ``tokenizers`` version is installed."""
+        stand_in = _byte_stand_ins()
+        byte_level = {"add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+        tokenizer = {
+            "version": "1.0", "truncation": None, "padding": None,
+            "added_tokens": [{"id": i, "content": token, "single_word": False, "lstrip": False, "rstrip": False,
+                              "normalized": False, "special": True} for token, i in self.SPECIAL.items()],
+            "normalizer": None,
+            # No regex split: the whole text is one piece, every byte of it one token.
+            "pre_tokenizer": {"type": "ByteLevel", **byte_level},
+            "post_processor": None,
+            "decoder": {"type": "ByteLevel", **byte_level},
+            "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                      "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                      "vocab": {stand_in[b]: b for b in range(256)}, "merges": []},
+        }
+        return {"tokenizer.json": _json_bytes(tokenizer),
+                "tokenizer_config.json": _tokenizer_config("<|eos|>", "<|bos|>", "<|pad|>")}
+
+
+def _byte_stand_ins() -> dict[int, str]:
+    """GPT-2's byte -> printable character map, the alphabet of the ``ByteLevel`` pre-tokenizer:
+    printable Latin-1 bytes stand for themselves, the others for chr(256 + n) in byte order."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
+
+
+def _json_bytes(value) -> bytes:
+    return (json.dumps(value, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+
+
+def _tokenizer_config(eos: str, bos: str | None, pad: str | None) -> bytes:
+    """A ``tokenizer_config.json`` that makes transformers load ``tokenizer.json`` as it is (no
+    model-specific class that could rebuild its pipeline) with these special tokens."""
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False, "eos_token": eos,
+              **({"bos_token": bos} if bos is not None else {}), **({"pad_token": pad} if pad is not None else {})}
+    return _json_bytes(config)
 
 
 def _token_content(entry) -> str | None:
@@ -58,16 +115,23 @@ def _token_content(entry) -> str | None:
 class HFTokenizer:
     """A local ``tokenizer.json`` loaded with the ``tokenizers`` library."""
 
+    kind = "hf"
+
     def __init__(self, path: str | Path, eos_token: str | None = None):
         path = Path(path)
         try:
-            self._tok = _HFTokenizerImpl.from_file(str(path))
+            # Read once: the bytes fingerprinted are the bytes loaded and the bytes checkpoints carry.
+            self._json = path.read_bytes()
+            self._tok = _HFTokenizerImpl.from_str(self._json.decode("utf-8"))
         except Exception as e:  # the library raises a bare Exception on malformed files
             raise DataError(
                 f"data.tokenizer: cannot load {path} ({str(e).splitlines()[0]}); point "
                 "data.tokenizer at a valid HF tokenizer.json or use 'byte'"
             ) from None
         self.name = str(path)
+        self.fingerprint = hashlib.sha256(self._json).hexdigest()
+        self._companions = {name: (path.parent / name).read_bytes() for name in COMPANION_FILES
+                            if (path.parent / name).is_file()}
         vocab = self._tok.get_vocab(with_added_tokens=True)
         # Added tokens may sit above the base vocabulary with gaps, so count by the largest id.
         self.vocab_size = max(vocab.values()) + 1
@@ -77,8 +141,8 @@ class HFTokenizer:
         if eos_token is not None:
             if eos_token not in vocab:
                 raise DataError(
-                    f"data.eos_token: {eos_token!r} is not in the vocabulary of {path}; set "
-                    "--data.eos_token to the document separator this tokenizer defines"
+                    f"data.eos_token: {eos_token!r} is not in the vocabulary of {path}; set --data.eos_token "
+                    "to the document separator this tokenizer defines (mop convert from-hf: --eos-token)"
                 )
             self.eos_id = vocab[eos_token]
         else:
@@ -86,7 +150,8 @@ class HFTokenizer:
             if not found:
                 raise DataError(
                     f"data.tokenizer: {path} has none of the end-of-text tokens "
-                    f"{', '.join(EOS_CANDIDATES)}; set --data.eos_token to its document separator"
+                    f"{', '.join(EOS_CANDIDATES)}; set --data.eos_token to its document separator "
+                    "(mop convert from-hf: --eos-token)"
                 )
             self.eos_id = vocab[found[0]]
         self.bos_id = self._special(vocab, config.get("bos_token"), BOS_CANDIDATES)
@@ -111,6 +176,16 @@ class HFTokenizer:
             return vocab[configured]
         return next((vocab[t] for t in candidates if t in vocab), None)
 
+    def hf_files(self) -> dict[str, bytes]:
+        """``tokenizer.json`` and the companion files beside it, as read at load; when there is
+        no ``tokenizer_config.json``, one naming the special tokens in use (transformers needs it
+        to load the tokenizer as it is, see ``_tokenizer_config``)."""
+        files = {"tokenizer.json": self._json, **self._companions}
+        if "tokenizer_config.json" not in files:
+            bos, pad = (None if i is None else self._tok.id_to_token(i) for i in (self.bos_id, self.pad_id))
+            files["tokenizer_config.json"] = _tokenizer_config(self._tok.id_to_token(self.eos_id), bos, pad)
+        return files
+
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
@@ -122,6 +197,12 @@ class HFTokenizer:
 
 
 AnyTokenizer = ByteTokenizer | HFTokenizer
+
+
+def describe(tok: AnyTokenizer) -> dict:
+    """What a checkpoint records of the tokenizer it was trained with (``mop.json``'s "tokenizer")."""
+    return {"kind": tok.kind, "name": tok.name, "fingerprint": tok.fingerprint, "vocab_size": tok.vocab_size,
+            "eos_id": tok.eos_id, "bos_id": tok.bos_id, "pad_id": tok.pad_id}
 
 
 def load_tokenizer(spec: str, eos_token: str | None = None) -> AnyTokenizer:

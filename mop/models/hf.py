@@ -417,13 +417,14 @@ def _check_keys(pieces: list[_Piece], tensors: dict, path: Path) -> None:
 
 
 def save_hf(model: MoETransformer, path: str | Path, dtype: torch.dtype | None = None, model_type: str | None = None,
-            max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+            max_shard_bytes: int = MAX_SHARD_BYTES, token_ids: dict[str, int] | None = None) -> None:
     """Write `model` (full, unsharded tensors) to the directory `path` as a HF checkpoint.
 
     The tensors go in the hub layout every transformers version loads, cast to `dtype` (None:
     the embedding's dtype), in `model.safetensors`, or in `model-0000k-of-0000n.safetensors`
     shards of at most `max_shard_bytes` (a bigger tensor gets a shard of its own) with an index.
-    Tied weights are written once. `model_type` as in `config_to_hf`.
+    Tied weights are written once. `model_type` as in `config_to_hf`; `token_ids` (e.g.
+    `eos_token_id`, `bos_token_id`) are added to config.json as they are.
     """
     model_type = _expressible_type(model.cfg, model_type)
     state = model.state_dict()
@@ -442,7 +443,8 @@ def save_hf(model: MoETransformer, path: str | Path, dtype: torch.dtype | None =
                  "weight_map": {piece.key: name for name, shard in zip(names, shards) for piece in shard}}
         (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     # config.json goes last: a save interrupted earlier leaves no directory that looks loadable.
-    (path / "config.json").write_text(json.dumps(config_to_hf(model.cfg, model_type, dtype), indent=2) + "\n")
+    config = {**config_to_hf(model.cfg, model_type, dtype), **(token_ids or {})}
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def _remove_old_weights(path: Path) -> None:
