@@ -3,8 +3,8 @@ data slicing and memory accounting. `mop train` runs what `build_run` returns, `
 measures it and the tests train it; nothing else wires these pieces.
 
 Order of `build_run`:
-1. the data (tokenizer, packed stream), and the check that the model's vocabulary holds the
-   tokenizer's ids;
+1. the data (tokenizer, packed stream, the held-out sequences of `mop.evaluation`), and the
+   check that the model's vocabulary holds the tokenizer's ids;
 2. the model, constructed on the meta device in its storage dtype (`storage_dtype`) and
    parallelised there by the strategy (`mop`: `parallelize`; `fsdp2`: `parallelize_fsdp2`;
    `reference`: the memory options only), then materialised: each rank allocates and
@@ -41,6 +41,7 @@ import torch
 
 from mop.config import Config, ConfigError
 from mop.data import build_data, group_slice, load_batch, micro_batches, sequence_shard
+from mop.evaluation import HeldOut, held_out
 from mop.models.transformer import MoETransformer, initial_rows
 from mop.optim.host_adamw import HostAdamW
 from mop.optim.pipeline import GradientFeed
@@ -94,6 +95,7 @@ class TrainingRun:
     host: HostAdamW | None
     feed: GradientFeed | None
     data: object  # mop.data.Data
+    held_out: HeldOut | None  # the sequences evaluations read (`mop.evaluation`), None without evaluation
 
     @property
     def offload_store(self):
@@ -116,11 +118,15 @@ class TrainingRun:
         Every rank advances the data stream by the same global batch, so the stream's position is
         the checkpointed data position.
         """
+        return self.rank_batches(self.data.stream.next_batch(self.config.train.global_batch), self.data.dataset)
+
+    def rank_batches(self, indices: list[int], dataset) -> list[dict]:
+        """This rank's micro-batches of the sequences `indices` of `dataset`: its data group's
+        contiguous share, in micro-batches of `train.micro_batch`, its slice of each sequence."""
         config, runtime = self.config, self.runtime
         d = config.parallel.sequence
-        indices = group_slice(self.data.stream.next_batch(config.train.global_batch), runtime.rank // d,
-                              runtime.world // d)
-        batches = [load_batch(self.data.dataset, part) for part in micro_batches(indices, config.train.micro_batch)]
+        mine = group_slice(indices, runtime.rank // d, runtime.world // d)
+        batches = [load_batch(dataset, part) for part in micro_batches(mine, config.train.micro_batch)]
         return [sequence_shard(batch, runtime.rank % d, d) for batch in batches]
 
     def state_bytes(self) -> dict:
@@ -161,6 +167,7 @@ def build_run(config: Config, runtime: Runtime) -> TrainingRun:
     d = config.data
     data = build_data(d.source, d.tokenizer, d.seq_len, config.train.seed, text_field=d.text_field, bin_dtype=d.bin_dtype,
                       eos_token=d.eos_token or None)
+    data, evaluation = held_out(config, data)
     if data.tokenizer.vocab_size > config.model.vocab_size:
         raise ConfigError("model.vocab_size", f"{config.model.vocab_size} is smaller than the tokenizer's "
                           f"{data.tokenizer.vocab_size} ids; set --model.vocab_size={data.tokenizer.vocab_size} or more")
@@ -176,4 +183,4 @@ def build_run(config: Config, runtime: Runtime) -> TrainingRun:
             for param in model.parameters():
                 write_rows(param, views.local(param, host.state_of(param)["master"]), views, initial)
         feed = GradientFeed(model, host)
-    return TrainingRun(config, runtime, model, views, optimizer, host, feed, data)
+    return TrainingRun(config, runtime, model, views, optimizer, host, feed, data, evaluation)

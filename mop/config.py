@@ -181,6 +181,22 @@ class CheckpointConfig:
 
 
 @dataclass
+class EvalConfig:
+    every: int = 0
+    """Evaluate the loss on held-out sequences every this many steps and after the last step (0: never).
+    Under any layout it equals the loss the reference strategy computes on the same sequences."""
+    source: str = ""
+    """The held-out corpus (the forms data.source takes; read with data.tokenizer, packed to data.seq_len);
+    empty: hold out the last eval.fraction of data.source's packed sequences instead."""
+    fraction: float = 0.05
+    """With eval.source empty: the share of data.source's packed sequences (its last ones) held out and never
+    trained on (a document crossing the boundary is split between the two)."""
+    sequences: int = 16
+    """Sequences each evaluation reads: the first ones of the held-out split, the same every time; a multiple
+    of the data-parallel groups x train.micro_batch."""
+
+
+@dataclass
 class LogConfig:
     run_dir: str = ""
     """Where metrics.jsonl, TensorBoard events and plots go; empty means runs/<UTC timestamp>."""
@@ -210,6 +226,8 @@ class Config:
     """AdamW and its schedule."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpointing."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Held-out evaluation."""
     log: LogConfig = field(default_factory=LogConfig)
     """Metrics and plots."""
 
@@ -345,11 +363,11 @@ def validate(config: Config, world: int | None = None, local_world: int | None =
     p, t, d = config.parallel, config.train, config.data
     world = world or p.nproc
     _positive(config, ["parallel.nproc", "parallel.attention_head_chunks", "parallel.llep_min_chunk", "train.max_skipped_steps", "log.progress_every",
-                       "parallel.timeout_s", "checkpoint.stop_grace_s",
+                       "parallel.timeout_s", "checkpoint.stop_grace_s", "eval.sequences",
                        "parallel.llep_chunks", "data.seq_len",
                        "train.steps", "train.global_batch", "train.micro_batch", "checkpoint.keep"])
     _at_least_zero(config, ["train.seed", "train.grad_clip", "optim.lr", "optim.warmup_steps", "optim.weight_decay",
-                            "optim.eps", "checkpoint.every"])
+                            "optim.eps", "checkpoint.every", "eval.every"])
     if not 0 <= config.optim.min_lr_ratio <= 1:
         raise ConfigError("optim.min_lr_ratio", f"must be in [0, 1], got {config.optim.min_lr_ratio}")
     for key in ("beta1", "beta2"):
@@ -386,7 +404,16 @@ def validate(config: Config, world: int | None = None, local_world: int | None =
     if t.global_batch % (groups * t.micro_batch):
         raise ConfigError("train.global_batch", f"{t.global_batch} must be a multiple of data groups ({groups}) x "
                           f"train.micro_batch ({t.micro_batch}); e.g. {groups * t.micro_batch}")
+    _check_eval(config.eval, groups * t.micro_batch)
     return config
+
+
+def _check_eval(e: EvalConfig, unit: int) -> None:
+    if not 0 < e.fraction < 1:
+        raise ConfigError("eval.fraction", f"must be in (0, 1), got {e.fraction}")
+    if e.every and e.sequences % unit:
+        raise ConfigError("eval.sequences", f"{e.sequences} must be a multiple of data groups x train.micro_batch "
+                          f"({unit}); e.g. {max(1, e.sequences // unit) * unit}")
 
 
 # Settings that switch on one of mop's own techniques, with their off value and why the fsdp2

@@ -84,11 +84,11 @@ def plot_run(metrics_path: Path, png_path: Path) -> None:
     import matplotlib.pyplot as plt
 
     records = read_metrics(metrics_path)
-    steps = [r["step"] for r in records]
     present = set().union(*records)  # a resumed run may have changed layout midway
     memory = ["peak_mem_bytes", "mem_param_shards_bytes", "mem_grad_shards_bytes", "mem_optimizer_state_bytes",
               "mem_offloaded_activations_bytes"]
-    panels = [("training loss", "loss", ["loss"]), ("throughput", "tokens/s", ["tokens_per_s"]),
+    panels = [("loss", "loss", ["loss", "eval_loss"] if "eval_loss" in present else ["loss"]),
+              ("throughput", "tokens/s", ["tokens_per_s"]),
               ("memory, worst rank", "MiB", [key for key in memory if key in present])]
     if "rank_load_imbalance_before" in present:
         panels.append(("expert load, max/mean over ranks", "imbalance",
@@ -99,7 +99,9 @@ def plot_run(metrics_path: Path, png_path: Path) -> None:
     for ax, (title, unit, keys) in zip(axes[0], panels):
         for key in keys:
             scale = 2**20 if key.endswith("_bytes") else 1
-            ax.plot(steps, [r.get(key, float("nan")) / scale for r in records], label=key)
+            having = [r for r in records if key in r]  # evaluations run on some steps only
+            ax.plot([r["step"] for r in having], [r[key] / scale for r in having], label=key,
+                    marker="o" if len(having) < len(records) else None)
         ax.set(xlabel="step", ylabel=unit, title=title)
         if len(keys) > 1:
             ax.legend(fontsize=7)

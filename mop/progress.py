@@ -16,6 +16,7 @@ from __future__ import annotations
 import sys
 import time
 
+import torch
 from torch import nn
 from tqdm import tqdm
 
@@ -36,6 +37,8 @@ class StepProgress:
                 block.register_forward_hook(self._forward_done)
 
     def _forward_done(self, module, args, output) -> None:
+        if not torch.is_grad_enabled():  # an evaluation's forward is not part of a step
+            return
         self.bar.update(self.part)
         hidden = output[0]
         if hidden.requires_grad:

@@ -71,3 +71,21 @@ def smallest_node(local_world: int, device: torch.device) -> int:
     ranks = torch.tensor([local_world], device=device)
     dist.all_reduce(ranks, op=dist.ReduceOp.MIN)
     return int(ranks.item())
+
+
+def sum_over_ranks(values: list[float], runtime: Runtime, op=dist.ReduceOp.SUM) -> list[float]:
+    """`values` reduced (summed, or `op`) over all ranks (one all-reduce)."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=runtime.device)
+    if runtime.layout is not None:
+        dist.all_reduce(tensor, op=op, group=runtime.layout.world_group)
+    return tensor.tolist()
+
+
+def per_rank(values: list[float], runtime: Runtime) -> list[list[float]]:
+    """`values` of every rank, in rank order (one all-gather)."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=runtime.device)
+    if runtime.layout is None:
+        return [tensor.tolist()]
+    gathered = [torch.empty_like(tensor) for _ in range(runtime.world)]
+    dist.all_gather(gathered, tensor, group=runtime.layout.world_group)
+    return torch.stack(gathered).tolist()

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from mop import checkpoint
 from mop.build import TrainingRun, build_run
 from mop.config import Config, ConfigError
+from mop.evaluation import evaluate
 from mop.faults import Stopped, StopRequest, collective_timeout, quiet_exit_code
 from mop.flops import attended_keys, flops_per_token, peak_flops
 from mop.metrics import MetricsLogger, peak_memory_bytes, plot_run, reset_peak_memory
@@ -45,7 +46,7 @@ from mop.parallel.ulysses import reduce_router_stats
 from mop.parallel.vocab import replicated_parameters
 from mop.progress import StepProgress
 from mop.run_dir import shared_run_dir
-from mop.runtime import Runtime, setup_runtime
+from mop.runtime import Runtime, per_rank, setup_runtime, sum_over_ranks
 
 
 def clip_gradients(model: torch.nn.Module, max_norm: float, runtime: Runtime) -> float:
@@ -126,23 +127,6 @@ def expert_metrics(model: torch.nn.Module, runtime: Runtime, expert_ranks: int) 
 
 _WORST_KEYS = ("expert_load_imbalance", "rank_load_imbalance_before", "rank_load_imbalance_after")
 _SUM_KEYS = ("tokens_moved", "weight_bytes_moved", "llep_active")  # llep_active: layer passes that spilled
-
-
-def sum_over_ranks(values: list[float], runtime: Runtime, op=dist.ReduceOp.SUM) -> list[float]:
-    tensor = torch.tensor(values, dtype=torch.float64, device=runtime.device)
-    if runtime.layout is not None:
-        dist.all_reduce(tensor, op=op, group=runtime.layout.world_group)
-    return tensor.tolist()
-
-
-def per_rank(values: list[float], runtime: Runtime) -> list[list[float]]:
-    """`values` of every rank, in rank order (one all-gather)."""
-    tensor = torch.tensor(values, dtype=torch.float64, device=runtime.device)
-    if runtime.layout is None:
-        return [tensor.tolist()]
-    gathered = [torch.empty_like(tensor) for _ in range(runtime.world)]
-    dist.all_gather(gathered, tensor, group=runtime.layout.world_group)
-    return torch.stack(gathered).tolist()
 
 
 def step_memory(runtime: Runtime, offload_store) -> dict:
@@ -346,13 +330,16 @@ def _train(config: Config, runtime: Runtime, stop: StopRequest) -> list[dict]:
                   **step_memory(runtime, run.offload_store), **state_memory,
                   **expert_metrics(run.model, runtime, config.parallel.expert)}
         record.update(skips.count(step, outcome["skipped"]))
+        done = step + 1
+        if run.held_out is not None and (done % config.eval.every == 0 or done == config.train.steps):
+            record["eval_loss"] = evaluate(run)
         records.append(record)
         progress.step_done(step, loss=f"{losses['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                           **({"eval": f"{record['eval_loss']:.4f}"} if "eval_loss" in record else {}),
                            **({"skipped": record["skipped_steps"]} if record["skipped_steps"] else {}))
         if logger is not None:
             logger.log(record)
         skips.check(checkpoint.checkpoint_dir(config, run_dir))
-        done = step + 1
         signum = stop.agreed(runtime.layout.world_group if runtime.layout else None, runtime.device)
         if signum is not None and done < config.train.steps:
             stopped = Stopped(signum, done, config.train.steps, save(run, run_dir, done), run_dir)
@@ -370,6 +357,10 @@ def _train(config: Config, runtime: Runtime, stop: StopRequest) -> list[dict]:
             plot_run(logger.path, run_dir / "loss.png")
         if records and skips.total:
             print(f"mop: {skips.total} step(s) skipped for non-finite gradients")
+        evaluated = [r for r in records if "eval_loss" in r]
+        if evaluated:
+            print(f"mop: held-out loss {evaluated[-1]['eval_loss']:.4f} after step {evaluated[-1]['step'] + 1} "
+                  f"({config.eval.sequences} sequences)")
         if records:
             per_param = ", ".join(f"{kind} {state_memory[f'device_bytes_per_param_{kind}']:g}"
                                   for kind in ("weights", "gradients", "optimizer"))
