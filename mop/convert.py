@@ -51,6 +51,7 @@ def run(args) -> None:
 def export(path: Path, out: Path, model_type: str | None, dtype: torch.dtype) -> None:
     if not (path / checkpoint.META).is_file():
         raise ConfigError(str(path), f"is not a complete mop checkpoint (no {checkpoint.META}); pass a step_<N> directory")
+    make_directory(out, out)
     model = empty_model(ModelConfig(**checkpoint.read_meta(path)["config"]["model"]), torch.float32)
     checkpoint.load(path, model, None, None, checkpoint.GlobalViews(model, None), with_optimizer=False)
     save_hf(model, out, dtype=dtype, model_type=model_type)
@@ -62,10 +63,19 @@ def import_hf(hf_dir: Path, path: Path) -> None:
         raise ConfigError(str(path), "already exists; choose a new checkpoint directory")
     with HFWeights(hf_dir) as weights:  # checks keys and shapes; reads no tensor data
         cfg, fingerprint = weights.cfg, weights.fingerprint()
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_directory(path.parent, path)
     checkpoint.save_hf_import(path, hf_dir, fingerprint, Config(model=cfg))
     (path / "model.toml").write_text(model_toml(cfg))
     print(f"mop: wrote {path}; fine-tune with: mop train {path / 'model.toml'} --checkpoint.resume={path}")
+
+
+def make_directory(directory: Path, named: Path) -> None:
+    """Create `directory` (and its parents); if that fails, one line naming `named`, the path asked for."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(str(named), f"cannot be created ({err.strerror or err}: {err.filename}); "
+                          "choose a directory this user can create and write") from None
 
 
 def model_toml(cfg: ModelConfig) -> str:

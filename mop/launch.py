@@ -35,6 +35,8 @@ def launch(config: Config) -> list[dict]:
     # The launcher's own log of a failed rank is a traceback of its process pool, not of the rank:
     # a rank's user error is already one line (`worker`), and `mop.cli` names any other failure.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    # And the process pool's warning on each rank it terminates because another one failed.
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.CRITICAL)
     results = elastic_launch(launch_config, worker)(config)
     return results[0]
 
