@@ -62,6 +62,7 @@ from mop.parallel.materialize import write_rows
 from mop.parallel.views import GlobalViews
 
 META = "mop.json"
+META_KEYS = {"step", "data", "config", "has_optimizer"}  # what every mop.json holds
 PARTIAL = ".partial"
 TOKENIZER = "tokenizer"
 
@@ -196,9 +197,22 @@ def resolve_resume(config: Config, run_dir: Path | None) -> Path | None:
 
 def read_meta(path: Path) -> dict:
     try:
-        return json.loads((path / META).read_text())
+        meta = json.loads((path / META).read_text())
     except (OSError, ValueError) as err:
         raise damaged(path, err) from None
+    missing = _missing_meta(meta)
+    if missing:
+        raise damaged(path, ValueError(f"{META} lacks {', '.join(missing)}"))
+    return meta
+
+
+def _missing_meta(meta) -> list[str]:
+    """The entries every `mop.json` holds that `meta` lacks."""
+    if not isinstance(meta, dict):
+        return sorted(META_KEYS)
+    config = meta.get("config")
+    has_model = isinstance(config, dict) and isinstance(config.get("model"), dict)
+    return sorted(META_KEYS - meta.keys()) + ([] if has_model else ["config.model"])
 
 
 def damaged(path: Path, err: BaseException) -> ConfigError:

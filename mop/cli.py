@@ -37,9 +37,17 @@ def config_reference() -> str:
     return "\n".join(lines)
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """A usage error is one line too (argparse would print the usage first), pointing at the help;
+    sub-commands inherit it."""
+
+    def error(self, message: str):
+        self.exit(2, f"mop: error: {message}; see {self.prog} --help\n")
+
+
 def build_parser(benchmark: str | None = None) -> argparse.ArgumentParser:
     """The command line; `benchmark`: the one `mop bench` runs, whose module (and arguments) alone is loaded."""
-    parser = argparse.ArgumentParser(prog="mop", description="Mixture-of-Parallelisms training stack for MoE models.")
+    parser = OneLineParser(prog="mop", description="Mixture-of-Parallelisms training stack for MoE models.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     train_parser = commands.add_parser(
         "train", help="train a model (no arguments: the tiny debug model on the shipped corpus)",

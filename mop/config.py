@@ -312,11 +312,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     config = Config()
     if path is not None:
         path = Path(path)
+        if not path.is_file() and "=" in path.name:
+            raise ConfigError(str(path), "is not a config file; settings look like --section.key=value, e.g. --train.steps=20")
         if not path.is_file():
             raise ConfigError(str(path), "config file not found; pass an existing .toml file, e.g. configs/debug.toml")
         try:
-            apply(config, tomllib.loads(path.read_text()))
-        except tomllib.TOMLDecodeError as err:
+            apply(config, tomllib.loads(path.read_text(encoding="utf-8")))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:  # TOML is UTF-8 text
             raise ConfigError(str(path), f"is not valid TOML ({err})") from None
     for arg in overrides:
         section, key, text = parse_override(arg)

@@ -73,7 +73,7 @@ def export(path: Path, out: Path, model_type: str | None, dtype: str | None) -> 
     meta = checkpoint.read_meta(path)
     model = empty_model(ModelConfig(**meta["config"]["model"]), torch.float32)
     checkpoint.load(path, model, None, None, checkpoint.GlobalViews(model, None), with_optimizer=False)
-    out.mkdir(parents=True, exist_ok=True)
+    make_directory(out, out)
     token_ids = export_tokenizer(path, meta, out)
     save_hf(model, out, dtype=DTYPES[dtype or meta["config"]["train"]["dtype"]], model_type=model_type,
             token_ids=token_ids)
@@ -110,7 +110,7 @@ def import_hf(hf_dir: Path, path: Path, tokenizer_spec: str | None, eos_token: s
     tokenizer = import_tokenizer(hf_dir, tokenizer_spec, eos_token, cfg.vocab_size)
     own = "byte" if tokenizer.kind == "byte" else str(path.resolve() / checkpoint.TOKENIZER)
     config = Config(model=cfg, data=DataConfig(tokenizer=own, eos_token=eos_token or ""))
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_directory(path.parent, path)
     checkpoint.save_hf_import(path, hf_dir, fingerprint, config, tokenizer)
     (path / "model.toml").write_text(config_toml(config))
     print(f"mop: wrote {path} (tokenizer {tokenizer.name}); fine-tune with: "
@@ -143,3 +143,12 @@ def config_toml(config: Config) -> str:
     sections = {"model": asdict(config.model), "data": data}
     return "\n".join(f"[{name}]\n" + "".join(f"{key} = {json.dumps(value)}\n" for key, value in values.items())
                      for name, values in sections.items())
+
+
+def make_directory(directory: Path, named: Path) -> None:
+    """Create `directory` (and its parents); if that fails, one line naming `named`, the path asked for."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(str(named), f"cannot be created ({err.strerror or err}: {err.filename}); "
+                          "choose a directory this user can create and write") from None

@@ -27,12 +27,15 @@ def resolve_run_dir(config: Config) -> Path:
     """
     run_dir = Path(config.log.run_dir or Path("runs") / datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S"))
     checkpoints = checkpoint.checkpoint_dir(config, run_dir)
-    held = (run_dir / "metrics.jsonl").exists() or bool(checkpoint.complete_checkpoints(checkpoints))
+    has_metrics = (run_dir / "metrics.jsonl").exists()
+    held = has_metrics or bool(checkpoint.complete_checkpoints(checkpoints))
     if not held:
         return writable(run_dir, "log.run_dir", checkpoints)
     resume = config.checkpoint.resume
     if not (config.log.overwrite or resume):
-        raise ConfigError("log.run_dir", f"{run_dir} already holds a run; choose another directory, pass "
+        # The setting whose directory holds the run: checkpoint.dir when only its checkpoints are there.
+        key, holder = ("log.run_dir", run_dir) if has_metrics or not config.checkpoint.dir else ("checkpoint.dir", checkpoints)
+        raise ConfigError(key, f"{holder} already holds a run; choose another directory, pass "
                           "--log.overwrite=true (the old run is moved aside), or resume it with "
                           "--checkpoint.resume=latest")
     resumed = checkpoint.resolve_resume(config, run_dir) if resume else None

@@ -33,6 +33,11 @@ def epoch_seed(seed: int, epoch: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+# Each part of a stream's state and the setting that decides it (the corpus: its source and tokenizer).
+_STATE_SETTINGS = {"seed": "train.seed", "seq_len": "data.seq_len", "num_sequences": "data.source",
+                   "fingerprint": "data.source"}
+
+
 class SequenceStream:
     """Maps positions of the infinite permuted stream to sequence indices; see module docstring."""
 
@@ -82,11 +87,11 @@ class SequenceStream:
                 "num_sequences": self.num_sequences, "fingerprint": self.fingerprint}
 
     def load_state_dict(self, state: dict) -> None:
-        for key in ("seed", "seq_len", "num_sequences", "fingerprint"):
+        for key, setting in _STATE_SETTINGS.items():
             if state[key] != getattr(self, key):
                 raise DataError(
-                    f"cannot resume: the checkpoint's data stream has {key} = {state[key]!r} but "
-                    f"this run has {getattr(self, key)!r}; resume with the same seed, data.source, "
+                    f"{setting}: cannot resume: the checkpoint's data stream has {key} = {state[key]!r} but "
+                    f"this run has {getattr(self, key)!r}; resume with the same train.seed, data.source, "
                     "data.tokenizer and data.seq_len, or start a new run"
                 )
         self.position = int(state["position"])

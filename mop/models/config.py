@@ -7,7 +7,9 @@ for the model code, the HF converters and the memory planner. Presets for real m
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+
+_TYPES = {"int": int, "float": (int, float), "bool": bool}  # the field types, as annotations spell them
 
 
 @dataclass
@@ -55,7 +57,9 @@ class ModelConfig:
 
     def validate(self) -> list[tuple[str, str]]:
         """Problems as (key, message) pairs; empty when the shape is buildable."""
-        problems = []
+        problems = self._wrong_types()
+        if problems:
+            return problems
         for key in ("vocab_size", "hidden", "layers", "heads", "kv_heads", "head_dim", "experts", "top_k"):
             if getattr(self, key) < 1:
                 problems.append((key, f"must be >= 1, got {getattr(self, key)}"))
@@ -81,6 +85,16 @@ class ModelConfig:
         for key in ("init_std", "norm_eps", "rope_theta"):
             if getattr(self, key) <= 0:
                 problems.append((key, f"must be > 0, got {getattr(self, key)}"))
+        return problems
+
+    def _wrong_types(self) -> list[tuple[str, str]]:
+        """Values that are not of their field's type (a float field takes an int too; a bool is no int):
+        possible from a hand-written config.json, whose values no TOML type check has seen."""
+        problems = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) != (f.type == "bool") or not isinstance(value, _TYPES[f.type]):
+                problems.append((f.name, f"expects {f.type}, got {type(value).__name__} {value!r}"))
         return problems
 
     @property

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from mop.models.config import ModelConfig
@@ -170,9 +170,13 @@ def _read_config(path: Path) -> dict:
 
 def _read_json(file: Path) -> dict:
     try:
-        return json.loads(file.read_text())
-    except json.JSONDecodeError as error:
+        data = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise HFConversionError(f"{file}: invalid JSON ({error}); re-download or re-save the checkpoint") from None
+    if not isinstance(data, dict):
+        raise HFConversionError(f"{file}: holds a JSON {type(data).__name__}, not an object; re-download or re-save "
+                                "the checkpoint")
+    return data
 
 
 def _required(hf: dict, key: str):
@@ -388,7 +392,10 @@ def _open_checkpoint(path: Path, stack: ExitStack) -> dict[str, tuple]:
     if (path / SINGLE_FILE).is_file():
         files = [path / SINGLE_FILE]
     elif (path / INDEX_FILE).is_file():
-        files = [path / name for name in sorted(set(_read_json(path / INDEX_FILE)["weight_map"].values()))]
+        weight_map = _read_json(path / INDEX_FILE).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise HFConversionError(f"{path / INDEX_FILE}: has no weight_map; re-download or re-save the checkpoint")
+        files = [path / name for name in sorted(set(weight_map.values()))]
     else:
         raise HFConversionError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE}; mop reads safetensors checkpoints only "
                                 "(re-save .bin weights with save_pretrained)")
@@ -396,7 +403,10 @@ def _open_checkpoint(path: Path, stack: ExitStack) -> dict[str, tuple]:
     for file in files:
         if not file.is_file():
             raise HFConversionError(f"{path / INDEX_FILE}: lists {file.name}, which is missing; download every shard")
-        handle = stack.enter_context(safe_open(file, framework="pt"))
+        try:
+            handle = stack.enter_context(safe_open(file, framework="pt"))
+        except (SafetensorError, OSError) as error:
+            raise HFConversionError(f"{file}: not a readable safetensors file ({error}); re-download or re-save it") from None
         for key in handle.keys():
             if key in tensors:
                 raise HFConversionError(f"{file}: {key} is also in {tensors[key][1]}; the checkpoint is inconsistent")
