@@ -47,8 +47,13 @@ def held_out(config: Config, data: Data) -> tuple[Data, HeldOut | None]:
     if not e.every:
         return data, None
     if e.source:
-        tokens, doc_starts = load_token_stream(e.source, data.tokenizer, config.data.text_field, config.data.bin_dtype)
-        dataset, first, where = PackedDataset(tokens, doc_starts, config.data.seq_len), 0, "eval.source"
+        try:
+            tokens, doc_starts = load_token_stream(e.source, data.tokenizer, config.data.text_field,
+                                                   config.data.bin_dtype)
+            dataset = PackedDataset(tokens, doc_starts, config.data.seq_len)
+        except DataError as err:  # the sources' messages name the setting they read, data.source
+            raise DataError(str(err).replace("data.source", "eval.source")) from None
+        first, where = 0, "eval.source"
         available = len(dataset)
     else:
         total = data.stream.num_sequences

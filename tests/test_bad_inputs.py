@@ -14,6 +14,8 @@ Covered, one table row each:
   model's checkpoint, another data stream's, an import whose HF directory is gone or changed;
 - convert: usage errors, to-hf of a non-checkpoint or into an unwritable place, from-hf of a bad
   or incomplete HF directory (config.json, safetensors, index) or into an existing or unwritable place;
+- evaluation: held-out splits too small or leaving nothing to train on, a missing or too small
+  eval.source;
 - directory: log.run_dir / checkpoint.dir that cannot be written or already hold a run.
 
 Every case runs the real command line. Errors found before any rank starts run in-process
@@ -185,6 +187,11 @@ def rewrite_weights(hf: Path, keep: Callable[[str], bool] = lambda key: True) ->
     save_file({k: tensors[k] for k in sorted(tensors, reverse=True) if keep(k)}, hf / "model.safetensors")
 
 
+def without(directory: Path, name: str) -> Path:
+    (directory / name).unlink()
+    return directory
+
+
 def to_hf(s: Scene, checkpoint: Path, *options: str, out: Path | None = None) -> list[str]:
     return ["convert", "to-hf", str(checkpoint), str(out or s.path("out")), *options]
 
@@ -298,6 +305,11 @@ CONFIG = [
     case("unknown-key-in-file", lambda s: config_file(s, "[train]\nstpes = 3\n"), "train.stpes"),
     case("scalar-for-section", lambda s: config_file(s, "train = 3\n"), "train", "is a section"),
     case("override-without-value", lambda s: s.train("--train.steps"), "--train.steps", "--section.key=value"),
+    case("eval-fraction-out-of-range", lambda s: s.train("--eval.every=1", "--eval.fraction=1.5"), "eval.fraction"),
+    case("eval-sequences-not-a-multiple", lambda s: s.train("--eval.every=1", "--eval.sequences=3"),
+         "eval.sequences", "train.micro_batch"),
+    case("zero-collective-timeout", lambda s: s.train("--parallel.timeout_s=0"), "parallel.timeout_s", ">= 1"),
+    case("zero-stop-grace", lambda s: s.train("--checkpoint.stop_grace_s=0"), "checkpoint.stop_grace_s"),
     case("override-without-section", lambda s: s.train("--steps=3"), "--steps=3", "--section.key=value"),
     case("override-without-dashes", lambda s: s.train("train.steps=3"), "train.steps=3", "--section.key=value"),
 ]
@@ -342,6 +354,18 @@ TOKENIZER = [
     launched("vocab-above-model-launched", lambda s: s.launch(f"--data.tokenizer={tokenizer(s)}"), "model.vocab_size"),
 ]
 
+EVALUATION = [
+    case("eval-sequences-beyond-the-held-out-split", lambda s: s.train("--eval.every=1", "--eval.sequences=100000"),
+         "eval.sequences", "eval.fraction"),
+    case("eval-fraction-leaving-nothing-to-train", lambda s: s.train(
+        f"--data.source={s.write('small.txt', TEXT)}", "--eval.every=1", "--eval.fraction=0.99", "--eval.sequences=2"),
+         "eval.fraction"),
+    case("eval-source-missing", lambda s: s.train("--eval.every=1", f"--eval.source={s.path('held_out.txt')}"),
+         "eval.source", "held_out.txt"),
+    case("eval-source-too-small", lambda s: s.train("--eval.every=1", f"--eval.source={s.write('held.txt', 'tiny')}"),
+         "eval.source"),
+]
+
 CHECKPOINT = [
     case("resume-not-a-checkpoint", lambda s: s.train(f"--checkpoint.resume={s.write('empty/x', '').parent}"),
          "checkpoint.resume", "empty"),
@@ -367,6 +391,8 @@ CHECKPOINT = [
     case("resume-import-of-removed-hf-dir", lambda s: resume_import(s, shutil.rmtree), "checkpoint.resume", "hf"),
     case("resume-import-of-changed-hf-dir", lambda s: resume_import(s, rewrite_weights), "checkpoint.resume",
          "has changed"),
+    case("resume-import-with-another-tokenizer", lambda s: [*resume_import(s, lambda hf: None), "--data.tokenizer=byte"],
+         "data.tokenizer", "checkpoint.allow_tokenizer_change"),
 ]
 
 CONVERT = [
@@ -393,6 +419,8 @@ CONVERT = [
     case("from-hf-index-missing-shard", lambda s: hf_index(s, {"weight_map": {"model.norm.weight": "part-1.bin"}}),
          "part-1.bin", "missing"),
     case("from-hf-missing-tensor", hf_without_a_tensor, "model.norm.weight", "hf"),
+    case("from-hf-without-tokenizer", lambda s: from_hf(s, without(s.hf, "tokenizer.json")), "tokenizer.json",
+         "--tokenizer"),
     case("from-hf-into-existing", lambda s: from_hf(s, s.hf, into=s.write("taken/x", "").parent),
          "taken", "already exists"),
     case("from-hf-into-a-file", lambda s: from_hf(s, s.hf, into=blocker(s) / "imported"), "a-file"),
@@ -410,7 +438,7 @@ DIRECTORY = [
     launched("run-dir-holds-a-run-launched", lambda s: existing_run(s).launch(), "log.run_dir", "log.overwrite"),
 ]
 
-CASES = CONFIG + DATA + TOKENIZER + CHECKPOINT + CONVERT + DIRECTORY
+CASES = CONFIG + DATA + EVALUATION + TOKENIZER + CHECKPOINT + CONVERT + DIRECTORY
 
 
 def run_cli(argv: list[str]) -> int:
@@ -459,4 +487,4 @@ def test_bad_input_is_one_line_naming_it_with_exit_code_2(bad: Case, tmp_path, r
 
 def test_the_battery_covers_every_kind_of_input():
     assert len(CASES) >= 45 and len({c.id for c in CASES}) == len(CASES)
-    assert all((CONFIG, DATA, TOKENIZER, CHECKPOINT, CONVERT, DIRECTORY))
+    assert all((CONFIG, DATA, EVALUATION, TOKENIZER, CHECKPOINT, CONVERT, DIRECTORY))
