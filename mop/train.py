@@ -298,7 +298,10 @@ def train(config: Config) -> list[dict]:
             dist.destroy_process_group()
 
 
-def _train(config: Config, runtime: Runtime, stop: StopRequest) -> list[dict]:
+def _train(config: Config, runtime: Runtime, stop: StopRequest | None = None) -> list[dict]:
+    """The training loop of `train` (tests call it with a runtime of their own); `stop`: the stop
+    request it honours after each step (None: signals are not caught)."""
+    stop = stop or StopRequest()
     run_dir = shared_run_dir(config, runtime)
     run = build_run(config, runtime)
     state_memory = worst_rank_state(run)
