@@ -65,8 +65,9 @@ def held_out(config: Config, data: Data) -> tuple[Data, HeldOut | None]:
         stream = data.stream
         data = data._replace(stream=SequenceStream(first, stream.seed, stream.seq_len, stream.fingerprint))
     if available < e.sequences:
-        raise DataError(f"eval.sequences: {e.sequences} sequences are asked for but {where} holds {available} of "
-                        f"{config.data.seq_len} tokens; lower eval.sequences, or raise eval.fraction or add data")
+        raise DataError(f"eval.sequences: {e.sequences} sequences are asked for but {where} holds {available} "
+                        f"sequences of {config.data.seq_len} tokens; lower eval.sequences, or raise eval.fraction "
+                        "or add data")
     return data, HeldOut(dataset, list(range(first, first + e.sequences)))
 
 
