@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 import typing
 
 from mop.bench import BENCHMARKS
 from mop.bench import load as load_benchmark
 from mop.config import Config, field_docs, load_config, sections
-from mop.faults import Stopped
-from mop.launch import NOTHING_TO_TRAIN, USER_ERRORS, failed_launch, launch
+from mop.launch import RUN_ENDED, USER_ERRORS, failed_launch, launch, say_run_ended
 from mop.runtime import under_torchrun
-from mop.train import NothingToTrain, train
+from mop.train import train
 
 
 def config_reference() -> str:
@@ -90,17 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("bench", "convert"):
         if rest:
             parser.error(f"unrecognised arguments: {' '.join(rest)}")
-        if args.command == "bench":
-            try:
-                run_bench(args)
-            except USER_ERRORS as err:
-                print(f"mop: error: {err}", file=sys.stderr)
-                return 2
-            return 0
         from mop import convert
 
         try:
-            convert.run(args)
+            (run_bench if args.command == "bench" else convert.run)(args)
         except USER_ERRORS as err:
             print(f"mop: error: {err}", file=sys.stderr)
             return 2
@@ -116,13 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as err:
         print(f"mop: error: {err}", file=sys.stderr)
         return 2
-    except NothingToTrain as done:
-        print(f"mop: {done}", file=sys.stderr)
-        return NOTHING_TO_TRAIN
-    except Stopped as stopped:  # one process (the reference strategy or under torchrun)
-        if os.environ.get("RANK", "0") == "0":
-            print(f"mop: {stopped}", file=sys.stderr)
-        return stopped.exit_code
+    except RUN_ENDED as ended:  # one process (the reference strategy, or a rank under torchrun)
+        return say_run_ended(ended)
     except ChildFailedError as err:
         code, line = failed_launch(err.failures)
         if line:

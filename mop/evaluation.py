@@ -26,8 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from mop.config import Config
-from mop.data import Data, DataError, PackedDataset, SequenceStream, load_token_stream
-from mop.models.transformer import IGNORE_INDEX
+from mop.data import Data, DataError, PackedDataset, SequenceStream, count_targets, load_token_stream, to_device
 from mop.parallel.llep import drain_records
 from mop.runtime import sum_over_ranks
 
@@ -80,11 +79,10 @@ def evaluate(run) -> float:
         run.feed.before_forward()  # the blocks wait for their own updates in their forward pre-hooks
     with torch.no_grad(), run.autocast():
         for batch in batches:
-            batch = {key: value.to(runtime.device) if value is not None else None for key, value in batch.items()}
+            batch = to_device(batch, runtime.device)
             terms = run.model.loss_terms(batch["input_ids"], batch["labels"], batch["position_ids"],
                                          batch["document_ids"])
             ce_sum += terms.ce_sum.double()
     drain_records(run.model)
-    targets = sum(int((batch["labels"] != IGNORE_INDEX).sum()) for batch in batches)
-    ce, count = sum_over_ranks([ce_sum.item(), targets], runtime)
+    ce, count = sum_over_ranks([ce_sum.item(), count_targets(batches)], runtime)
     return ce / count

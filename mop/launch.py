@@ -27,7 +27,7 @@ from mop.train import NothingToTrain, train
 
 USER_ERRORS = (ConfigError, DataError, HFConversionError, LayoutError, NotImplementedError)
 ONE_LINE_ERRORS = (*USER_ERRORS, CollectiveTimeout)  # what a rank records for the launcher to print
-NOTHING_TO_TRAIN = 3  # the exit code of a resume with no step left to run
+RUN_ENDED = (NothingToTrain, Stopped)  # not errors: rank 0 says why, and the exit code is theirs
 
 
 def launch(config: Config) -> list[dict]:
@@ -65,10 +65,15 @@ def worker(config: Config) -> list[dict]:
     except ONE_LINE_ERRORS as err:
         ErrorHandler().record_exception(err)  # "<type>: <message>", read back by `failed_launch`
         raise SystemExit(2 if isinstance(err, USER_ERRORS) else 1) from None
-    except (NothingToTrain, Stopped) as done:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"mop: {done}", file=sys.stderr)
-        raise SystemExit(done.exit_code if isinstance(done, Stopped) else NOTHING_TO_TRAIN) from None
+    except RUN_ENDED as ended:
+        raise SystemExit(say_run_ended(ended)) from None
+
+
+def say_run_ended(ended: NothingToTrain | Stopped) -> int:
+    """Rank 0 (or the only process) says why the run ended early; returns the exit code."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"mop: {ended}", file=sys.stderr)
+    return ended.exit_code
 
 
 def failed_launch(failures: dict) -> tuple[int, str | None]:
@@ -84,6 +89,6 @@ def failed_launch(failures: dict) -> tuple[int, str | None]:
     if recorded:
         first = causes[recorded[0][1]]
         return first.exitcode, f"mop: error: {recorded_error(first, ONE_LINE_ERRORS)}"
-    if {f.exitcode for f in causes.values()} == {NOTHING_TO_TRAIN}:
-        return NOTHING_TO_TRAIN, None
+    if {f.exitcode for f in causes.values()} == {NothingToTrain.exit_code}:
+        return NothingToTrain.exit_code, None
     return 1, f"mop: error: {launch_failure(failures)}"

@@ -32,11 +32,12 @@ from torch.distributed.tensor import DTensor
 from mop import checkpoint
 from mop.build import TrainingRun, build_run
 from mop.config import Config, ConfigError
+from mop.data import count_targets, to_device
 from mop.evaluation import evaluate
 from mop.faults import Stopped, StopRequest, collective_timeout, quiet_exit_code
 from mop.flops import attended_keys, flops_per_token, peak_flops
 from mop.metrics import MetricsLogger, peak_memory_bytes, plot_run, reset_peak_memory
-from mop.models.transformer import IGNORE_INDEX, MoETransformer
+from mop.models.transformer import MoETransformer
 from mop.optim.host_adamw import HostAdamW
 from mop.optim.pipeline import GradientFeed
 from mop.optim.schedule import learning_rate
@@ -177,7 +178,7 @@ def forward_backward(model: MoETransformer, batches: list[dict], global_targets:
     if feed is not None:
         feed.before_forward()
     for index, batch in enumerate(batches):
-        batch = {key: value.to(runtime.device) if value is not None else None for key, value in batch.items()}
+        batch = to_device(batch, runtime.device)
         with autocast:
             terms, loss = micro_batch_objective(model, batch, global_targets, global_batch, runtime.layout)
         if feed is not None:
@@ -196,7 +197,7 @@ def train_step(run: TrainingRun, batches: list[dict]) -> dict:
     """Forward/backward over this rank's micro-batches of a step; returns the globally reduced
     losses and the step's model FLOPs (`mop.flops`)."""
     runtime = run.runtime
-    local_targets = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
+    local_targets = count_targets(batches)
     keys = sum(int(attended_keys(b["position_ids"]).sum()) for b in batches)
     tokens = sum(b["input_ids"].numel() for b in batches)
     global_targets, keys, tokens = sum_over_ranks([local_targets, keys, tokens], runtime)
@@ -220,7 +221,9 @@ def update(run: TrainingRun) -> dict:
 
 
 class NothingToTrain(Exception):
-    """A resume whose checkpoint already reached `train.steps` (exit code 3: not an error, no work)."""
+    """A resume whose checkpoint already reached `train.steps` (not an error, no work)."""
+
+    exit_code = 3
 
 
 def announce(config: Config, runtime: Runtime, run_dir: Path) -> None:

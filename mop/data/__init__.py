@@ -12,10 +12,12 @@ from mop.data.loader import (
     SequenceStream,
     build_data,
     collate,
+    count_targets,
     group_slice,
     load_batch,
     micro_batches,
     sequence_shard,
+    to_device,
 )
 from mop.data.packing import IGNORE_INDEX, ConcatTokens, PackedDataset, fingerprint, pack_documents
 from mop.data.sources import iter_documents, load_token_stream, read_bin, read_texts, source_files
@@ -33,6 +35,7 @@ __all__ = [
     "SequenceStream",
     "build_data",
     "collate",
+    "count_targets",
     "fingerprint",
     "group_slice",
     "iter_documents",
@@ -44,5 +47,6 @@ __all__ = [
     "read_bin",
     "read_texts",
     "sequence_shard",
+    "to_device",
     "source_files",
 ]

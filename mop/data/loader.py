@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 
 from mop.data.errors import DataError
-from mop.data.packing import PackedDataset, fingerprint
+from mop.data.packing import IGNORE_INDEX, PackedDataset, fingerprint
 from mop.data.sources import load_token_stream
 from mop.data.tokenizer import AnyTokenizer, load_tokenizer
 
@@ -124,6 +124,16 @@ def sequence_shard(batch: dict[str, torch.Tensor], index: int, parts: int) -> di
     """
     return {key: None if value is None else value.chunk(parts, dim=-1)[index].contiguous()
             for key, value in batch.items()}
+
+
+def count_targets(batches: list[dict[str, torch.Tensor]]) -> int:
+    """The labels of `batches` that count in the loss (not IGNORE_INDEX)."""
+    return sum(int((batch["labels"] != IGNORE_INDEX).sum()) for batch in batches)
+
+
+def to_device(batch: dict[str, torch.Tensor | None], device: torch.device) -> dict[str, torch.Tensor | None]:
+    """A collated micro-batch on `device` (absent entries stay None)."""
+    return {key: value.to(device) if value is not None else None for key, value in batch.items()}
 
 
 def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
