@@ -94,12 +94,20 @@ def grouped_gemm_applies(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch
 CUDA_GROUP_ROWS = 8
 
 
+def device_ints(values: list[int], device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A small host-built integer tensor on `device`, without waiting for the device.
+
+    `torch.tensor(values, device=cuda)` copies with `non_blocking=False`, which synchronises the
+    stream: every kernel queued before it must finish. A non-blocking copy from pageable memory
+    is staged by CUDA before it returns, so `values` may go away at once."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 def row_ranges(starts: list[int], lengths: list[int], device) -> torch.Tensor:
     """`cat([arange(s, s + n) for s, n in zip(starts, lengths)])`, expanded on `device` from the
-    per-range integers (no per-row host work, no device-to-host synchronisation)."""
+    per-range integers (no per-row host work, no wait for the device)."""
     total = sum(lengths)
-    start = torch.tensor(starts, dtype=torch.long, device=device)
-    length = torch.tensor(lengths, dtype=torch.long, device=device)
+    start, length = device_ints(starts, device), device_ints(lengths, device)
     shift = torch.repeat_interleave(start - (length.cumsum(0) - length), length, output_size=total)
     return shift + torch.arange(total, device=device)
 
@@ -130,7 +138,7 @@ def swiglu_experts(x_sorted: torch.Tensor, counts: list[int], w_gate_up: torch.T
 
 
 def _grouped_swiglu(x_sorted, counts: list[int], w_gate_up, w_down) -> torch.Tensor:
-    offsets = torch.tensor(counts, device=x_sorted.device).cumsum(0).to(torch.int32)
+    offsets = device_ints(counts, x_sorted.device).cumsum(0).to(torch.int32)
     gate, up = torch._grouped_mm(x_sorted, w_gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
     return torch._grouped_mm(F.silu(gate) * up, w_down.transpose(1, 2), offs=offsets)
 

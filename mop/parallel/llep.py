@@ -33,14 +33,13 @@ or compute no tokens.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from mop.models.moe import Experts, expert_order
+from mop.models.moe import Experts, device_ints, expert_order
 from mop.parallel.checkpointing import KeepsForwardOutputs
 from mop.parallel.comms import all_gather_rows, all_to_all
 from mop.parallel.llep_chunked import ChunkedExperts, ChunkJob, chunk_job
@@ -75,7 +74,7 @@ class LayerRoute:
     count_matrix: list[list[int]]
     loads: list[int]
     plan: Plan
-    routing: Routing
+    routing: Routing | None  # None when chunked: the `job` carries each chunk's
     exchange: Exchange
     job: ChunkJob | None
 
@@ -142,7 +141,8 @@ class ExpertParallel(KeepsForwardOutputs, nn.Module):
         else:
             route, kept_out = kept
             # The recomputed routing must be the forward's (checked on the device, no host sync).
-            torch._assert_async((counts == counts.new_tensor(route.count_matrix[self.rank])).all(),
+            forward_counts = device_ints(route.count_matrix[self.rank], counts.device, counts.dtype)
+            torch._assert_async((counts == forward_counts).all(),
                                 "the recomputed routing differs from the forward's")
         if route.job is not None:
             out = ChunkedExperts.apply(x, weights.reshape(-1), (self.w_gate_up, self.w_down), route.job, kept_out)
@@ -161,19 +161,19 @@ class ExpertParallel(KeepsForwardOutputs, nn.Module):
     def _route(self, count_matrix: list[list[int]], order: torch.Tensor, top_k: int, device) -> LayerRoute:
         loads = [sum(column) for column in zip(*count_matrix)]
         plan = self.options.plan(loads, self.ranks)
-        routing = build_routing(plan, count_matrix, self.rank, device=device)
-        exchange = self._exchange(plan, routing)
-        job = None
-        if self.options.chunks > 1:
+        if self.options.chunks > 1:  # each chunk's routing carries its own rows and token splits
+            exchange = self._exchange(plan, [], [])
             job = chunk_job(plan, self.options.chunks, count_matrix, self.rank, order, exchange, top_k)
-            routing = dataclasses.replace(routing, send_rows=None, compute_rows=None)  # the chunks carry their own
-        return LayerRoute(count_matrix, loads, plan, routing, exchange, job)
+            return LayerRoute(count_matrix, loads, plan, None, exchange, job)
+        routing = build_routing(plan, count_matrix, self.rank, device=device)
+        exchange = self._exchange(plan, routing.send_splits, routing.recv_splits)
+        return LayerRoute(count_matrix, loads, plan, routing, exchange, None)
 
-    def _exchange(self, plan: Plan, routing: Routing) -> Exchange:
+    def _exchange(self, plan: Plan, send_splits: list[int], recv_splits: list[int]) -> Exchange:
         transfers = plan.transfers()
         ship = [(expert - self.rank * self.per_rank, helper) for expert, owner, helper in transfers if owner == self.rank]
         receive = [(expert, owner) for expert, owner, helper in transfers if helper == self.rank]
-        return Exchange(routing.send_splits, routing.recv_splits, self.group, self.p2p_group, ship, receive)
+        return Exchange(send_splits, recv_splits, self.group, self.p2p_group, ship, receive)
 
     def _record(self, plan: Plan, loads: list[int], x: torch.Tensor) -> None:
         native = plan_ep(loads, self.ranks).rank_loads()

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from mop.models.moe import row_ranges, swiglu_experts
+from mop.models.moe import device_ints, row_ranges, swiglu_experts
 from mop.parallel.llep_plan import Plan
 
 
@@ -157,7 +157,7 @@ def finish_gradient_return(owned: tuple[torch.Tensor, torch.Tensor], exchange: E
     for work in works:
         work.wait()
     if exchange.ship:
-        local = torch.tensor([index for index, _ in exchange.ship], device=returned[0].device)
+        local = device_ints([index for index, _ in exchange.ship], returned[0].device)
         for param, grad in zip(owned, returned):
             add_to_grad(param, local, grad)
 

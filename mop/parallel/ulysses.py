@@ -155,7 +155,7 @@ class UlyssesAttention(KeepsForwardOutputs, nn.Module):
             for part, heads in zip(received.view(self.ranks, -1).split([batch * tokens * h * dim for h in mine], 1), mine))
         index = kv_index(plan.query[self.rank], plan.kv[self.rank], self.group_size)
         if index is not None:
-            index = index.to(k_heads.device)
+            index = index.to(k_heads.device, non_blocking=True)  # staged at once: no wait for the device
             k_heads, v_heads = k_heads.index_select(2, index), v_heads.index_select(2, index)
         return self.core(q_heads, k_heads, v_heads, documents)
 
