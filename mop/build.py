@@ -35,18 +35,17 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
 from mop.config import Config, ConfigError
 from mop.data import build_data, group_slice, load_batch, micro_batches, sequence_shard
 from mop.evaluation import HeldOut, held_out
-from mop.models.transformer import MoETransformer, initial_rows
+from mop.models.transformer import MoETransformer
 from mop.optim.host_adamw import HostAdamW
 from mop.optim.pipeline import GradientFeed
 from mop.parallel.baseline import parallelize_fsdp2
-from mop.parallel.materialize import materialize, write_rows
+from mop.parallel.materialize import initial_values, materialize, write_weights
 from mop.parallel.parallelize import apply_memory_options, compute_dtype, parallelize
 from mop.parallel.views import GlobalViews
 from mop.parallel.vocab import replicated_parameters
@@ -68,8 +67,10 @@ def build_optimizer(model: torch.nn.Module, config: Config) -> torch.optim.AdamW
     return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
 
 
-def build_model_shards(config: Config, runtime: Runtime) -> tuple[MoETransformer, GlobalViews]:
-    """This rank's parallelised model, its own shards allocated and initialised (module docstring, step 2)."""
+def build_model_shards(config: Config, runtime: Runtime,
+                       initialise: bool = True) -> tuple[MoETransformer, GlobalViews]:
+    """This rank's parallelised model, its own shards allocated and (unless `initialise` is False,
+    see `materialize`) initialised (module docstring, step 2)."""
     with torch.device("meta"):
         model = MoETransformer(config.model).to(storage_dtype(config))
     strategy = config.parallel.strategy
@@ -79,7 +80,8 @@ def build_model_shards(config: Config, runtime: Runtime) -> tuple[MoETransformer
         model = parallelize_fsdp2(model, runtime.layout, config)
     else:
         apply_memory_options(model, config, runtime.device)
-    views = materialize(model, runtime.layout, runtime.device, config.train.seed, config.model.init_std)
+    views = materialize(model, runtime.layout, runtime.device, config.train.seed, config.model.init_std,
+                        initialise)
     return model, views
 
 
@@ -171,16 +173,17 @@ def build_run(config: Config, runtime: Runtime) -> TrainingRun:
     if data.tokenizer.vocab_size > config.model.vocab_size:
         raise ConfigError("model.vocab_size", f"{config.model.vocab_size} is smaller than the tokenizer's "
                           f"{data.tokenizer.vocab_size} ids; set --model.vocab_size={data.tokenizer.vocab_size} or more")
-    model, views = build_model_shards(config, runtime)
+    # bf16 working weights with fp32 host masters: the masters take the fp32 initial values and the
+    # weights their rounding, one draw of each value.
+    masters_first = config.optim.offload and storage_dtype(config) != torch.float32
+    model, views = build_model_shards(config, runtime, initialise=not masters_first)
     optimizer = build_optimizer(model, config)
     host = feed = None
     if config.optim.offload:
         o = config.optim
         host = HostAdamW(optimizer.param_groups, betas=(o.beta1, o.beta2), eps=o.eps,
                          replicas=replicated_parameters(model))
-        if storage_dtype(config) != torch.float32:  # the masters from the fp32 values, not the rounded weights
-            initial = partial(initial_rows, seed=config.train.seed, std=config.model.init_std)
-            for param in model.parameters():
-                write_rows(param, views.local(param, host.state_of(param)["master"]), views, initial)
+        if masters_first:
+            write_weights(model, views, initial_values(config.train.seed, config.model.init_std), host)
         feed = GradientFeed(model, host)
     return TrainingRun(config, runtime, model, views, optimizer, host, feed, data, evaluation)

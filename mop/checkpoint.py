@@ -58,7 +58,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from mop.config import Config, ConfigError
 from mop.data.tokenizer import AnyTokenizer, describe
 from mop.models.hf import HFWeights
-from mop.parallel.materialize import write_rows
+from mop.parallel.materialize import write_weights
 from mop.parallel.views import GlobalViews
 
 META = "mop.json"
@@ -110,9 +110,8 @@ def save(directory: Path, step: int, model, optimizer, host, views: GlobalViews,
     try:
         return _save(directory, step, model, optimizer, host, views, data_state, config, keep, tokenizer)
     except (OSError, CheckpointException) as err:  # DCP's own exception is a BaseException
-        reason = (str(err).strip().splitlines() or [type(err).__name__])[-1][:200]
-        raise ConfigError("checkpoint.dir", f"{directory} cannot be written ({reason}); the checkpoints before "
-                          f"step {step} are intact: free space or fix permissions, then resume with "
+        raise ConfigError("checkpoint.dir", f"{directory} cannot be written ({_last_line(err)}); the checkpoints "
+                          f"before step {step} are intact: free space or fix permissions, then resume with "
                           "--checkpoint.resume=latest") from None
 
 
@@ -217,9 +216,13 @@ def _missing_meta(meta) -> list[str]:
 
 def damaged(path: Path, err: BaseException) -> ConfigError:
     """The one-line error for a checkpoint that cannot be read (corrupt, truncated, files missing)."""
-    reason = (str(err).strip().splitlines() or [type(err).__name__])[-1][:200]
-    return ConfigError("checkpoint.resume", f"{path} cannot be read ({reason}); it is damaged or incomplete: "
-                       "resume an earlier step_<N> of the same run, or start fresh")
+    return ConfigError("checkpoint.resume", f"{path} cannot be read ({_last_line(err)}); it is damaged or "
+                       "incomplete: resume an earlier step_<N> of the same run, or start fresh")
+
+
+def _last_line(err: BaseException) -> str:
+    """The gist of an I/O or DCP error for a one-line message: its last line, at most 200 characters."""
+    return (str(err).strip().splitlines() or [type(err).__name__])[-1][:200]
 
 
 def check_compatible(meta: dict, config: Config, path: Path) -> None:
@@ -249,12 +252,13 @@ def _label(record: dict) -> str:
     return "byte" if record["kind"] == "byte" else f"{record['name']} (sha256 {record['fingerprint'][:12]})"
 
 
-def load(path: Path, model, optimizer, host, views: GlobalViews, with_optimizer: bool = True) -> dict:
+def load(path: Path, model, optimizer, host, views: GlobalViews, with_optimizer: bool = True,
+         meta: dict | None = None) -> dict:
     """Load checkpoint `path` into the model (and the optimizer, if asked and the checkpoint has its
-    state) in place; returns its meta."""
-    meta = read_meta(path)
+    state) in place; returns its meta (`meta`: the one the caller has read already)."""
+    meta = meta or read_meta(path)
     if meta.get("hf_weights"):
-        _load_hf_weights(path, Path(meta["hf_weights"]), model, host, views)
+        _load_hf_weights(path, meta, model, host, views)
         return meta
     state = _state(model, optimizer, host, views, with_optimizer=with_optimizer and meta["has_optimizer"])
     try:
@@ -268,18 +272,15 @@ def load(path: Path, model, optimizer, host, views: GlobalViews, with_optimizer:
     return meta
 
 
-def _load_hf_weights(path: Path, source: Path, model, host, views: GlobalViews) -> None:
+def _load_hf_weights(path: Path, meta: dict, model, host, views: GlobalViews) -> None:
     """A Hugging Face import's weights (see `save_hf_import`): each rank reads its own rows, into
     the host masters when there is a host optimizer (then copied to the working weights)."""
+    source = Path(meta["hf_weights"])
     if not source.is_dir():
         raise ConfigError("checkpoint.resume", f"{path} imports the weights of {source}, which is not a directory "
                           "any more; restore it or import again with mop convert from-hf")
     with HFWeights(source) as weights:
-        if weights.fingerprint() != read_meta(path)["hf_fingerprint"]:
+        if weights.fingerprint() != meta["hf_fingerprint"]:
             raise ConfigError("checkpoint.resume", f"{source} has changed since it was imported into {path}; "
                               "import it again with mop convert from-hf")
-        for param in model.parameters():
-            target = views.local(param, host.state_of(param)["master"] if host is not None else None)
-            write_rows(param, target, views, weights.rows)
-    if host is not None:
-        host.working_from_masters()
+        write_weights(model, views, weights.rows, host)

@@ -35,6 +35,7 @@ from mop.config import Config, ConfigError, DataConfig
 from mop.data.tokenizer import COMPANION_FILES, AnyTokenizer, load_tokenizer
 from mop.models.config import ModelConfig
 from mop.models.hf import HFConversionError, HFWeights, empty_model, save_hf
+from mop.models.transformer import MoETransformer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 GENERATION_CONFIG = "generation_config.json"
@@ -71,8 +72,7 @@ def export(path: Path, out: Path, model_type: str | None, dtype: str | None) -> 
     if not (path / checkpoint.META).is_file():
         raise ConfigError(str(path), f"is not a complete mop checkpoint (no {checkpoint.META}); pass a step_<N> directory")
     meta = checkpoint.read_meta(path)
-    model = empty_model(ModelConfig(**meta["config"]["model"]), torch.float32)
-    checkpoint.load(path, model, None, None, checkpoint.GlobalViews(model, None), with_optimizer=False)
+    model = load_model(path, meta)
     make_directory(out, out)
     token_ids = export_tokenizer(path, meta, out)
     save_hf(model, out, dtype=DTYPES[dtype or meta["config"]["train"]["dtype"]], model_type=model_type,
@@ -100,6 +100,15 @@ def export_tokenizer(path: Path, meta: dict, out: Path) -> dict[str, int]:
            if record[f"{kind}_id"] is not None}
     (out / GENERATION_CONFIG).write_text(json.dumps(ids, indent=2) + "\n")
     return {key: value for key, value in ids.items() if key != "pad_token_id"}
+
+
+def load_model(path: Path, meta: dict | None = None) -> MoETransformer:
+    """The whole model of checkpoint `path` in one process, in fp32, without optimizer state
+    (`meta`: its mop.json, when already read)."""
+    meta = meta or checkpoint.read_meta(path)
+    model = empty_model(ModelConfig(**meta["config"]["model"]), torch.float32)
+    checkpoint.load(path, model, None, None, checkpoint.GlobalViews(model, None), with_optimizer=False, meta=meta)
+    return model
 
 
 def import_hf(hf_dir: Path, path: Path, tokenizer_spec: str | None, eos_token: str | None) -> None:

@@ -30,7 +30,7 @@ def resolve_run_dir(config: Config) -> Path:
     has_metrics = (run_dir / "metrics.jsonl").exists()
     held = has_metrics or bool(checkpoint.complete_checkpoints(checkpoints))
     if not held:
-        return writable(run_dir, "log.run_dir", checkpoints)
+        return writable(run_dir, checkpoints)
     resume = config.checkpoint.resume
     if not (config.log.overwrite or resume):
         # The setting whose directory holds the run: checkpoint.dir when only its checkpoints are there.
@@ -42,13 +42,13 @@ def resolve_run_dir(config: Config) -> Path:
     if resumed is None or resumed.parent.resolve() != checkpoints.resolve():
         aside = _move_aside(run_dir, checkpoints)
         print(f"mop: the earlier run in {run_dir} was moved to {aside}")
-    return writable(run_dir, "log.run_dir", checkpoints)
+    return writable(run_dir, checkpoints)
 
 
-def writable(run_dir: Path, key: str, checkpoints: Path) -> Path:
+def writable(run_dir: Path, checkpoints: Path) -> Path:
     """`run_dir`, once it and the checkpoint directory are known to be writable: checked before
     training starts, not at the first save hours later."""
-    for directory, setting in ((run_dir, key), (checkpoints, "checkpoint.dir")):
+    for directory, setting in ((run_dir, "log.run_dir"), (checkpoints, "checkpoint.dir")):
         try:
             directory.mkdir(parents=True, exist_ok=True)
             probe = directory / ".mop-write-test"

@@ -395,7 +395,7 @@ def resume(run: TrainingRun, run_dir: Path) -> int:
     meta = checkpoint.read_meta(path)
     checkpoint.check_compatible(meta, config, path)
     checkpoint.check_tokenizer(meta, run.data.tokenizer, config, path)
-    checkpoint.load(path, run.model, run.optimizer, run.host, run.views)
+    checkpoint.load(path, run.model, run.optimizer, run.host, run.views, meta=meta)
     if meta["data"] is not None:
         run.data.stream.load_state_dict(meta["data"])
     return meta["step"]

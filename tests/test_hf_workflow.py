@@ -15,8 +15,7 @@ from mop import checkpoint
 from mop.cli import main
 from mop.data import ByteTokenizer
 from mop.metrics import read_metrics
-from mop.models.config import ModelConfig
-from mop.models.hf import empty_model
+from mop.convert import load_model
 from test_data import SAMPLE, _train_bpe
 from test_hf import check_routing_is_unambiguous, hf_model, randomize
 from test_train import REFERENCE_LAYOUT, TINY
@@ -74,12 +73,6 @@ def fine_tune(imported, run_dir, corpus, *extra):
     return run_dir / "checkpoints" / f"step_{read_metrics(run_dir / 'metrics.jsonl')[-1]['step'] + 1}"
 
 
-def mop_from_checkpoint(path):
-    model = empty_model(ModelConfig(**checkpoint.read_meta(path)["config"]["model"]), torch.float32)
-    checkpoint.load(path, model, None, None, checkpoint.GlobalViews(model, None), with_optimizer=False)
-    return model
-
-
 def encodings(tokenizer):
     """The ids of TEXTS, from a transformers tokenizer or (by its tokenizer.json) a `tokenizers` one."""
     if isinstance(tokenizer, str):
@@ -104,7 +97,7 @@ def test_from_hf_fine_tune_to_hf_keeps_the_model_and_its_tokenizer(hf_dir, impor
     input_ids = torch.randint(0, 343, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         out_hf = hf(input_ids, output_router_logits=True)
-        torch.testing.assert_close(mop_from_checkpoint(step)(input_ids), out_hf.logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(load_model(step)(input_ids), out_hf.logits, atol=1e-5, rtol=1e-5)
         assert (out_hf.logits - original(input_ids).logits).abs().max() > 1e-3  # the fine-tune changed it
     check_routing_is_unambiguous(out_hf.router_logits, 2)
 

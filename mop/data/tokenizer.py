@@ -135,7 +135,7 @@ class HFTokenizer:
         vocab = self._tok.get_vocab(with_added_tokens=True)
         # Added tokens may sit above the base vocabulary with gaps, so count by the largest id.
         self.vocab_size = max(vocab.values()) + 1
-        config = self._read_config(path.parent / "tokenizer_config.json")
+        config = self._parse_config(path.parent / "tokenizer_config.json")
 
         eos_token = eos_token or _token_content(config.get("eos_token"))
         if eos_token is not None:
@@ -159,13 +159,15 @@ class HFTokenizer:
         pad = self._special(vocab, config.get("pad_token"), PAD_CANDIDATES)
         self.pad_id = self.eos_id if pad is None else pad
 
-    @staticmethod
-    def _read_config(path: Path) -> dict:
-        if not path.is_file():
+    def _parse_config(self, path: Path) -> dict:
+        """`tokenizer_config.json` from the bytes read with the other companion files (the config
+        used is the one checkpoints carry); {} without one."""
+        text = self._companions.get(path.name)
+        if text is None:
             return {}
         try:
-            config = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as e:
+            config = json.loads(text.decode("utf-8"))
+        except ValueError as e:  # UnicodeDecodeError is a ValueError
             raise DataError(f"data.tokenizer: cannot read {path} ({e}); fix or remove it") from None
         return config if isinstance(config, dict) else {}
 

@@ -381,9 +381,7 @@ def empty_model(cfg: ModelConfig, dtype: torch.dtype) -> MoETransformer:
     with torch.device("meta"):
         model = MoETransformer(cfg)
     model = model.to(dtype).to_empty(device="cpu")
-    if cfg.tie_embeddings:
-        # to_empty gives each module a fresh Parameter, which unties the head from the embedding.
-        model.lm_head.weight = model.embed.weight
+    model.tie_weights()  # to_empty gives each module a fresh Parameter, which unties the head
     return model
 
 

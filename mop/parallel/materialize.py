@@ -31,19 +31,36 @@ RowSource = Callable[[str, torch.Size, int, int], torch.Tensor]
 
 
 def materialize(model: MoETransformer, layout: DistLayout | None, device: torch.device, seed: int,
-                std: float) -> GlobalViews:
+                std: float, initialise: bool = True) -> GlobalViews:
     """Allocate `model`'s local tensors on `device` and initialise them (see the module docstring);
-    returns the model's global views."""
+    returns the model's global views. `initialise=False` only zeroes the padding rows: the caller
+    writes the real rows (the host optimizer's masters, then copied to the weights)."""
     model.to_empty(device=device)
     model.tie_weights()  # `to_empty` replaces plain parameters one module at a time
     views = GlobalViews(model, layout)
-    initial = partial(initial_rows, seed=seed, std=std)
     with torch.no_grad():
         for param in model.parameters():
-            write_rows(param, views.local(param), views, initial)
             padding = param.to_local() if hasattr(param, "to_local") else param
             padding[views.local(param).shape[0]:].zero_()
+    if initialise:
+        write_weights(model, views, initial_values(seed, std))
     return views
+
+
+def initial_values(seed: int, std: float) -> RowSource:
+    """The initial rows of every parameter (`initial_rows`), the same under any layout."""
+    return partial(initial_rows, seed=seed, std=std)
+
+
+def write_weights(model: MoETransformer, views: GlobalViews, rows: RowSource, host=None) -> None:
+    """Every parameter's local rows from `rows`: into the host optimizer's fp32 masters when there
+    is one (`host`, a HostAdamW), which are then copied to the working weights (a bf16 working
+    weight is its master rounded), else into the parameters themselves."""
+    for param in model.parameters():
+        master = host.state_of(param)["master"] if host is not None else None
+        write_rows(param, views.local(param, master), views, rows)
+    if host is not None:
+        host.working_from_masters()
 
 
 @torch.no_grad()
