@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mop.models.layers import compute_dtype_of
 
 
 @cache
@@ -165,7 +166,7 @@ def varlen_dtype(q: torch.Tensor) -> torch.dtype | None:
     must be bf16/fp16, the GPU Ampere or newer and the head dim a multiple of 8 up to 256."""
     if not q.is_cuda or _varlen_kernel() is None:
         return None
-    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else q.dtype
+    dtype = compute_dtype_of(q)
     head_dim = q.shape[-1]
     if dtype not in (torch.bfloat16, torch.float16) or head_dim % 8 or head_dim > 256:
         return None

@@ -23,6 +23,13 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+def compute_dtype_of(tensor: torch.Tensor) -> torch.dtype:
+    """The dtype an op on `tensor` computes in: autocast's where it is on for the tensor's device,
+    else the tensor's own."""
+    kind = tensor.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else tensor.dtype
+
+
 def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
     """cos/sin tables `[..., head_dim]` for the given (global) positions, half-split convention."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float) / head_dim))

@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from mop.models.layers import compute_dtype_of
 from mop.models.transformer import IGNORE_INDEX, LMHead
 from mop.parallel.mesh import DistLayout
 
@@ -63,14 +64,6 @@ class Ring:
         return incoming, dist.batch_isend_irecv(ops)
 
 
-def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
-    """The dtype the logits matmul runs in: autocast's where it is on (as `LMHead`'s `F.linear`
-    would run), else the hidden states'. Autograd runs the backward outside autocast, so the
-    forward's choice is saved and reused there."""
-    kind = hidden.device.type
-    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else hidden.dtype
-
-
 def _logits(hidden_block: torch.Tensor, shard: torch.Tensor, valid: int) -> torch.Tensor:
     logits = (hidden_block @ shard.t()).float()
     logits[:, valid:] = float("-inf")
@@ -90,7 +83,9 @@ class _RingCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, ring: Ring):
         tokens, rows = hidden.shape[0], weight.shape[0]
-        dtype = _compute_dtype(hidden)
+        # The logits matmul's dtype, as `LMHead`'s `F.linear` would run; autograd runs the backward
+        # outside autocast, so the forward's choice is saved and reused there.
+        dtype = compute_dtype_of(hidden)
         running_max = hidden.new_full((tokens,), float("-inf"), dtype=torch.float32)
         running_sum = hidden.new_zeros(tokens, dtype=torch.float32)
         target = hidden.new_zeros(tokens, dtype=torch.float32)
