@@ -181,7 +181,7 @@ def build_run(config: Config, runtime: Runtime) -> TrainingRun:
     host = feed = None
     if config.optim.offload:
         o = config.optim
-        host = HostAdamW(optimizer.param_groups, betas=(o.beta1, o.beta2), eps=o.eps,
+        host = HostAdamW(optimizer.param_groups, betas=(o.beta1, o.beta2), eps=o.eps, speculative=o.speculative,
                          replicas=replicated_parameters(model))
         if masters_first:
             write_weights(model, views, initial_values(config.train.seed, config.model.init_std), host)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import typing
 
@@ -57,6 +58,11 @@ def build_parser(benchmark: str | None = None) -> argparse.ArgumentParser:
     convert.add_arguments(commands.add_parser("convert", help="convert between mop checkpoints and Hugging Face "
                                               "model directories", description=convert.__doc__,
                                               formatter_class=argparse.RawDescriptionHelpFormatter))
+    from mop import plan
+
+    plan.add_arguments(commands.add_parser("plan", help="will a model fit a cluster at a context, with which layout "
+                                           "and how fast (MoP and FSDP-best)", description=plan.__doc__,
+                                           formatter_class=argparse.RawDescriptionHelpFormatter))
     bench_parser = commands.add_parser("bench", help="run a benchmark: prints a table and writes JSON")
     benchmarks = bench_parser.add_subparsers(dest="benchmark", required=True, metavar="NAME")
     for name, summary in BENCHMARKS.items():
@@ -69,11 +75,18 @@ def build_parser(benchmark: str | None = None) -> argparse.ArgumentParser:
 
 
 def run_train(config_path: str | None, overrides: list[str]) -> None:
-    config = load_config(config_path, overrides)
+    # Under torchrun the layout is checked against its world (several nodes), not parallel.nproc.
+    config = load_config(config_path, overrides, world=int(os.environ["WORLD_SIZE"]) if under_torchrun() else None)
     if under_torchrun() or config.parallel.strategy == "reference":
         train(config)
     else:
         launch(config)
+
+
+def run_plan(args) -> None:
+    from mop import plan
+
+    plan.show(args, plan.run(args))
 
 
 def run_bench(args) -> None:
@@ -85,13 +98,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(argv[1] if len(argv) > 1 and argv[0] == "bench" else None)
     args, rest = parser.parse_known_args(argv)
-    if args.command in ("bench", "convert"):
+    if args.command in ("bench", "convert", "plan"):
         if rest:
             parser.error(f"unrecognised arguments: {' '.join(rest)}")
         from mop import convert
 
         try:
-            (run_bench if args.command == "bench" else convert.run)(args)
+            {"bench": run_bench, "convert": convert.run, "plan": run_plan}[args.command](args)
         except USER_ERRORS as err:
             print(f"mop: error: {err}", file=sys.stderr)
             return 2

@@ -153,6 +153,11 @@ class OptimConfig:
     offload: Literal["auto", True, False] = "auto"
     """Keep fp32 master weights and moments in host memory and update them during the backward
     (mop's host optimizer). "auto": on under "mop", off otherwise."""
+    speculative: bool = True
+    """With the host optimizer: update each shard during the backward, before the global gradient norm is
+    known, keeping a rollback copy of its master and moments (12 host bytes per parameter; restored when
+    clipping applies). false: update once the norm is known, overlapped with the next forward only, without
+    the copies (what `mop plan` picks when host memory is the limit)."""
 
 
 @dataclass
@@ -307,8 +312,9 @@ def _override_value(config: Config, section: str, key: str, text: str) -> Any:
         return text
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
-    """Defaults, then the TOML file, then the command-line overrides; validated."""
+def load_config(path: str | Path | None = None, overrides: list[str] = (), world: int | None = None) -> Config:
+    """Defaults, then the TOML file, then the command-line overrides; validated for `world` ranks
+    (torchrun's world size when it started the process; None: parallel.nproc, the ranks mop launches)."""
     config = Config()
     if path is not None:
         path = Path(path)
@@ -323,7 +329,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     for arg in overrides:
         section, key, text = parse_override(arg)
         apply(config, {section: {key: _override_value(config, section, key, text)}})
-    validate(config)
+    validate(config, world)
     # Returned unresolved: the automatic settings are decided again for the world size the run
     # actually gets (under torchrun it is only known then).
     return config
@@ -402,6 +408,9 @@ def validate(config: Config, world: int | None = None, local_world: int | None =
         raise ConfigError("model.tie_embeddings", "tied embeddings need parallel.vocab=1; untie them or set "
                           "--parallel.vocab=1")
     _check_strategy_settings(config)
+    if not config.optim.speculative and not config.optim.offload:
+        raise ConfigError("optim.speculative", "applies to the host optimizer only; set --optim.offload=true or "
+                          "drop --optim.speculative=false")
     groups = world // p.sequence
     if t.global_batch % (groups * t.micro_batch):
         raise ConfigError("train.global_batch", f"{t.global_batch} must be a multiple of data groups ({groups}) x "

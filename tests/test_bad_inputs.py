@@ -16,7 +16,8 @@ Covered, one table row each:
   or incomplete HF directory (config.json, safetensors, index) or into an existing or unwritable place;
 - evaluation: held-out splits too small or leaving nothing to train on, a missing or too small
   eval.source;
-- directory: log.run_dir / checkpoint.dir that cannot be written or already hold a run.
+- directory: log.run_dir / checkpoint.dir that cannot be written or already hold a run;
+- plan: an unknown model, a bad model description (TOML or config.json), a bad cluster or context.
 
 Every case runs the real command line. Errors found before any rank starts run in-process
 (`mop.cli.main`, stderr read with `capfd`) in well under a second; those raised inside a rank
@@ -273,6 +274,8 @@ CONFIG = [
     case("beta-out-of-range", lambda s: s.train("--optim.beta2=1.0"), "optim.beta2", "[0, 1)"),
     case("min-lr-ratio-out-of-range", lambda s: s.train("--optim.min_lr_ratio=2"), "optim.min_lr_ratio"),
     case("odd-head-dim", lambda s: s.train("--model.head_dim=15"), "model.head_dim", "even"),
+    case("speculative-without-host-optimizer", lambda s: s.train("--optim.speculative=false"), "optim.speculative",
+         "--optim.offload=true"),
     case("kv-heads-not-dividing", lambda s: s.train("--model.heads=4", "--model.kv_heads=3"), "model.kv_heads"),
     case("top-k-above-experts", lambda s: s.train("--model.top_k=9"), "model.top_k", "model.experts"),
     case("batch-not-a-multiple", lambda s: s.train("--train.global_batch=6", "--train.micro_batch=4"),
@@ -438,7 +441,34 @@ DIRECTORY = [
     launched("run-dir-holds-a-run-launched", lambda s: existing_run(s).launch(), "log.run_dir", "log.overwrite"),
 ]
 
-CASES = CONFIG + DATA + EVALUATION + TOKENIZER + CHECKPOINT + CONVERT + DIRECTORY
+def plan(*options: str, model: str = "mop-120b") -> Callable[[Scene], list[str]]:
+    return lambda s: ["plan", model, "--nodes", "2", "--context", "128K", *options]
+
+
+def plan_of(s: Scene, name: str, content: str) -> list[str]:
+    """`mop plan` of a model description file of this content."""
+    return ["plan", str(s.write(name, content)), "--nodes", "1", "--context", "32K"]
+
+
+PLAN = [
+    case("plan-unknown-model", plan(model="no-such-model"), "MODEL", "mop-120b"),
+    case("plan-bad-context", plan("--context", "12Q"), "--context", "128K"),
+    case("plan-zero-nodes", lambda s: ["plan", "mop-120b", "--nodes", "0", "--context", "1M"], "--nodes", ">= 1"),
+    case("plan-missing-nodes", lambda s: ["plan", "mop-120b", "--context", "1M"], "--nodes"),
+    case("plan-unknown-gpu", plan("--gpu", "a100"), "--gpu", "h100"),
+    case("plan-mfu-above-one", plan("--mfu", "2"), "--mfu", "(0, 1]"),
+    case("plan-no-device-memory", plan("--device-gib", "0"), "--device-gib", "> 0"),
+    case("plan-reserve-everything", plan("--reserve-gib", "200"), "--reserve-gib"),
+    case("plan-skew-below-one", plan("--routing-skew", "0.5"), "--routing-skew"),
+    case("plan-no-context", lambda s: ["plan", "mop-120b", "--nodes", "2"], "--context", "--contexts"),
+    case("plan-bad-batch", plan("--global-batch", "-1"), "--global-batch"),
+    case("plan-toml-bad-model", lambda s: plan_of(s, "model.toml", "[model]\nhidden = 0\n"), "model.hidden", ">= 1"),
+    case("plan-config-json-unsupported", lambda s: plan_of(s, "config.json", '{"model_type": "llama"}'),
+         "config.json", "model_type"),
+    case("plan-config-json-broken", lambda s: plan_of(s, "config.json", "{not json"), "config.json"),
+]
+
+CASES = CONFIG + DATA + EVALUATION + TOKENIZER + CHECKPOINT + CONVERT + DIRECTORY + PLAN
 
 
 def run_cli(argv: list[str]) -> int:

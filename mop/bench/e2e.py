@@ -264,9 +264,9 @@ class Trainer:
     `backward()` then `update()` is one optimizer step of the trainer's own functions."""
 
     def __init__(self, config, rank: int, documents: str):
-        p = config.parallel
-        layout = DistLayout(Layout(WORLD, p.sequence, p.expert, p.vocab), torch.device("cpu"))
-        self.run = build_run(config, Runtime(rank, WORLD, layout.device, layout))
+        p = config.parallel  # the world is parallel.nproc ranks (WORLD in this benchmark)
+        layout = DistLayout(Layout(p.nproc, p.sequence, p.expert, p.vocab), torch.device("cpu"))
+        self.run = build_run(config, Runtime(rank, p.nproc, layout.device, layout))
         self.offload_store = self.run.offload_store
         self.host_gradients = HostGradients(self.run.model) if p.fsdp_cpu_offload else None
         self.optimizer_on_device = not (config.optim.offload or p.fsdp_cpu_offload)
@@ -314,19 +314,25 @@ class Trainer:
         return memory.peak_bytes, gradients
 
 
-def measure_rank(rank: int, world: int, settings: list[str], documents: str, budget_bytes: int, steps: int) -> dict:
-    """A warm-up step, a memory step, then `steps` timed steps if the worst rank fits the budget."""
-    trainer = Trainer(load_config(None, settings), rank, documents)
+def step_memory(trainer: Trainer) -> dict:
+    """A warm-up step, then a memory step: this rank's per-rank device memory (persistent state plus
+    the step's transient peak, "device") and its parts."""
     trainer.step()
     state = trainer.persistent_state()
     peak, gradients = trainer.step_peak()
-    device = state["parameters"] + state["optimizer_state"] + peak
-    worst = torch.tensor(device)
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     store = trainer.offload_store
-    result = {**state, "step_peak": peak, "gradients": gradients, "device": device,
-              "host_activations": store.peak_bytes if store else 0, "fits": worst.item() <= budget_bytes,
-              "seconds": None}
+    return {**state, "step_peak": peak, "gradients": gradients,
+            "device": state["parameters"] + state["optimizer_state"] + peak,
+            "host_activations": store.peak_bytes if store else 0}
+
+
+def measure_rank(rank: int, world: int, settings: list[str], documents: str, budget_bytes: int, steps: int) -> dict:
+    """A warm-up step, a memory step, then `steps` timed steps if the worst rank fits the budget."""
+    trainer = Trainer(load_config(None, settings), rank, documents)
+    result = step_memory(trainer)
+    worst = torch.tensor(result["device"])
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    result.update(fits=worst.item() <= budget_bytes, seconds=None)
     if result["fits"]:
         times = []
         for _ in range(steps):

@@ -1,0 +1,106 @@
+"""`mop plan MODEL --nodes N --gpus-per-node G --gpu {h100,h200} --context TOKENS [--json]`.
+
+Will a model fit on a cluster at a context, with which MoP layout, and how fast; and the same for
+the best FSDP2 configuration (the paper's FSDP-best). MODEL is a preset name (`configs/<name>.toml`:
+mop-120b, mop-600b, mop-1t, qwen3-235b-a22b, qwen3-30b-a3b, mixtral-8x7b), a TOML config (its
+`[model]` section) or a Hugging Face config.json (or its directory).
+
+Pieces: `mop.plan.memory` (per-rank device memory by the paper's Table 3 rows and host memory per
+node, from the trainer's own shape, dtype and option rules), `mop.plan.speed` (the roofline step
+time), `mop.plan.search` (the candidate layouts and the pick), `mop.plan.cluster` (node presets),
+`mop.plan.report` (tables and JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+from mop.config import ConfigError, load_config
+from mop.models.config import ModelConfig
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+_SIZE = re.compile(r"^(\d+)([KkMm]?)$")
+
+
+def presets() -> list[str]:
+    return sorted(p.stem for p in CONFIGS.glob("*.toml"))
+
+
+def load_model(spec: str) -> ModelConfig:
+    """A preset name, a TOML config or a Hugging Face config.json (or its directory)."""
+    path = Path(spec)
+    if path.suffix == ".toml" or (not path.exists() and (CONFIGS / f"{spec}.toml").is_file()):
+        return load_config(path if path.suffix == ".toml" else CONFIGS / f"{spec}.toml").model
+    if path.is_dir() or path.suffix == ".json":
+        from mop.models.hf import config_from_hf
+
+        return config_from_hf(path)
+    raise ConfigError("MODEL", f"{spec!r} is no preset, TOML config or config.json; presets: {', '.join(presets())}")
+
+
+def parse_tokens(text: str, option: str = "--context") -> int:
+    """'131072', '128K' or '1M' (K = 1024 tokens)."""
+    match = _SIZE.match(text.strip())
+    if not match or int(match.group(1)) < 1:
+        raise ConfigError(option, f"{text!r} is not a token count; write e.g. 131072, 128K or 1M")
+    return int(match.group(1)) * {"": 1, "k": 1024, "m": 1024**2}[match.group(2).lower()]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", metavar="MODEL", help=f"a preset ({', '.join(presets())}), a TOML config or a "
+                                                       "Hugging Face config.json")
+    parser.add_argument("--nodes", type=int, required=True)
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--gpu", default="h200", help="node preset: h100 or h200 (8 SXM GPUs, NVLink, 400G per GPU)")
+    parser.add_argument("--context", help="tokens per sequence: 131072, 128K, 1M")
+    parser.add_argument("--contexts", help="several contexts side by side (the paper's Table 1), e.g. 64K,128K,1M")
+    parser.add_argument("--global-batch", type=int, default=0,
+                        help="sequences per step (default: each layout's smallest, one per data group)")
+    parser.add_argument("--document-tokens", default="0",
+                        help="length of the packed documents, for the attention FLOPs (default: the context)")
+    parser.add_argument("--routing-skew", type=float, default=1.0,
+                        help="busiest expert rank's load / mean under plain EP (LLEP caps it at llep_alpha)")
+    parser.add_argument("--device-gib", type=float, help="memory per GPU (default: the preset's)")
+    parser.add_argument("--reserve-gib", type=float, help="device memory left out of the plan (default 6)")
+    parser.add_argument("--host-gib", type=float, help="host memory per node (default 2048)")
+    parser.add_argument("--nvlink-gbps", type=float, help="NVLink GB/s per GPU and direction, as reached")
+    parser.add_argument("--network-gbps", type=float, help="network GB/s per GPU and direction, as reached")
+    parser.add_argument("--host-link-gbps", type=float, help="GPU-host GB/s per direction, as reached")
+    parser.add_argument("--peak-tflops", type=float, help="bf16 dense peak TFLOP/s per GPU")
+    parser.add_argument("--mfu", type=float, help="share of the peak the model FLOPs run at (default 0.4)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+def run(args) -> dict:
+    from mop.plan.cluster import make_cluster
+    from mop.plan.report import plan_json
+    from mop.plan.search import plan
+
+    if bool(args.context) == bool(args.contexts):
+        raise ConfigError("--context", "give one context (--context 128K) or a list (--contexts 64K,128K,1M)")
+    contexts = ([parse_tokens(args.context)] if args.context else
+                [parse_tokens(c, "--contexts") for c in args.contexts.split(",")])
+    if args.global_batch < 0:
+        raise ConfigError("--global-batch", f"must be >= 0 (0: each layout's smallest), got {args.global_batch}")
+    if not args.routing_skew >= 1:
+        raise ConfigError("--routing-skew", f"must be >= 1 (1: balanced), got {args.routing_skew}")
+    documents = 0 if args.document_tokens == "0" else parse_tokens(args.document_tokens, "--document-tokens")
+    model = load_model(args.model)
+    cluster = make_cluster(args.gpu, args.nodes, args.gpus_per_node, device_gib=args.device_gib,
+                           reserve_gib=args.reserve_gib, host_gib=args.host_gib, nvlink_gbps=args.nvlink_gbps,
+                           network_gbps=args.network_gbps, host_link_gbps=args.host_link_gbps,
+                           peak_tflops=args.peak_tflops, mfu=args.mfu)
+    plans = [plan_json(context, plan(model, cluster, context, args.global_batch, args.routing_skew, documents))
+             for context in contexts]
+    return {"model": {"name": args.model, **vars(model)}, "cluster": vars(cluster) | {"world": cluster.world},
+            "assumptions": {"routing_skew": args.routing_skew, "document_tokens": documents or "context",
+                            "global_batch": args.global_batch or "one sequence per data group"},
+            "plans": plans}
+
+
+def show(args, results: dict) -> None:
+    from mop.plan.report import print_report
+
+    print_report(results, as_json=args.json)

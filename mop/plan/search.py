@@ -1,0 +1,232 @@
+"""Which layout: every legal MoP layout and every FSDP2 baseline configuration, scored.
+
+MoP candidates (`parallel.strategy = "mop"`, bf16, one sequence per data group and micro-batch
+unless the global batch holds more): D over the divisors of the world that divide the heads
+(Ulysses may cross nodes: at 1M tokens one node's 8 ranks can be too few), Ep and P over the
+divisors of a node's GPUs (expert and vocabulary groups stay on NVLink, as the runtime's automatic
+degrees do), attention head chunks and LLEP chunks in {1, 2, 4, 8}, activation checkpointing
+none / full / full + offload, the host optimizer on or off (torch AdamW on the device), and the
+micro-batch. Every candidate is a real `Config`, resolved and validated by `mop.config.validate`
+for the world size and a node's ranks, exactly as `mop train` checks it, so the chosen layout is
+one the trainer accepts.
+
+FSDP2 baseline candidates, the paper's Table 2 axes: context parallelism CP (Ulysses, the
+baseline's `parallel.sequence`), expert parallelism EP (standard, no LLEP), tensor parallelism TP
+(Megatron-style with sequence parallelism, which `mop train`'s fsdp2 strategy does not have: the
+planner models it, see `mop.plan.memory.shapes`), FSDP2's CPU offload, and activation
+checkpointing (without activation offload, which TorchTitan does not have); FSDP over the
+remaining ranks (W / (CP TP), TorchTitan's dp_shard).
+
+The pick: among the candidates whose device peak fits the GPU's budget and whose host memory
+fits the node, those within 2% of the highest predicted tokens/s/GPU (the roofline cannot tell
+them apart), and of those the one with the smallest device peak (the most headroom).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+
+from mop.config import Config, ConfigError, validate
+from mop.models.config import ModelConfig
+from mop.parallel.mesh import LayoutError
+from mop.plan.cluster import Cluster
+from mop.plan.memory import MemoryEstimate, estimate, parameter_counts, shapes
+from mop.plan.speed import StepTime, step_time
+
+CHUNKS = (1, 2, 4, 8)
+SPEED_RESOLUTION = 0.02
+MEMORY_OPTIONS = {"none": ("none", False), "ac": ("full", False), "ac+offload": ("full", True)}
+# (optim.offload, optim.speculative): the host optimizer with and without rollback copies, torch AdamW.
+OPTIMIZERS = {"host-optimizer": (True, True), "host-optimizer (no rollback copies)": (True, False),
+              "device-adamw": (False, True)}
+# The paper's FSDP-best sweeps activation checkpointing but not activation offload (TorchTitan has none).
+BASELINE_MEMORY_OPTIONS = {"none": ("none", False), "ac": ("full", False)}
+
+
+@dataclass
+class Candidate:
+    """One configuration with its predicted memory and speed."""
+
+    config: Config
+    tp: int
+    memory: MemoryEstimate
+    time: StepTime
+    cluster: Cluster
+
+    @property
+    def fits_device(self) -> bool:
+        return self.memory.peak_device_bytes <= self.cluster.budget_bytes
+
+    @property
+    def fits_host(self) -> bool:
+        return self.memory.host_bytes_per_node <= self.cluster.host_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.fits_device and self.fits_host
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.time.tokens / self.time.seconds
+
+    def settings(self) -> tuple:
+        p, t = self.config.parallel, self.config.train
+        o = self.config.optim
+        return (p.sequence, p.expert, p.vocab, p.attention_head_chunks, p.llep_chunks, self.tp, p.fsdp_cpu_offload,
+                t.activation_checkpointing, t.offload_activations, (o.offload, o.speculative), t.micro_batch)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def base_config(model: ModelConfig, context: int) -> Config:
+    config = Config(model=model)
+    config.data.seq_len = context
+    config.train.dtype = "bfloat16"
+    config.train.device = "cuda"
+    return config
+
+
+def _settle(config: Config, cluster: Cluster, global_batch: int, micro_batch: int) -> Config | None:
+    """The config with its batch set (one sequence per micro-batch and data group unless
+    `global_batch` is given), validated for the cluster; None when the trainer would refuse it."""
+    groups = cluster.world // config.parallel.sequence
+    config.train.micro_batch = micro_batch
+    config.train.global_batch = global_batch or groups * micro_batch
+    try:
+        return validate(config, world=cluster.world, local_world=cluster.gpus_per_node)
+    except (ConfigError, LayoutError):
+        return None
+
+
+def mop_configs(model: ModelConfig, cluster: Cluster, context: int, global_batch: int = 0):
+    world, node = cluster.world, cluster.gpus_per_node
+    for d in (d for d in _divisors(world) if model.heads % d == 0 and context % d == 0):
+        batches = [1] if not global_batch else [b for b in _divisors(max(1, global_batch * d // world)) if b <= 8]
+        for ep, vocab, head_chunks, llep_chunks, memory, optimizer, micro in itertools.product(
+                [e for e in _divisors(node) if model.experts % e == 0],
+                [1] if model.tie_embeddings else _divisors(node),
+                [c for c in CHUNKS if (model.heads // d) % c == 0 and (d > 1 or c == 1)],
+                CHUNKS, MEMORY_OPTIONS.values(), OPTIMIZERS.values(), batches):
+            if ep == 1 and llep_chunks > 1:
+                continue
+            config = base_config(model, context)
+            config.parallel = dataclasses.replace(
+                config.parallel, strategy="mop", nproc=node, sequence=d, expert=ep, vocab=vocab,
+                expert_balance="llep", attention_head_chunks=head_chunks, llep_chunks=llep_chunks)
+            config.train.activation_checkpointing, config.train.offload_activations = memory
+            config.optim.offload, config.optim.speculative = optimizer
+            settled = _settle(config, cluster, global_batch, micro)
+            if settled is not None:
+                yield settled, 1
+
+
+def fsdp2_configs(model: ModelConfig, cluster: Cluster, context: int, global_batch: int = 0):
+    world, node = cluster.world, cluster.gpus_per_node
+    for cp, ep, tp, offload, memory in itertools.product(
+            [d for d in _divisors(world) if model.heads % d == 0 and context % d == 0],
+            [e for e in _divisors(world) if model.experts % e == 0],
+            [t for t in _divisors(node) if model.heads % t == 0 and model.kv_heads % t == 0],
+            (False, True), BASELINE_MEMORY_OPTIONS.values()):
+        if world % (cp * tp) or ep * tp > world or (model.heads // tp) % cp:
+            continue
+        config = base_config(model, context)
+        config.parallel = dataclasses.replace(config.parallel, strategy="fsdp2", nproc=node, sequence=cp, expert=ep,
+                                              vocab=1, expert_balance="ep", fsdp_cpu_offload=offload)
+        config.train.activation_checkpointing, config.train.offload_activations = memory
+        config.optim.offload = False
+        settled = _settle(config, cluster, global_batch, 1)
+        if settled is not None:
+            yield settled, tp
+
+
+def evaluate(config: Config, cluster: Cluster, tp: int = 1, routing_skew: float = 1.0,
+             document_tokens: int = 0) -> Candidate:
+    p = config.parallel
+    memory = estimate(config, cluster.world, cluster.gpus_per_node, routing_skew, tp)
+    counts = parameter_counts(config.model, cluster.world, p.expert, p.vocab, tp)
+    time = step_time(config, cluster, shapes(config, cluster.world, routing_skew, tp), counts, tp, document_tokens)
+    return Candidate(config, tp, memory, time, cluster)
+
+
+@dataclass
+class Choice:
+    """The best candidate of one system (None when nothing fits) and why it is the best."""
+
+    best: Candidate | None
+    closest: Candidate | None  # the best, or when nothing fits the candidate nearest to fitting
+    binding: str
+    considered: int
+
+
+def choose(candidates: list[Candidate]) -> Choice:
+    """The fastest candidate that fits; among those within `SPEED_RESOLUTION` of it (closer than a
+    roofline can tell apart), the one with the smallest device peak."""
+    fitting = [c for c in candidates if c.fits]
+    fastest = max((c.tokens_per_s_per_gpu for c in fitting), default=0.0)
+    near = [c for c in fitting if c.tokens_per_s_per_gpu >= (1 - SPEED_RESOLUTION) * fastest]
+    best = min(near, key=lambda c: (c.memory.peak_device_bytes, -c.tokens_per_s_per_gpu), default=None)
+    closest = best or min(candidates, key=_overrun, default=None)
+    return Choice(best, closest, binding(best, candidates), len(candidates))
+
+
+def binding(best: Candidate | None, candidates: list[Candidate]) -> str:
+    """Why nothing faster was chosen: the fastest rejected layout and the limit it broke."""
+    faster = [c for c in candidates if not c.fits and (best is None or
+                                                       c.tokens_per_s_per_gpu > best.tokens_per_s_per_gpu)]
+    if best is None:
+        closest = min(candidates, key=_overrun, default=None)
+        return "no candidate" if closest is None else f"nothing fits: the closest layout ({describe(closest)}) needs " \
+            f"{_over(closest)}"
+    if not faster:
+        share = best.memory.peak_device_bytes / best.cluster.budget_bytes
+        return f"compute and communication: the fastest layout fits, at {share:.0%} of the device budget"
+    # the most telling rival: the fastest one that differs from the choice in one setting
+    mine = best.settings()
+    near = [c for c in faster if sum(a != b for a, b in zip(c.settings(), mine)) == 1]
+    rival = max(near or faster, key=lambda c: c.tokens_per_s_per_gpu)
+    return (f"memory: {describe(rival)} would run at {rival.tokens_per_s_per_gpu:.0f} tokens/s/GPU but needs "
+            f"{_over(rival)}")
+
+
+def _overrun(c: Candidate) -> float:
+    """How far a candidate is from fitting: its worse ratio of need to budget, device or host."""
+    return max(c.memory.peak_device_bytes / c.cluster.budget_bytes, c.memory.host_bytes_per_node / c.cluster.host_bytes)
+
+
+def _over(c: Candidate) -> str:
+    gib = 2**30
+    if not c.fits_device:
+        peak = c.memory.peak
+        row = max(peak.rows, key=peak.rows.get)
+        return (f"{peak.total / gib:.1f} GiB of device memory > {c.cluster.budget_bytes / gib:.1f} GiB budget "
+                f"(at the {peak.name.split(':')[0]}; largest row {row} {peak.rows[row] / gib:.1f} GiB)")
+    return (f"{c.memory.host_bytes_per_node / gib:.0f} GiB of host memory per node > "
+            f"{c.cluster.host_bytes / gib:.0f} GiB")
+
+
+def describe(c: Candidate) -> str:
+    """The layout in a few words: degrees and options."""
+    p, t = c.config.parallel, c.config.train
+    memory = "ac+offload" if t.offload_activations else ("ac" if t.activation_checkpointing == "full" else "no ac")
+    if p.strategy == "fsdp2":
+        fsdp = c.cluster.world // (p.sequence * c.tp)
+        return (f"FSDP {fsdp} EP {p.expert} CP {p.sequence} TP {c.tp} {memory}"
+                f"{' cpu-offload' if p.fsdp_cpu_offload else ''}")
+    optimizer = next(k for k, v in OPTIMIZERS.items() if v == (c.config.optim.offload, c.config.optim.speculative))
+    return (f"D {p.sequence} Ep {p.expert} P {p.vocab} heads/{p.attention_head_chunks} llep/{p.llep_chunks} {memory} "
+            f"{optimizer} mb {t.micro_batch}")
+
+
+def plan(model: ModelConfig, cluster: Cluster, context: int, global_batch: int = 0, routing_skew: float = 1.0,
+         document_tokens: int = 0) -> dict[str, Choice]:
+    """The best MoP layout and the best FSDP2 baseline for one context."""
+    def scored(configs):
+        return [evaluate(c, cluster, tp, routing_skew, document_tokens) for c, tp in configs]
+
+    mop = scored(mop_configs(model, cluster, context, global_batch))
+    fsdp2 = scored(fsdp2_configs(model, cluster, context, global_batch))
+    return {"mop": choose(mop), "fsdp2_best": choose(fsdp2)}

@@ -1,0 +1,162 @@
+"""Predicted step time of a layout: a roofline of compute and each collective over its link.
+
+Compute: the model FLOPs of the rank's tokens (`mop.flops.flops_per_token`; a query attends
+(L + 1) / 2 keys on average for documents of L tokens, by default one document per sequence,
+L = S: the long-context worst case, where attention FLOPs grow with S) plus the
+recomputation the options add (full activation checkpointing: one more forward of every block;
+head-chunked attention and chunked LLEP: one more forward of their part in the backward, except
+under checkpointing, where the kept output replaces the block's rerun of it; the ring loss: the
+logits again in the backward), at `cluster.mfu` x the peak.
+
+Communication, bytes per rank per micro-batch, each over the link its group spans (NVLink when
+the group is inside a node, else the network; torchrun numbers a node's ranks consecutively and
+block groups are consecutive ranks, replica groups strided):
+- FSDP2 (dense weights over the world, expert partitions over their W/Ep replicas): every unit
+  all-gathered in the compute dtype before its forward and again before its backward, its fp32
+  gradient reduce-scattered; (n-1)/n of the unit per rank;
+- all-to-alls: Ulysses q/k/v/output per layer (forward, backward, and the recomputations),
+  expert dispatch and combine per MoE layer (the same), tensor parallelism's per-layer
+  all-gathers and reduce-scatters (baseline only);
+- the vocabulary ring: the shard passes P-1 hops in forward and backward, its fp32 gradient P;
+- host link: the host optimizer's gradients down and weights up, offloaded activations both ways,
+  FSDP2's CPU offload of shards and gradients.
+Overlap (what hides behind what): FSDP2 prefetches the next unit, so its gathers and reductions,
+the ring's shard hops and the host transfers run under compute: per link the time is the
+sum of its bytes / bandwidth, and the micro-batch takes max(compute, each link). All-to-alls sit
+on the critical path and add to it, except chunked LLEP's, which hide behind the expert GEMMs
+of the other chunks (only what exceeds them adds). The host optimizer's update runs on the
+host during the backward and the next forward (only the next forward without
+`optim.speculative`); only what exceeds that adds. FSDP2's CPU
+offload steps torch AdamW on the host after the backward: it adds in full. The host update
+streams about 60 bytes per parameter (read and write fp32 master, moments and spare, gradient)
+at `HOST_MEMORY_BYTES_PER_S` shared by the node's ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mop.build import storage_dtype
+from mop.config import Config
+from mop.flops import flops_per_token
+from mop.plan.cluster import Cluster
+from mop.plan.memory import FP32, ParameterCounts, Shapes, micro_batches
+
+HOST_MEMORY_BYTES_PER_S = 400e9  # sustained memory bandwidth of a 2-socket DDR5 node (16 channels)
+HOST_UPDATE_BYTES_PER_PARAM = 60
+FLOPS_PER_ADAMW_PARAM = 20  # CPU AdamW (FSDP2 offload): memory-bound like the host optimizer
+
+
+@dataclass
+class StepTime:
+    """Seconds of one optimizer step and what they are made of (per rank)."""
+
+    compute: float
+    links: dict[str, float]  # overlapped traffic per link, per step
+    exposed: dict[str, float]  # on the critical path, per step
+    seconds: float
+    tokens: int  # the rank's tokens per step (its share of the global batch)
+
+    def as_dict(self) -> dict:
+        return {"seconds": self.seconds, "tokens_per_rank": self.tokens, "compute_s": self.compute,
+                "overlapped_s": self.links, "exposed_s": self.exposed}
+
+
+def _link(cluster: Cluster, span: int, strided: bool = False) -> str:
+    """The link a group of `span` ranks uses. Block groups (consecutive ranks) stay inside a node
+    when their size divides the node's; replica groups (strided, spanning every block) only when
+    the whole world is one node. A group that leaves the node is timed at the network's bandwidth
+    for all of its traffic (conservative: a hierarchical collective moves part of it over NVLink)."""
+    if strided:
+        inside = cluster.world <= cluster.gpus_per_node
+    else:
+        inside = span <= cluster.gpus_per_node and cluster.gpus_per_node % span == 0
+    return "nvlink" if inside else "network"
+
+
+def _bandwidth(cluster: Cluster, link: str) -> float:
+    return {"nvlink": cluster.nvlink_bytes_per_s, "network": cluster.network_bytes_per_s,
+            "host": cluster.host_link_bytes_per_s}[link]
+
+
+def _share(n: int) -> float:
+    return (n - 1) / n if n > 1 else 0.0
+
+
+def step_time(config: Config, cluster: Cluster, s: Shapes, counts: ParameterCounts, tp: int = 1,
+              document_tokens: int = 0) -> StepTime:
+    """`document_tokens`: the packed documents' length (0: one document per sequence)."""
+    m, p, t = config.model, config.parallel, config.train
+    world, seq = cluster.world, config.data.seq_len
+    keys = (min(document_tokens or seq, seq) + 1) / 2
+    checkpointed = t.activation_checkpointing == "full"
+    # compute, per micro-batch: the model FLOPs of the rank's tokens plus the recomputation
+    tokens = s.T
+    model_flops = flops_per_token(m, keys) * tokens
+    forward = model_flops / 3
+    attention_share = m.layers * (m.heads * m.head_dim * keys * 4 + 4 * m.hidden * s.q) * tokens / forward / 2
+    expert_share = m.moe_layers * m.top_k * 3 * m.hidden * m.expert_intermediate * 2 * tokens / forward
+    extra = forward if checkpointed else 0.0
+    if not checkpointed:
+        extra += forward * (attention_share if p.attention_head_chunks > 1 else 0)
+        extra += forward * (expert_share if p.llep_chunks > 1 else 0)
+    if p.vocab > 1:
+        extra += 2 * m.hidden * m.vocab_size * tokens
+    compute = (model_flops + extra) / (cluster.peak_flops * cluster.mfu)
+
+    links = {"nvlink": 0.0, "network": 0.0, "host": 0.0}
+    exposed = {"all_to_all": 0.0, "host_optimizer": 0.0, "cpu_adamw": 0.0}
+    # FSDP2: gather twice, reduce-scatter once, per unit
+    dense_world = world // tp
+    dense_bytes = (counts.total - m.moe_layers * m.experts * 3 * m.hidden * m.expert_intermediate) // tp
+    if p.vocab > 1:
+        dense_bytes -= m.vocab_size * m.hidden
+    links[_link(cluster, dense_world, strided=tp > 1)] += _share(dense_world) * dense_bytes * (2 * s.act + FP32)
+    replicas = world // (p.expert * tp)
+    expert_bytes = m.moe_layers * counts.expert_partition
+    links[_link(cluster, replicas, strided=True)] += _share(replicas) * expert_bytes * (2 * s.act + FP32)
+    # the vocabulary ring
+    if p.vocab > 1:
+        shard = -(-m.vocab_size // p.vocab) * m.hidden
+        links[_link(cluster, p.vocab)] += (p.vocab - 1) * shard * 2 * s.act + p.vocab * shard * FP32
+    # all-to-alls: passes = forward + backward (+ recomputations)
+    passes = 2 + checkpointed
+    ulysses = _share(p.sequence) * m.layers * s.T * (2 * s.q + 2 * s.kv) * s.act
+    ulysses_passes = passes + (p.attention_head_chunks > 1 and not checkpointed)
+    dispatch = _share(p.expert) * m.moe_layers * 2 * s.A * s.H * s.act
+    dispatch_passes = passes + (p.llep_chunks > 1)
+    tensor = 4 * _share(tp) * m.layers * s.T * tp * s.H * s.act  # TP+SP: gather/scatter around attention and MLP
+    a2a = ulysses * ulysses_passes / _bandwidth(cluster, _link(cluster, p.sequence) if p.sequence > 1 else "nvlink")
+    a2a += tensor * passes / cluster.nvlink_bytes_per_s
+    expert_a2a = dispatch * dispatch_passes / _bandwidth(cluster, _link(cluster, p.expert)
+                                                        if p.expert > 1 else "nvlink")
+    if p.llep_chunks > 1:  # pipelined behind the expert GEMMs of the other chunks
+        expert_compute = expert_share * forward * 3 / (cluster.peak_flops * cluster.mfu)
+        expert_a2a = max(0.0, expert_a2a - expert_compute * (1 - 1 / p.llep_chunks))
+    exposed["all_to_all"] = a2a + expert_a2a
+    # host link
+    local = counts.local
+    stored = torch.finfo(storage_dtype(config)).bits // 8
+    if config.optim.offload:
+        links["host"] += local * (stored + stored) / micro_batches(config, world)  # gradients down, weights up
+    if p.fsdp_cpu_offload:
+        links["host"] += local * (FP32 + FP32)
+    if t.offload_activations:
+        kept = m.layers * s.T * s.H * s.act * (1 + (p.llep_chunks > 1)) + m.layers * s.T * s.q * s.act * (
+            p.attention_head_chunks > 1)
+        links["host"] += 2 * kept
+    mbs = micro_batches(config, world)
+    per_micro = max([compute] + [links[k] / _bandwidth(cluster, k) for k in links]) + exposed["all_to_all"]
+    step = mbs * per_micro
+    host_rate = HOST_MEMORY_BYTES_PER_S / cluster.gpus_per_node
+    if config.optim.offload:
+        hidden_behind = step if config.optim.speculative else mbs * forward / (cluster.peak_flops * cluster.mfu)
+        exposed["host_optimizer"] = max(0.0, local * HOST_UPDATE_BYTES_PER_PARAM / host_rate - hidden_behind)
+    if p.fsdp_cpu_offload:
+        exposed["cpu_adamw"] = local * HOST_UPDATE_BYTES_PER_PARAM / host_rate
+    seconds = step + exposed["host_optimizer"] + exposed["cpu_adamw"]
+    overlapped = {k: mbs * links[k] / _bandwidth(cluster, k) for k in links}
+    return StepTime(mbs * compute, overlapped, {k: v * (mbs if k == "all_to_all" else 1) for k, v in exposed.items()},
+                    seconds, mbs * s.T)
