@@ -33,6 +33,23 @@ def test_views_and_in_place_ops_of_existing_tensors_cost_nothing():
     assert memory.peak_bytes == 0
 
 
+def test_storage_empty_at_entry_counts_while_it_is_resized():
+    """FSDP2's unsharded parameters: their storage exists at entry, freed (size 0), and is resized
+    in place for each all-gather; the tracker counts it while it holds bytes."""
+    gathered = torch.empty(250_000)
+    gathered.untyped_storage().resize_(0)
+    source = torch.randn(250_000)
+    with PeakMemory(CPU) as memory:
+        gathered.untyped_storage().resize_(MB)  # FSDP2's alloc_storage before the all-gather
+        gathered.copy_(source)  # the copy-out: 1 MB live
+        small = source[:125_000] * 2  # 0.5 MB beside it: 1.5 MB
+        del small
+        gathered.untyped_storage().resize_(0)  # resharded after use
+        after = torch.cat([source, source[:125_000]])  # 1.25 MB alone: below the peak
+        del after
+    assert memory.peak_bytes == MB + MB // 2
+
+
 def test_excluded_bytes_are_not_counted():
     excluded = [0]
     with PeakMemory(CPU, exclude=lambda: excluded[0]) as memory:

@@ -17,6 +17,7 @@ BENCHMARKS = {
     "gpu": "on a GPU machine, the CUDA test tier and a short bf16 training of a real-shaped model",
     "moe": "the expert layer under skewed routing for EP, LLEP and chunked LLEP",
     "optimizer": "the host optimizer's update throughput and how much of it the step exposes",
+    "plan": "the paper's Table 1 as `mop plan` predicts it (3 models on 2/8/12 H200 nodes, 64K-1M), beside the paper",
     "vocab": "the output projection + loss, per rank, for three ways of computing it",
 }
 

@@ -59,10 +59,12 @@ computed from the tensors the step really allocates:
   parameter, on the device; 0 for mop's host optimizer and under CPUOffloadPolicy);
 - plus the transient peak of one training step after a warm-up step, from
   `mop.bench.memory.PeakMemory`: every tensor the step creates, while it lives (activations,
-  gathered weights, communication buffers, and gradients, which live from the backward until the
-  update releases them), less what a GPU machine holds in host memory: the offloaded block inputs
-  (the `HostOffload` store's live bytes) and, under CPUOffloadPolicy, the gradient shards FSDP2
-  moves to the host after each reduce-scatter (`HostGradients`). The update is inside the
+  FSDP2's gathered weights (in storages it resizes in place, which the tracker follows),
+  communication buffers, and gradients, which live from the backward until the update releases
+  them), less what a GPU machine holds in host memory: the offloaded block inputs (the
+  `HostOffload` store's live bytes), under CPUOffloadPolicy the gradient shards FSDP2 moves to the
+  host after each reduce-scatter (`HostGradients`), and the gradients the host optimizer holds as
+  handed over (lent to it on this machine, copied to the host on a GPU). The update is inside the
   measured region only when the optimizer steps on the device (torch AdamW without offload).
 On a GPU the transient peak is what `torch.cuda.max_memory_allocated` reports (`PeakMemory`'s CUDA
 path); here the ranks run on the CPU. One device copy is not seen here: under CPUOffloadPolicy a
@@ -288,9 +290,11 @@ class Trainer:
         self.update()
 
     def host_bytes_now(self) -> int:
-        """What the step holds in host memory right now: offloaded block inputs and offloaded gradients."""
+        """What the step holds in host memory right now: offloaded block inputs, offloaded gradients,
+        and the gradients the host optimizer holds as handed over (a GPU copies them to the host)."""
         return ((self.offload_store.live_bytes if self.offload_store else 0)
-                + (self.host_gradients.live_bytes if self.host_gradients else 0))
+                + (self.host_gradients.live_bytes if self.host_gradients else 0)
+                + (self.host.lent_gradient_bytes() if self.host else 0))
 
     def persistent_state(self) -> dict:
         """Bytes of the state that outlives a step, by category, on the device and on the host

@@ -6,6 +6,10 @@ counts each new storage once while it lives (freed storages are subtracted by a 
 keeps the running peak. Storages that exist at entry (parameters, inputs, pre-allocated
 gradients; found by scanning the live objects once) are not counted, even when an in-place or
 view operator returns them: the number is the transient footprint of the code in the block.
+Except one kind: a storage that is empty at entry and grows in place. FSDP2 frees a unit's
+unsharded parameters by resizing their storage to zero after use and resizes them back before
+its next all-gather, so the gathered weights live in storages that exist at entry; their
+current sizes are added to the live bytes after every operator.
 
 `exclude` subtracts bytes that live elsewhere on a real machine (the host copies made by
 activation offload): on CPU they are allocated in the same memory, on CUDA they never are.
@@ -33,6 +37,7 @@ class _LiveStorages(TorchDispatchMode):
         self.allocated = 0
         self._seen: weakref.WeakSet = weakref.WeakSet()
         self._known: weakref.WeakSet = weakref.WeakSet()
+        self._resizable: weakref.WeakSet = weakref.WeakSet()  # empty at entry: FSDP2's unsharded parameters
 
     def remember_existing(self) -> None:
         # type() rather than isinstance(): the latter reads __class__, which some deprecated torch
@@ -40,14 +45,21 @@ class _LiveStorages(TorchDispatchMode):
         # local tensors are live objects of their own.
         for obj in gc.get_objects():
             if type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.device.type == "cpu":
-                self._known.add(obj.untyped_storage())
+                storage = obj.untyped_storage()
+                self._known.add(storage)
+                if storage.nbytes() == 0:
+                    self._resizable.add(storage)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for tensor in tree_leaves(out):
             if isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu":
                 self._track(tensor.untyped_storage())
+        self.peak = max(self.peak, self._now())
         return out
+
+    def _now(self) -> int:
+        return self.live + sum(storage.nbytes() for storage in self._resizable) - self.exclude()
 
     def _track(self, storage) -> None:
         if storage in self._seen or storage in self._known or storage.nbytes() == 0:
@@ -56,7 +68,7 @@ class _LiveStorages(TorchDispatchMode):
         self.allocated += storage.nbytes()
         self.live += storage.nbytes()
         weakref.finalize(storage, self._free, storage.nbytes())
-        self.peak = max(self.peak, self.live - self.exclude())
+        self.peak = max(self.peak, self._now())
 
     def _free(self, nbytes: int) -> None:
         self.live -= nbytes

@@ -160,6 +160,13 @@ class HostAdamW:
         self._copy_streams: dict[torch.device, torch.Stream] = {}  # per device, for the copies back
         self.rollbacks = 0
 
+    def lent_gradient_bytes(self) -> int:
+        """Bytes of the gradients the optimizer holds as they were handed over (on a CPU-only machine
+        the first fp32 gradient is lent, not copied): host memory a GPU machine would have copied
+        them into. The memory benchmarks subtract them from what a device would hold."""
+        return sum(s.grad.untyped_storage().nbytes() for s in self.shards
+                   if s.grad is not None and s.grad is not s.host_grad)
+
     def shard_of(self, param: torch.Tensor) -> ShardState:
         return self._by_param[id(param)]
 

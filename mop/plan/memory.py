@@ -112,15 +112,16 @@ def _parameter_counts(model: tuple, world: int, expert: int, vocab: int, tp: int
         unit = ".".join(name.split(".")[:2]) if name.startswith("layers.") else "root"
         if ".experts." in name:  # [E, ...]: E/Ep experts per partition, sharded over W/Ep replicas
             per_partition = rows // expert
-            units["experts"] = per_partition * row // split
+            units[f"{unit}.experts"] = units.get(f"{unit}.experts", 0) + per_partition * row // split
             experts += _shard(per_partition, max(1, fsdp // expert)) * row // split
         elif name == "lm_head.weight" and vocab > 1:
             head += _shard(rows, vocab) * row
         else:
             units[unit] = units.get(unit, 0) + numel // split
             dense += _shard(rows, fsdp) * row // split
-    blocks = [v for k, v in units.items() if k not in ("experts", "root")]
-    return ParameterCounts(dense, experts, head, total, units.get("experts", 0), max(blocks))
+    blocks = [v for k, v in units.items() if not k.endswith("experts") and k != "root"]
+    partitions = [v for k, v in units.items() if k.endswith(".experts")]
+    return ParameterCounts(dense, experts, head, total, max(partitions, default=0), max(blocks))
 
 
 @dataclass
@@ -240,12 +241,14 @@ def _experts_backward_peak(s: Shapes, llep_chunks: int) -> int:
     received rows stay, for the first GEMM's weight gradient). Chunked (`ChunkedExperts.backward`):
     the chunk being computed, [rows | output gradients] (2H wide), with the next chunk's message on
     its way in and the previous chunk's [row gradients | outputs] on its way back (each a send and
-    a receive buffer), the chunk's recomputed intermediate and its gradients, and the input's
-    gradient accumulator."""
+    a receive buffer), the pieces that message was cut from (the chunk's token rows and their
+    weighted output gradients) and the gradient of the received rows, the chunk's recomputed
+    intermediate and its gradients, and the input's gradient accumulator."""
     if llep_chunks > 1:
         rows, assigned = -(-s.R // llep_chunks), -(-s.A // llep_chunks)
         in_flight = rows + min(2, llep_chunks - 1) * (assigned + rows)
-        return (in_flight * 2 * s.H + 7 * rows * s.I) * s.act + s.T * s.H * (FP32 + s.act)
+        pieces = 2 * assigned + rows
+        return ((in_flight * 2 + pieces) * s.H + 7 * rows * s.I) * s.act + s.T * s.H * (FP32 + s.act)
     return (2 * s.R * s.I - 2 * s.A * s.H) * s.act + s.T * s.H * FP32
 
 
@@ -333,15 +336,15 @@ def estimate(config: Config, world: int, ranks_per_node: int, routing_skew: floa
             base["optimizer_state"] = 2 * counts.local * FP32
             if micro_batches(config, world) > 1:
                 base["gradients"] = counts.local * stored
-    # Gathered by FSDP2 while the model runs: the root (embedding, final norm, and the output
-    # projection without vocabulary parallelism) for the whole step, the running block and the
-    # one prefetched, the running layer's expert partition (plus one expert LLEP ships in).
-    root = m.vocab_size * m.hidden * (1 if p.vocab > 1 or m.tie_embeddings else 2) // tp
-    gathered = dict.fromkeys(ROWS, 0)
-    gathered["dense_weights"] = (root + 2 * counts.largest_dense_unit) * s.act
+    # Gathered by FSDP2 while the model runs: the root unit (embedding, final norm, and the output
+    # projection without vocabulary parallelism), which FSDP2 keeps unsharded from its forward to
+    # its backward, all step long; inside a block, its unit and the one prefetched, and the
+    # running layer's expert partition (plus one expert LLEP ships in).
+    base["dense_weights"] += m.vocab_size * m.hidden * (1 if p.vocab > 1 or m.tie_embeddings else 2) // tp * s.act
+    in_block = dict.fromkeys(ROWS, 0)
+    in_block["dense_weights"] = 2 * counts.largest_dense_unit * s.act
     shipped = 3 * m.hidden * m.expert_intermediate // tp if p.expert > 1 and p.expert_balance == "llep" else 0
-    gathered["expert_weights"] = (counts.expert_partition + shipped) * s.act
-    _add(base, gathered)
+    in_block["expert_weights"] = (counts.expert_partition + shipped) * s.act
 
     checkpointed = t.activation_checkpointing == "full"
     moe_block = _block_saved(s, config, moe=True)
@@ -361,6 +364,7 @@ def estimate(config: Config, world: int, ranks_per_node: int, routing_skew: floa
     last_is_moe = moe_layers > 0
     # 1. forward, the last block's experts
     forward = Moment("forward: last block's expert GEMMs", dict(base))
+    _add(forward.rows, in_block)
     _add(forward.rows, blocks(moe_layers - last_is_moe, dense_layers - (not last_is_moe)))
     current = dict(moe_block if last_is_moe else dense_block)
     if checkpointed:  # only what the block's code still holds: nothing is saved inside a checkpoint
@@ -380,6 +384,7 @@ def estimate(config: Config, world: int, ranks_per_node: int, routing_skew: floa
     # 3. backward, the last block's experts: their saved tensors (recomputed under checkpointing),
     # the gradients flowing through them, and the unsharded gradients of the gathered units
     backward = Moment("backward: last block's experts", dict(base))
+    _add(backward.rows, in_block)
     _add(backward.rows, blocks(moe_layers, dense_layers))
     if checkpointed:  # the block recomputed from its kept input (back from the host with offload)
         _add(backward.rows, moe_block if last_is_moe else dense_block)
@@ -389,7 +394,8 @@ def estimate(config: Config, world: int, ranks_per_node: int, routing_skew: floa
     if last_is_moe:
         # autograd runs the later-created shared expert's backward first: its tensors are gone
         backward.rows["moe_activations"] += _experts_backward_peak(s, p.llep_chunks) - _mlp_saved(s, s.shared)
-        backward.rows["gradients"] += (counts.expert_partition + counts.largest_dense_unit) * FP32
+        # the unsharded gradients of the running units, and of the expert LLEP shipped in
+        backward.rows["gradients"] += (counts.expert_partition + counts.largest_dense_unit + shipped) * FP32
     moments = [forward, loss, backward]
     return MemoryEstimate(max(moments, key=lambda x: x.total), moments, host_bytes(config, counts, s, world),
                           ranks_per_node)

@@ -1,0 +1,97 @@
+"""`mop bench plan`: the paper's Table 1 as `mop plan` predicts it, beside the paper's measurements.
+
+The paper's three models (`configs/mop-120b.toml`, `mop-600b.toml`, `mop-1t.toml`) on the paper's
+clusters (2, 8 and 12 nodes of 8 H200) at 64K to 1M tokens: for each context, `mop plan`'s chosen
+MoP layout and FSDP-best configuration (`mop.plan.search.plan`, exactly what `mop plan
+--contexts` prints), their predicted peak device memory and tokens/s/GPU, against the paper's
+measured tokens/s/GPU (its Table 1; "OOM" where its baseline ran out of memory, "-" where it has
+no row). Nothing is trained: the numbers are the planner's (memory model and roofline, see
+`mop.plan`), and the paper's are transcribed. The "fit" column says whether the planner agrees
+with the paper on which system fits; where it does not, the binding column names the term that
+decides it (the largest row at the peak moment of the closest layout that does not fit).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from mop.bench.report import table, write_json
+
+GIB = 2**30
+CONTEXTS = [65536, 131072, 262144, 524288, 1048576]
+CLUSTERS = {"mop-120b": 2, "mop-600b": 8, "mop-1t": 12}
+# The paper's Table 1: (model, context) -> (MoP tokens/s/GPU, FSDP-best tokens/s/GPU or None for OOM).
+PAPER = {
+    ("mop-120b", 131072): (1043, 223), ("mop-120b", 262144): (681, None), ("mop-120b", 524288): (424, None),
+    ("mop-120b", 1048576): (393, None),
+    ("mop-600b", 65536): (236, 39), ("mop-600b", 131072): (220, None), ("mop-600b", 262144): (225, None),
+    ("mop-600b", 524288): (213, None), ("mop-600b", 1048576): (213, None),
+    ("mop-1t", 131072): (166, 25), ("mop-1t", 262144): (140, 17), ("mop-1t", 524288): (108, None),
+    ("mop-1t", 1048576): (100, None),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--gpu", default="h200", help="node preset (the paper: h200)")
+    parser.add_argument("--mfu", type=float, default=None, help="assumed MFU (default: mop plan's)")
+    parser.add_argument("--document-tokens", default="0", help="packed documents' length (default: the context)")
+    parser.add_argument("--out", type=Path, default=Path("runs/bench/plan.json"))
+
+
+def run(args) -> dict:
+    from mop.plan import load_model, parse_tokens
+    from mop.plan.cluster import make_cluster
+    from mop.plan.report import plan_json
+    from mop.plan.search import plan
+
+    documents = 0 if args.document_tokens == "0" else parse_tokens(args.document_tokens, "--document-tokens")
+    rows = []
+    for name, nodes in CLUSTERS.items():
+        model, cluster = load_model(name), make_cluster(args.gpu, nodes, 8, mfu=args.mfu)
+        for context in CONTEXTS:
+            predicted = plan_json(context, plan(model, cluster, context, document_tokens=documents))
+            paper = PAPER.get((name, context))
+            rows.append({"model": name, "nodes": nodes, **predicted,
+                         "paper": None if paper is None else {"mop": paper[0], "fsdp2_best": paper[1]}})
+    return {"rows": rows}
+
+
+def _speed(side: dict) -> str:
+    return f"{side['tokens_per_s_per_gpu']:.0f}" if side["fits"] else "OOM"
+
+
+def _fit_agreement(row: dict) -> str:
+    paper = row["paper"]
+    if paper is None:
+        return "-"
+    same = row["mop"]["fits"] and row["fsdp2_best"]["fits"] == (paper["fsdp2_best"] is not None)
+    return "agree" if same else "DISAGREE"
+
+
+def _binding(row: dict) -> str:
+    """What decides the fit: the baseline's limit where it is OOM (or the paper says so), else MoP's."""
+    side = row["fsdp2_best"] if not row["fsdp2_best"]["fits"] or _fit_agreement(row) == "DISAGREE" else row["mop"]
+    return side["binding"]
+
+
+def report(args, results: dict) -> None:
+    from mop.plan.report import tokens
+
+    body = []
+    for r in results["rows"]:
+        paper = r["paper"] or {}
+        body.append([r["model"], r["nodes"], tokens(r["context"]), _speed(r["mop"]), paper.get("mop", "-"),
+                     f"{r['mop']['peak_device_bytes'] / GIB:.0f}", _speed(r["fsdp2_best"]),
+                     ("OOM" if paper.get("fsdp2_best", 0) is None else paper.get("fsdp2_best", "-")),
+                     f"{r['speedup']:.2f}x" if r["speedup"] else "-", _fit_agreement(r)])
+    print(table(f"the paper's Table 1 predicted by mop plan ({args.gpu.upper()} nodes of 8; tokens/s/GPU; "
+                "GiB: MoP's predicted peak)",
+                ["model", "nodes", "context", "MoP", "paper MoP", "MoP GiB", "FSDP-best", "paper FSDP-best",
+                 "speedup", "fit vs paper"], body))
+    print()
+    print(table("layouts and what binds them", ["model", "context", "MoP layout", "FSDP-best config", "binding"],
+                [[r["model"], tokens(r["context"]), r["mop"].get("description", "-"),
+                  r["fsdp2_best"].get("description", "-"), _binding(r)] for r in results["rows"]]))
+    path = write_json(args.out, "plan", {k: str(v) for k, v in vars(args).items() if k != "func"}, results)
+    print(f"\nresults written to {path}")
