@@ -35,7 +35,8 @@ setting that is only right at one context.
   of `MOP_OPTIONS` (`--mop-configs`): full activation checkpointing ("ac"), the checkpointed block
   inputs offloaded to the host ("offload") and LLEP in `--llep-chunks` token chunks ("chunked").
   The default sweeps "plain" (fastest, most memory), "ac" and "ac+offload+chunked" (leanest).
-  Measured at 16K on the default model, per rank, with ac+offload: 349 MiB unchunked, 311 MiB with
+  Measured at 16K on the default model, per rank, with ac+offload (before the tracker counted
+  FSDP2's gathered weights, which add about 10 MiB to each): 349 MiB unchunked, 311 MiB with
   2 LLEP chunks, 237 MiB with 4; 2 head chunks on top save 8 MiB for 15% more time. So the lean
   setup uses 4 LLEP chunks and unchunked attention; one micro-batch of both sequences was ~20%
   faster than two at 2K.
@@ -48,9 +49,10 @@ Model and budget (the defaults). A 4-block MoE, hidden 128, 8 experts of width 2
 context steps take about 30 s on two cores (the default run takes about 10 minutes). The budget,
 0.29 GiB per rank, is this model's stand-in for an H200: the paper's runs are limited by
 activations, not by model state, and 0.29 GiB is about 5x plain fsdp2's model state (parameters,
-gradients and AdamW moments: 57 MiB). Every configuration's measured memory at 2K-4K is at least 8%
-away from it, so no OOM decision rests on a rounding margin (memory is deterministic; only the
-times are noisy).
+gradients and AdamW moments: 57 MiB). Memory is deterministic (only the times are noisy), but since
+the tracker counts FSDP2's gathered weights (issue 18) two fsdp2 setups at 2K sit close under it:
+offload+cp at 284 MiB (4% under) and offload+cp+ep at 293 MiB (1% under); every other decision at
+2K-4K is at least 8% away from it.
 
 Per-rank device memory. There is no accelerator here, so the device memory a GPU would need is
 computed from the tensors the step really allocates:
