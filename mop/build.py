@@ -58,6 +58,13 @@ def storage_dtype(config: Config) -> torch.dtype:
     return torch.bfloat16 if config.train.dtype == "bfloat16" and config.optim.offload else torch.float32
 
 
+def step_micro_batches(config: Config, world: int) -> int:
+    """Forward passes per optimizer step on each rank: its data group's share of the global batch
+    (ranks of a sequence group share sequences) in micro-batches."""
+    groups = world // config.parallel.sequence
+    return config.train.global_batch // groups // config.train.micro_batch
+
+
 def build_optimizer(model: torch.nn.Module, config: Config) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only; norms (1-D) are not decayed."""
     o = config.optim
@@ -109,10 +116,7 @@ class TrainingRun:
         return torch.autocast(self.runtime.device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
 
     def micro_batches_per_step(self) -> int:
-        """Forward passes per optimizer step on each rank: its data group's share of the global batch
-        (ranks of a sequence group share sequences) in micro-batches."""
-        groups = self.runtime.world // self.config.parallel.sequence
-        return self.config.train.global_batch // groups // self.config.train.micro_batch
+        return step_micro_batches(self.config, self.runtime.world)
 
     def next_batches(self) -> list[dict]:
         """This rank's micro-batches of the next step: its data group's sequences, its slice of each.

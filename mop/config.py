@@ -312,20 +312,34 @@ def _override_value(config: Config, section: str, key: str, text: str) -> Any:
         return text
 
 
+def read_toml(path: str | Path) -> dict:
+    """The sections of a TOML config file; a missing or invalid file raises ConfigError naming it."""
+    path = Path(path)
+    if not path.is_file() and "=" in path.name:
+        raise ConfigError(str(path), "is not a config file; settings look like --section.key=value, e.g. --train.steps=20")
+    if not path.is_file():
+        raise ConfigError(str(path), "config file not found; pass an existing .toml file, e.g. configs/debug.toml")
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:  # TOML is UTF-8 text
+        raise ConfigError(str(path), f"is not valid TOML ({err})") from None
+
+
+def load_model_config(path: str | Path) -> ModelConfig:
+    """The `[model]` section of a TOML config alone, validated (the other sections are not read:
+    a config written for another cluster's layout still describes its model)."""
+    model = apply(Config(), {"model": read_toml(path).get("model", {})}).model
+    for key, message in model.validate():
+        raise ConfigError(f"model.{key}", message)
+    return model
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] = (), world: int | None = None) -> Config:
     """Defaults, then the TOML file, then the command-line overrides; validated for `world` ranks
     (torchrun's world size when it started the process; None: parallel.nproc, the ranks mop launches)."""
     config = Config()
     if path is not None:
-        path = Path(path)
-        if not path.is_file() and "=" in path.name:
-            raise ConfigError(str(path), "is not a config file; settings look like --section.key=value, e.g. --train.steps=20")
-        if not path.is_file():
-            raise ConfigError(str(path), "config file not found; pass an existing .toml file, e.g. configs/debug.toml")
-        try:
-            apply(config, tomllib.loads(path.read_text(encoding="utf-8")))
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:  # TOML is UTF-8 text
-            raise ConfigError(str(path), f"is not valid TOML ({err})") from None
+        apply(config, read_toml(path))
     for arg in overrides:
         section, key, text = parse_override(arg)
         apply(config, {section: {key: _override_value(config, section, key, text)}})

@@ -26,7 +26,7 @@ from mop.cli import main
 from mop.config import load_config, validate
 from mop.plan import CONFIGS, load_model, parse_tokens, presets
 from mop.plan.cluster import make_cluster
-from mop.plan.memory import ROWS, estimate, parameter_counts
+from mop.plan.memory import estimate, parameter_counts
 from mop.plan.search import plan
 from mop.testing import run_distributed
 
@@ -125,25 +125,20 @@ def test_predicted_device_peak_is_within_10_percent_of_the_measured_one(measured
     assert not failures, f"off by more than 10%: {failures}\n" + "\n".join(rows)
 
 
-def test_the_peak_is_the_sum_of_its_rows_and_the_largest_moment():
-    config = _config(2, CASES[0][2])
-    predicted = estimate(config, 2, 2)
-    assert set(predicted.peak.rows) == set(ROWS)
-    assert predicted.peak_device_bytes == sum(predicted.peak.rows.values())
-    assert predicted.peak_device_bytes == max(m.total for m in predicted.moments)
+# each preset on a cluster it fits at 128K (the paper's for its three models)
+PRESET_NODES = {"mop-120b": 2, "mop-600b": 8, "mop-1t": 12, "qwen3-235b-a22b": 4, "qwen3-30b-a3b": 1, "mixtral-8x7b": 1}
 
 
-@pytest.mark.parametrize("preset", ["mop-120b", "mop-600b", "mop-1t", "qwen3-235b-a22b", "qwen3-30b-a3b",
-                                    "mixtral-8x7b"])
+@pytest.mark.parametrize("preset", list(PRESET_NODES))
 def test_the_planners_choice_is_accepted_by_mop_train(preset):
     """The printed `mop train` settings, applied to the preset's own config file, pass the trainer's
     validation for the cluster's world size and node size."""
-    cluster = make_cluster("h200", 2, 8)
-    choices = plan(load_model(preset), cluster, 131072)
     from mop.plan.report import train_settings
 
-    chosen = choices["mop"].closest
+    cluster = make_cluster("h200", PRESET_NODES[preset], 8)
+    chosen = plan(load_model(preset), cluster, 131072)["mop"].best
     assert chosen is not None and chosen.config.parallel.strategy == "mop"
+    assert chosen.memory.peak_device_bytes <= cluster.budget_bytes
     # as `torchrun --nnodes 2 --nproc-per-node 8 -m mop.cli train <preset> <settings>` loads it
     config = load_config(CONFIGS / f"{preset}.toml", train_settings(chosen), world=cluster.world)
     resolved = validate(config, world=cluster.world, local_world=cluster.gpus_per_node)
@@ -184,7 +179,7 @@ def test_contexts_print_the_table1_shape(capsys):
     assert "\n128K " in out and "\n1M " in out
 
 
-def test_more_memory_never_makes_a_plan_slower_and_context_never_makes_it_lighter():
+def test_more_memory_never_makes_a_plan_slower_and_longer_context_never_faster():
     """Monotonicity the search must keep: a bigger GPU only widens the choice (nothing slower, up to
     the 2% the pick trades for headroom); a longer context cannot be faster per token (attention grows)."""
     model = load_model("mop-120b")

@@ -70,9 +70,14 @@ def _fit_agreement(row: dict) -> str:
 
 
 def _binding(row: dict) -> str:
-    """What decides the fit: the baseline's limit where it is OOM (or the paper says so), else MoP's."""
-    side = row["fsdp2_best"] if not row["fsdp2_best"]["fits"] or _fit_agreement(row) == "DISAGREE" else row["mop"]
-    return side["binding"]
+    """What decides the row: the limit of a system that does not fit, or whose fit the paper
+    contradicts (FSDP-best first), else MoP's."""
+    paper = row["paper"] or {}
+    for name in ("fsdp2_best", "mop"):
+        said = paper.get(name, 0) is not None if paper else row[name]["fits"]
+        if not row[name]["fits"] or row[name]["fits"] != said:
+            return f"{'FSDP-best' if name == 'fsdp2_best' else 'MoP'}: {row[name]['binding']}"
+    return f"MoP: {row['mop']['binding']}"
 
 
 def report(args, results: dict) -> None:

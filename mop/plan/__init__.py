@@ -17,7 +17,7 @@ import argparse
 import re
 from pathlib import Path
 
-from mop.config import ConfigError, load_config
+from mop.config import ConfigError, load_model_config
 from mop.models.config import ModelConfig
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -32,7 +32,7 @@ def load_model(spec: str) -> ModelConfig:
     """A preset name, a TOML config or a Hugging Face config.json (or its directory)."""
     path = Path(spec)
     if path.suffix == ".toml" or (not path.exists() and (CONFIGS / f"{spec}.toml").is_file()):
-        return load_config(path if path.suffix == ".toml" else CONFIGS / f"{spec}.toml").model
+        return load_model_config(path if path.suffix == ".toml" else CONFIGS / f"{spec}.toml")
     if path.is_dir() or path.suffix == ".json":
         from mop.models.hf import config_from_hf
 

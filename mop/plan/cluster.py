@@ -17,6 +17,7 @@ memory: 2 TiB per node (DGX H100 and H200 ship with 2 TB). Peak: bf16 dense tens
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from mop.config import ConfigError
@@ -89,7 +90,7 @@ def make_cluster(gpu: str, nodes: int, gpus_per_node: int, **overrides: float | 
             continue
         name, unit = OVERRIDES[option]
         low_ok = option == "reserve_gib" and value == 0
-        if not (value > 0 or low_ok) or (option == "mfu" and value > 1):
+        if not math.isfinite(value) or not (value > 0 or low_ok) or (option == "mfu" and value > 1):
             bound = "in (0, 1]" if option == "mfu" else ">= 0" if option == "reserve_gib" else "> 0"
             raise ConfigError(f"--{option.replace('_', '-')}", f"must be {bound}, got {value:g}")
         fields[name] = type(getattr(PRESETS[gpu], name))(value * unit)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from mop.plan.memory import ROWS
+from mop.plan.activations import ROWS
 from mop.plan.search import Candidate, Choice, describe
 
 GIB = 2**30
@@ -42,10 +42,8 @@ def train_settings(c: Candidate) -> list[str]:
 
 
 def choice_json(choice: Choice, key: str) -> dict:
+    """One system's pick; when nothing fits, the closest layout's memory (its speed is left null)."""
     c = choice.closest
-    if c is None:
-        return {"fits": False, "peak_device_bytes": None, "tokens_per_s_per_gpu": None, key: None,
-                "binding": choice.binding, "considered": choice.considered}
     return {"fits": choice.best is not None, "peak_device_bytes": c.memory.peak_device_bytes,
             "budget_device_bytes": c.cluster.budget_bytes, "host_bytes_per_node": c.memory.host_bytes_per_node,
             "tokens_per_s_per_gpu": c.tokens_per_s_per_gpu if choice.best else None,
@@ -83,12 +81,12 @@ def detail(results: dict, plan: dict) -> str:
              f"host {_gib(cl['host_bytes'])} GiB per node), context {tokens(plan['context'])}"]
     sides = [("MoP", plan["mop"]), ("FSDP-best", plan["fsdp2_best"])]
     rows = [("fits", [("yes" if s["fits"] else "NO (closest shown)") for _, s in sides]),
-            ("layout", [s.get("description", "-") for _, s in sides]),
-            ("peak device GiB", [_gib(s["peak_device_bytes"]) + f" ({s.get('peak_moment', '-').split(':')[0]})"
-                                 for _, s in sides])]
-    rows += [(f"  {row.replace('_', ' ')}", [_gib(s.get("device_rows", {}).get(row)) for _, s in sides]) for row in ROWS]
-    rows += [("host GiB per node", [_gib(s.get("host_bytes_per_node")) for _, s in sides]),
-             ("step seconds", [f"{s['step_seconds']:.2f}" if s.get("step_seconds") else "-" for _, s in sides]),
+            ("layout", [s["description"] for _, s in sides]),
+            ("peak device GiB", [f"{_gib(s['peak_device_bytes'])} ({s['peak_moment'].split(':')[0]}, "
+                                 f"{s['peak_device_bytes'] / s['budget_device_bytes']:.0%} of budget)" for _, s in sides])]
+    rows += [(f"  {row.replace('_', ' ')}", [_gib(s["device_rows"][row]) for _, s in sides]) for row in ROWS]
+    rows += [("host GiB per node", [_gib(s["host_bytes_per_node"]) for _, s in sides]),
+             ("step seconds", [f"{s['step_seconds']:.2f}" if s["step_seconds"] else "-" for _, s in sides]),
              ("tokens/s/GPU", [_speed(s) for _, s in sides])]
     width = max(len(r[0]) for r in rows) + 2
     col = max(len(v) for _, values in rows for v in values) + 2
@@ -96,9 +94,8 @@ def detail(results: dict, plan: dict) -> str:
     lines += [label.ljust(width) + "".join(v.ljust(col) for v in values) for label, values in rows]
     for name, side in sides:
         lines.append(f"{name} binding constraint: {side['binding']}")
-    if plan["mop"].get("train_settings"):
-        lines.append("MoP as mop train settings: " + " ".join(plan["mop"]["train_settings"]))
-    if plan["fsdp2_best"].get("tensor_parallel_modelled_only"):
+    lines.append("MoP as mop train settings: " + " ".join(plan["mop"]["train_settings"]))
+    if plan["fsdp2_best"]["tensor_parallel_modelled_only"]:
         lines.append("FSDP-best uses tensor parallelism, which the planner models and mop train's fsdp2 strategy lacks")
     return "\n".join(lines)
 
@@ -108,9 +105,9 @@ def table1(results: dict) -> str:
     m, cl = results["model"], results["cluster"]
     header = ["context", "MoP tok/s/GPU", "MoP GiB", "MoP layout", "FSDP-best tok/s/GPU", "FSDP-best GiB",
               "FSDP-best config", "speedup"]
-    body = [[tokens(p["context"]), _speed(p["mop"]), _gib(p["mop"]["peak_device_bytes"]), p["mop"].get("description", "-"),
-             _speed(p["fsdp2_best"]), _gib(p["fsdp2_best"]["peak_device_bytes"]),
-             p["fsdp2_best"].get("description", "-"), f"{p['speedup']:.2f}x" if p["speedup"] else "-"]
+    body = [[tokens(p["context"]), _speed(p["mop"]), _gib(p["mop"]["peak_device_bytes"]), p["mop"]["description"],
+             _speed(p["fsdp2_best"]), _gib(p["fsdp2_best"]["peak_device_bytes"]), p["fsdp2_best"]["description"],
+             f"{p['speedup']:.2f}x" if p["speedup"] else "-"]
             for p in results["plans"]]
     widths = [max(len(str(r[i])) for r in [header, *body]) + 2 for i in range(len(header))]
     title = (f"mop plan: {m['name']} on {cl['nodes']} x {cl['gpus_per_node']} {cl['gpu'].upper()}, predicted "

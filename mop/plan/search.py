@@ -32,7 +32,8 @@ from mop.config import Config, ConfigError, validate
 from mop.models.config import ModelConfig
 from mop.parallel.mesh import LayoutError
 from mop.plan.cluster import Cluster
-from mop.plan.memory import MemoryEstimate, estimate, parameter_counts, shapes
+from mop.plan.activations import shapes
+from mop.plan.memory import MemoryEstimate, estimate, parameter_counts
 from mop.plan.speed import StepTime, step_time
 
 CHUNKS = (1, 2, 4, 8)
@@ -90,12 +91,18 @@ def base_config(model: ModelConfig, context: int) -> Config:
     return config
 
 
-def _settle(config: Config, cluster: Cluster, global_batch: int, micro_batch: int) -> Config | None:
+def _settle(config: Config, cluster: Cluster, global_batch: int, micro_batch: int, tp: int = 1) -> Config | None:
     """The config with its batch set (one sequence per micro-batch and data group unless
-    `global_batch` is given), validated for the cluster; None when the trainer would refuse it."""
-    groups = cluster.world // config.parallel.sequence
+    `global_batch` is given), validated for the cluster; None when the trainer would refuse it.
+    Under the baseline's tensor parallelism a data group is CP x TP ranks; the trainer, which has no
+    TP, counts CP groups, so its global batch is the sequences x tp (its micro-batch count is then
+    the TP baseline's)."""
+    groups = cluster.world // (config.parallel.sequence * tp)
+    sequences = global_batch or groups * micro_batch
+    if sequences % (groups * micro_batch):
+        return None
     config.train.micro_batch = micro_batch
-    config.train.global_batch = global_batch or groups * micro_batch
+    config.train.global_batch = sequences * tp
     try:
         return validate(config, world=cluster.world, local_world=cluster.gpus_per_node)
     except (ConfigError, LayoutError):
@@ -131,14 +138,14 @@ def fsdp2_configs(model: ModelConfig, cluster: Cluster, context: int, global_bat
             [e for e in _divisors(world) if model.experts % e == 0],
             [t for t in _divisors(node) if model.heads % t == 0 and model.kv_heads % t == 0],
             (False, True), BASELINE_MEMORY_OPTIONS.values()):
-        if world % (cp * tp) or ep * tp > world or (model.heads // tp) % cp:
+        if world % (cp * tp) or world % (ep * tp) or (model.heads // tp) % cp:
             continue
         config = base_config(model, context)
         config.parallel = dataclasses.replace(config.parallel, strategy="fsdp2", nproc=node, sequence=cp, expert=ep,
                                               vocab=1, expert_balance="ep", fsdp_cpu_offload=offload)
         config.train.activation_checkpointing, config.train.offload_activations = memory
         config.optim.offload = False
-        settled = _settle(config, cluster, global_batch, 1)
+        settled = _settle(config, cluster, global_batch, 1, tp)
         if settled is not None:
             yield settled, tp
 
@@ -148,7 +155,7 @@ def evaluate(config: Config, cluster: Cluster, tp: int = 1, routing_skew: float 
     p = config.parallel
     memory = estimate(config, cluster.world, cluster.gpus_per_node, routing_skew, tp)
     counts = parameter_counts(config.model, cluster.world, p.expert, p.vocab, tp)
-    time = step_time(config, cluster, shapes(config, cluster.world, routing_skew, tp), counts, tp, document_tokens)
+    time = step_time(config, cluster, shapes(config, routing_skew, tp), counts, tp, document_tokens)
     return Candidate(config, tp, memory, time, cluster)
 
 
@@ -229,4 +236,8 @@ def plan(model: ModelConfig, cluster: Cluster, context: int, global_batch: int =
 
     mop = scored(mop_configs(model, cluster, context, global_batch))
     fsdp2 = scored(fsdp2_configs(model, cluster, context, global_batch))
+    if not mop or not fsdp2:
+        raise ConfigError("--global-batch", f"{global_batch} sequences per step divide over no "
+                          f"{'MoP' if not mop else 'FSDP2'} layout of {cluster.world} ranks; use a multiple of "
+                          f"{cluster.world} or 0 (each layout's smallest)")
     return {"mop": choose(mop), "fsdp2_best": choose(fsdp2)}

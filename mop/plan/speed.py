@@ -25,11 +25,10 @@ the ring's shard hops and the host transfers run under compute: per link the tim
 sum of its bytes / bandwidth, and the micro-batch takes max(compute, each link). All-to-alls sit
 on the critical path and add to it, except chunked LLEP's, which hide behind the expert GEMMs
 of the other chunks (only what exceeds them adds). The host optimizer's update runs on the
-host during the backward and the next forward (only the next forward without
-`optim.speculative`); only what exceeds that adds. FSDP2's CPU
-offload steps torch AdamW on the host after the backward: it adds in full. The host update
-streams about 60 bytes per parameter (read and write fp32 master, moments and spare, gradient)
-at `HOST_MEMORY_BYTES_PER_S` shared by the node's ranks.
+host during the last micro-batch's backward and the next forward (only the next forward without
+`optim.speculative`); only what exceeds that adds. FSDP2's CPU offload steps torch AdamW on the
+host after the backward: it adds in full. An update streams `UPDATE_BYTES_PER_PARAM` (60 with
+the rollback copies) at `HOST_MEMORY_BYTES_PER_S`, shared by the node's ranks.
 """
 
 from __future__ import annotations
@@ -38,15 +37,19 @@ from dataclasses import dataclass
 
 import torch
 
-from mop.build import storage_dtype
+from mop.build import step_micro_batches, storage_dtype
 from mop.config import Config
 from mop.flops import flops_per_token
 from mop.plan.cluster import Cluster
-from mop.plan.memory import FP32, ParameterCounts, Shapes, micro_batches
+from mop.plan.activations import FP32, Shapes
+from mop.plan.memory import ParameterCounts, offloaded_activations
 
 HOST_MEMORY_BYTES_PER_S = 400e9  # sustained memory bandwidth of a 2-socket DDR5 node (16 channels)
-HOST_UPDATE_BYTES_PER_PARAM = 60
-FLOPS_PER_ADAMW_PARAM = 20  # CPU AdamW (FSDP2 offload): memory-bound like the host optimizer
+# Host memory an AdamW update streams per parameter: read the fp32 gradient, master and moments and
+# write them back (28), accumulate the micro-batches' gradients (8); the speculative host optimizer
+# also copies master and moments to their rollback spares (24).
+UPDATE_BYTES_PER_PARAM = 36
+SPECULATIVE_UPDATE_BYTES_PER_PARAM = UPDATE_BYTES_PER_PARAM + 24
 
 
 @dataclass
@@ -96,7 +99,8 @@ def step_time(config: Config, cluster: Cluster, s: Shapes, counts: ParameterCoun
     tokens = s.T
     model_flops = flops_per_token(m, keys) * tokens
     forward = model_flops / 3
-    attention_share = m.layers * (m.heads * m.head_dim * keys * 4 + 4 * m.hidden * s.q) * tokens / forward / 2
+    # head-chunked attention recomputes its core (QK^T and PV) in the backward; chunked LLEP its GEMMs
+    attention_share = m.layers * m.heads * m.head_dim * keys * 4 * tokens / forward
     expert_share = m.moe_layers * m.top_k * 3 * m.hidden * m.expert_intermediate * 2 * tokens / forward
     extra = forward if checkpointed else 0.0
     if not checkpointed:
@@ -128,34 +132,32 @@ def step_time(config: Config, cluster: Cluster, s: Shapes, counts: ParameterCoun
     dispatch = _share(p.expert) * m.moe_layers * 2 * s.A * s.H * s.act
     dispatch_passes = passes + (p.llep_chunks > 1)
     tensor = 4 * _share(tp) * m.layers * s.T * tp * s.H * s.act  # TP+SP: gather/scatter around attention and MLP
-    a2a = ulysses * ulysses_passes / _bandwidth(cluster, _link(cluster, p.sequence) if p.sequence > 1 else "nvlink")
+    # under TP a sequence (or expert) group's members are tp ranks apart: the group spans cp x tp ranks
+    a2a = ulysses * ulysses_passes / _bandwidth(cluster, _link(cluster, p.sequence * tp))
     a2a += tensor * passes / cluster.nvlink_bytes_per_s
-    expert_a2a = dispatch * dispatch_passes / _bandwidth(cluster, _link(cluster, p.expert)
-                                                        if p.expert > 1 else "nvlink")
+    expert_a2a = dispatch * dispatch_passes / _bandwidth(cluster, _link(cluster, p.expert * tp))
     if p.llep_chunks > 1:  # pipelined behind the expert GEMMs of the other chunks
         expert_compute = expert_share * forward * 3 / (cluster.peak_flops * cluster.mfu)
         expert_a2a = max(0.0, expert_a2a - expert_compute * (1 - 1 / p.llep_chunks))
     exposed["all_to_all"] = a2a + expert_a2a
-    # host link
-    local = counts.local
+    # host link, per micro-batch
+    local, mbs = counts.local, step_micro_batches(config, world)
     stored = torch.finfo(storage_dtype(config)).bits // 8
-    if config.optim.offload:
-        links["host"] += local * (stored + stored) / micro_batches(config, world)  # gradients down, weights up
-    if p.fsdp_cpu_offload:
+    if config.optim.offload:  # every micro-batch's gradients down, the updated weights up once a step
+        links["host"] += local * stored * (1 + 1 / mbs)
+    if p.fsdp_cpu_offload:  # FSDP2 copies the shards up before their gathers, the gradients down
         links["host"] += local * (FP32 + FP32)
-    if t.offload_activations:
-        kept = m.layers * s.T * s.H * s.act * (1 + (p.llep_chunks > 1)) + m.layers * s.T * s.q * s.act * (
-            p.attention_head_chunks > 1)
-        links["host"] += 2 * kept
-    mbs = micro_batches(config, world)
+    links["host"] += 2 * offloaded_activations(config, s)  # to the host and back
     per_micro = max([compute] + [links[k] / _bandwidth(cluster, k) for k in links]) + exposed["all_to_all"]
     step = mbs * per_micro
     host_rate = HOST_MEMORY_BYTES_PER_S / cluster.gpus_per_node
-    if config.optim.offload:
-        hidden_behind = step if config.optim.speculative else mbs * forward / (cluster.peak_flops * cluster.mfu)
-        exposed["host_optimizer"] = max(0.0, local * HOST_UPDATE_BYTES_PER_PARAM / host_rate - hidden_behind)
+    if config.optim.offload:  # hidden behind the last micro-batch's backward and the next forward,
+        # or (not speculating) behind the next forward only
+        hidden = per_micro if config.optim.speculative else forward / (cluster.peak_flops * cluster.mfu)
+        update = SPECULATIVE_UPDATE_BYTES_PER_PARAM if config.optim.speculative else UPDATE_BYTES_PER_PARAM
+        exposed["host_optimizer"] = max(0.0, local * update / host_rate - hidden)
     if p.fsdp_cpu_offload:
-        exposed["cpu_adamw"] = local * HOST_UPDATE_BYTES_PER_PARAM / host_rate
+        exposed["cpu_adamw"] = local * UPDATE_BYTES_PER_PARAM / host_rate
     seconds = step + exposed["host_optimizer"] + exposed["cpu_adamw"]
     overlapped = {k: mbs * links[k] / _bandwidth(cluster, k) for k in links}
     return StepTime(mbs * compute, overlapped, {k: v * (mbs if k == "all_to_all" else 1) for k, v in exposed.items()},

@@ -1,0 +1,194 @@
+"""What activations a rank holds at the moments `mop.plan.memory` weighs, in bytes, per micro-batch.
+
+Each function reads one piece of the runtime and says which of its tensors are alive: what
+autograd saves per block (RMSNorm, attention with its q/k norms, RoPE tables and core, the router,
+the experts, SwiGLU MLPs), what activation checkpointing keeps per block, and the extra working
+set of the expert layer and of the loss at their widest. Element counts follow the shapes the code
+allocates; bytes follow the compute dtype (`Shapes.act`), except what the code keeps in fp32
+(RMSNorm internals, router probabilities, logit tiles, gradient accumulators).
+
+Token counts per rank and micro-batch: T = micro_batch x seq_len / D; A = T k routed
+assignments; R = ceil(llep_alpha x A) rows computed under LLEP (its capacity: the plan never puts
+more on a rank unless a chunk below llep_min_chunk is forced), A x `routing_skew` under plain EP
+(the load of the busiest rank relative to the mean, which the data decides; 1.0 = balanced).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+
+from mop.config import Config
+from mop.models.config import ModelConfig
+from mop.parallel.parallelize import compute_dtype
+from mop.parallel.vocab import default_token_block
+
+FP32 = 4
+
+# The paper's Table 3 rows (plus the residual stream and norms, which the paper folds into attention).
+ROWS = ("dense_weights", "attention_activations", "residual_and_norms", "expert_weights", "moe_activations",
+        "vocab_weights", "vocab_tile", "gradients", "optimizer_state")
+
+
+def rows() -> dict[str, int]:
+    return dict.fromkeys(ROWS, 0)
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """Per-rank, per-micro-batch token counts and the widths the activation terms use."""
+
+    T: int  # tokens
+    A: int  # routed token-expert assignments
+    R: int  # rows this rank's expert GEMMs compute
+    H: int
+    q: int  # query width heads x head_dim
+    kv: int  # key/value width kv_heads x head_dim
+    d: int
+    heads: int
+    kv_heads: int
+    E: int
+    k: int
+    I: int  # noqa: E741 - the paper's name for the expert width
+    shared: int
+    act: int  # bytes of an activation element (the compute dtype)
+
+
+def shapes(config: Config, routing_skew: float = 1.0, tp: int = 1) -> Shapes:
+    m, p = config.model, config.parallel
+    tokens = config.train.micro_batch * config.data.seq_len // p.sequence
+    assigned = tokens * m.top_k
+    if p.expert > 1 and p.expert_balance == "llep":
+        computed = math.ceil(p.llep_alpha * assigned)
+    else:
+        computed = math.ceil(min(routing_skew, p.expert) * assigned) if p.expert > 1 else assigned
+    act = torch.finfo(compute_dtype(config)).bits // 8
+    # Tensor parallelism (planner baseline only) with sequence parallelism splits every activation of
+    # a block over its tp ranks: along the tokens outside attention and the MLPs, along heads and the
+    # expert width inside; either way each term below shrinks by tp, which dividing the tokens does.
+    return Shapes(tokens // tp, assigned // tp, computed // tp, m.hidden, m.heads * m.head_dim, m.kv_heads * m.head_dim,
+                  m.head_dim, m.heads, m.kv_heads, m.experts, m.top_k, m.expert_intermediate,
+                  m.shared_expert_intermediate, act)
+
+
+def norm(s: Shapes, width: int, tokens: int | None = None) -> int:
+    """One RMSNorm's saved tensors: the fp32 normalised product and inverse rms (and the fp32 copy of
+    a low-precision input), plus its output, which the next matmul saves."""
+    tokens = s.T if tokens is None else tokens
+    upcast = tokens * width * FP32 if s.act < FP32 else 0
+    return tokens * width * (FP32 + s.act) + tokens * FP32 + upcast
+
+
+def attention_saved(s: Shapes, model: ModelConfig, head_chunks: int) -> int:
+    """What one attention layer keeps for its backward (q/k norms, RoPE tables, the core's tensors)."""
+    qk = norm(s, model.head_dim, s.T * s.heads) + norm(s, model.head_dim, s.T * s.kv_heads) if model.qk_norm else 0
+    rope = 2 * s.T * s.d * s.act
+    local_qkv = s.T * (s.q + 2 * s.kv) * s.act
+    if head_chunks > 1:  # `_HeadChunkedAttention` saves the local q, k, v; its output feeds o_proj
+        return qk + rope + local_qkv + s.T * s.q * s.act
+    # the head-sharded q/k/v and output (under D = 1 the kernel's own inputs and output), the
+    # softmax statistics, and o_proj's input (the output back in the sequence-sharded layout)
+    return qk + rope + local_qkv + 2 * s.T * s.q * s.act + s.T * s.heads * FP32
+
+
+def router_saved(s: Shapes) -> int:
+    """fp32 probabilities [T, E], top-k weights and ids, their renormalising sums."""
+    return s.T * s.E * FP32 + s.T * s.k * (2 * FP32 + 8) + s.T * FP32
+
+
+def experts_saved(s: Shapes, llep_chunks: int) -> int:
+    """Unchunked: the gathered send rows, the received rows, the rows sent back (which the combine
+    weighting keeps), the [R, 2I] gate/up output, silu and the product; chunked: only the output."""
+    if llep_chunks > 1:
+        return s.T * s.H * s.act
+    return (2 * s.A + s.R) * s.H * s.act + 4 * s.R * s.I * s.act
+
+
+def experts_forward_peak(s: Shapes, llep_chunks: int) -> int:
+    """Live at the expert GEMMs in forward beyond what stays saved: the unchunked path's own
+    tensors up to the product (the rows sent back are not yet allocated); chunked: two chunks of
+    rows in flight each way, one chunk's intermediate, the output accumulator."""
+    if llep_chunks > 1:
+        rows, assigned = -(-s.R // llep_chunks), -(-s.A // llep_chunks)
+        return (4 * assigned + 3 * rows) * s.H * s.act + 4 * rows * s.I * s.act + s.T * s.H * s.act
+    return (s.A + s.R) * s.H * s.act + 4 * s.R * s.I * s.act
+
+
+def experts_backward_peak(s: Shapes, llep_chunks: int) -> int:
+    """Relative to the saved tensors, the expert backward at its widest, the SwiGLU's: plus the
+    gradients of the product, of silu and of up and the block's output gradient, less the product
+    and the rows gathered to send and sent back, which the backward has released by then (only the
+    received rows stay, for the first GEMM's weight gradient). Chunked (`ChunkedExperts.backward`):
+    the chunk being computed, [rows | output gradients] (2H wide), with the next chunk's message on
+    its way in and the previous chunk's [row gradients | outputs] on its way back (each a send and
+    a receive buffer), the pieces that message was cut from (the chunk's token rows and their
+    weighted output gradients) and the gradient of the received rows, the chunk's recomputed
+    intermediate and its gradients, and the input's gradient accumulator."""
+    if llep_chunks > 1:
+        rows, assigned = -(-s.R // llep_chunks), -(-s.A // llep_chunks)
+        in_flight = rows + min(2, llep_chunks - 1) * (assigned + rows)
+        pieces = 2 * assigned + rows
+        return ((in_flight * 2 + pieces) * s.H + 7 * rows * s.I) * s.act + s.T * s.H * (FP32 + s.act)
+    return (2 * s.R * s.I - 2 * s.A * s.H) * s.act + s.T * s.H * FP32
+
+
+def mlp_saved(s: Shapes, width: int) -> int:
+    """A SwiGLU MLP (dense block or shared expert): gate and up outputs, silu, the product."""
+    return 4 * s.T * width * s.act
+
+
+def block_saved(s: Shapes, config: Config, moe: bool) -> dict[str, int]:
+    """One block's saved activations by row, without checkpointing: the block input and the
+    residual after attention (each saved by the norm that reads it), the two norms, attention,
+    and the MoE layer (router and experts, plus the shared expert) or the dense MLP."""
+    m, p = config.model, config.parallel
+    out = rows()
+    out["residual_and_norms"] = 2 * s.T * s.H * s.act + 2 * norm(s, s.H)
+    out["attention_activations"] = attention_saved(s, m, p.attention_head_chunks)
+    if moe:
+        out["moe_activations"] = (router_saved(s) + experts_saved(s, p.llep_chunks)
+                                   + (mlp_saved(s, s.shared) if s.shared else 0))
+    else:
+        out["moe_activations"] = mlp_saved(s, m.dense_intermediate)
+    return out
+
+
+def block_kept(s: Shapes, config: Config) -> dict[str, int]:
+    """What full activation checkpointing keeps of one block on the device: its input, and the
+    outputs of the chunked parts (`mop.parallel.checkpointing`); nothing with offload."""
+    out = rows()
+    if config.train.offload_activations:
+        return out
+    p = config.parallel
+    out["residual_and_norms"] = s.T * s.H * s.act
+    out["attention_activations"] = s.T * s.q * s.act if p.attention_head_chunks > 1 else 0
+    out["moe_activations"] = s.T * s.H * s.act if p.llep_chunks > 1 else 0
+    return out
+
+
+def on_device(config: Config) -> Config:
+    """The config with activation offload off: what offload would otherwise keep on the device."""
+    return dataclasses.replace(config, train=dataclasses.replace(config.train, offload_activations=False))
+
+
+def add(total: dict[str, int], part: dict[str, int], times: int = 1) -> None:
+    for row, value in part.items():
+        total[row] += value * times
+
+
+def loss_working_set(s: Shapes, config: Config) -> dict[str, int]:
+    """The loss's own tensors at its widest (the backward), beyond the hidden states it reads."""
+    m, p = config.model, config.parallel
+    out = rows()
+    if p.vocab > 1:  # the ring: one fp32 tile, the incoming shard, the gradient buffer and its successor
+        shard_rows = -(-m.vocab_size // p.vocab)
+        block = min(s.T, p.vocab_token_block or default_token_block(shard_rows))
+        out["vocab_tile"] = block * shard_rows * FP32 + s.T * s.H * FP32 + 4 * s.T * FP32
+        out["vocab_weights"] = shard_rows * s.H * (s.act + (s.act if s.act < FP32 else 0))
+        out["gradients"] = 2 * shard_rows * s.H * FP32
+    else:  # the full fp32 logits' log-softmax (saved), the loss gradient and the log-softmax gradient
+        out["vocab_tile"] = 3 * s.T * m.vocab_size * FP32
+    return out
