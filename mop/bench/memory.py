@@ -68,7 +68,6 @@ class _LiveStorages(TorchDispatchMode):
         self.allocated += storage.nbytes()
         self.live += storage.nbytes()
         weakref.finalize(storage, self._free, storage.nbytes())
-        self.peak = max(self.peak, self._now())
 
     def _free(self, nbytes: int) -> None:
         self.live -= nbytes

@@ -40,12 +40,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> dict:
-    from mop.plan import load_model, parse_tokens
+    from mop.plan import document_tokens, load_model
     from mop.plan.cluster import make_cluster
     from mop.plan.report import plan_json
     from mop.plan.search import plan
 
-    documents = 0 if args.document_tokens == "0" else parse_tokens(args.document_tokens, "--document-tokens")
+    documents = document_tokens(args.document_tokens)
     rows = []
     for name, nodes in CLUSTERS.items():
         model, cluster = load_model(name), make_cluster(args.gpu, nodes, 8, mfu=args.mfu)
@@ -55,10 +55,6 @@ def run(args) -> dict:
             rows.append({"model": name, "nodes": nodes, **predicted,
                          "paper": None if paper is None else {"mop": paper[0], "fsdp2_best": paper[1]}})
     return {"rows": rows}
-
-
-def _speed(side: dict) -> str:
-    return f"{side['tokens_per_s_per_gpu']:.0f}" if side["fits"] else "OOM"
 
 
 def _fit_agreement(row: dict) -> str:
@@ -81,13 +77,13 @@ def _binding(row: dict) -> str:
 
 
 def report(args, results: dict) -> None:
-    from mop.plan.report import tokens
+    from mop.plan.report import speed_cell, tokens
 
     body = []
     for r in results["rows"]:
         paper = r["paper"] or {}
-        body.append([r["model"], r["nodes"], tokens(r["context"]), _speed(r["mop"]), paper.get("mop", "-"),
-                     f"{r['mop']['peak_device_bytes'] / GIB:.0f}", _speed(r["fsdp2_best"]),
+        body.append([r["model"], r["nodes"], tokens(r["context"]), speed_cell(r["mop"]), paper.get("mop", "-"),
+                     f"{r['mop']['peak_device_bytes'] / GIB:.0f}", speed_cell(r["fsdp2_best"]),
                      ("OOM" if paper.get("fsdp2_best", 0) is None else paper.get("fsdp2_best", "-")),
                      f"{r['speedup']:.2f}x" if r["speedup"] else "-", _fit_agreement(r)])
     print(table(f"the paper's Table 1 predicted by mop plan ({args.gpu.upper()} nodes of 8; tokens/s/GPU; "

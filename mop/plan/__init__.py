@@ -48,6 +48,11 @@ def parse_tokens(text: str, option: str = "--context") -> int:
     return int(match.group(1)) * {"": 1, "k": 1024, "m": 1024**2}[match.group(2).lower()]
 
 
+def document_tokens(text: str) -> int:
+    """`--document-tokens`: the packed documents' length, 0 for one document per sequence."""
+    return 0 if text == "0" else parse_tokens(text, "--document-tokens")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL", help=f"a preset ({', '.join(presets())}), a TOML config or a "
                                                        "Hugging Face config.json")
@@ -86,7 +91,7 @@ def run(args) -> dict:
         raise ConfigError("--global-batch", f"must be >= 0 (0: each layout's smallest), got {args.global_batch}")
     if not args.routing_skew >= 1:
         raise ConfigError("--routing-skew", f"must be >= 1 (1: balanced), got {args.routing_skew}")
-    documents = 0 if args.document_tokens == "0" else parse_tokens(args.document_tokens, "--document-tokens")
+    documents = document_tokens(args.document_tokens)
     model = load_model(args.model)
     cluster = make_cluster(args.gpu, args.nodes, args.gpus_per_node, device_gib=args.device_gib,
                            reserve_gib=args.reserve_gib, host_gib=args.host_gib, nvlink_gbps=args.nvlink_gbps,

@@ -15,7 +15,6 @@ more on a rank unless a chunk below llep_min_chunk is forced), A x `routing_skew
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -157,21 +156,14 @@ def block_saved(s: Shapes, config: Config, moe: bool) -> dict[str, int]:
 
 
 def block_kept(s: Shapes, config: Config) -> dict[str, int]:
-    """What full activation checkpointing keeps of one block on the device: its input, and the
-    outputs of the chunked parts (`mop.parallel.checkpointing`); nothing with offload."""
+    """What full activation checkpointing keeps of one block until its backward: its input, and the
+    outputs of the chunked parts (`mop.parallel.checkpointing`); on the host with offload."""
     out = rows()
-    if config.train.offload_activations:
-        return out
     p = config.parallel
     out["residual_and_norms"] = s.T * s.H * s.act
     out["attention_activations"] = s.T * s.q * s.act if p.attention_head_chunks > 1 else 0
     out["moe_activations"] = s.T * s.H * s.act if p.llep_chunks > 1 else 0
     return out
-
-
-def on_device(config: Config) -> Config:
-    """The config with activation offload off: what offload would otherwise keep on the device."""
-    return dataclasses.replace(config, train=dataclasses.replace(config.train, offload_activations=False))
 
 
 def add(total: dict[str, int], part: dict[str, int], times: int = 1) -> None:

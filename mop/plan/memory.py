@@ -44,7 +44,7 @@ from mop.build import step_micro_batches, storage_dtype
 from mop.config import Config
 from mop.models.config import ModelConfig
 from mop.plan.activations import (FP32, Shapes, add, block_kept, block_saved, experts_backward_peak,
-                                  experts_forward_peak, experts_saved, loss_working_set, mlp_saved, norm, on_device,
+                                  experts_forward_peak, experts_saved, loss_working_set, mlp_saved, norm,
                                   router_saved, rows, shapes)
 
 
@@ -131,6 +131,8 @@ class MemoryEstimate:
     moments: list[Moment]
     host_bytes_per_rank: dict[str, int]
     ranks_per_node: int
+    shapes: Shapes  # what it was computed from, for the step time
+    counts: ParameterCounts
 
     @property
     def peak_device_bytes(self) -> int:
@@ -168,13 +170,14 @@ def estimate(config: Config, world: int, ranks_per_node: int, routing_skew: floa
     base["dense_weights"] += m.vocab_size * m.hidden * (1 if p.vocab > 1 or m.tie_embeddings else 2) // tp * s.act
     in_block = rows()
     in_block["dense_weights"] = 2 * counts.largest_dense_unit * s.act
-    shipped = 3 * m.hidden * m.expert_intermediate // tp if p.expert > 1 and p.expert_balance == "llep" else 0
+    one_expert = counts.expert_partition // (m.experts // p.expert)
+    shipped = one_expert if p.expert > 1 and p.expert_balance == "llep" else 0
     in_block["expert_weights"] = (counts.expert_partition + shipped) * s.act
 
     checkpointed = t.activation_checkpointing == "full"
     moe_block = block_saved(s, config, moe=True)
     dense_block = block_saved(s, config, moe=False)
-    kept = block_kept(s, config)
+    kept = rows() if t.offload_activations else block_kept(s, config)  # on the device
 
     def blocks(count_moe: int, count_dense: int) -> dict[str, int]:
         out = rows()
@@ -215,7 +218,7 @@ def estimate(config: Config, world: int, ranks_per_node: int, routing_skew: floa
         add(backward.rows, moe_block if last_is_moe else dense_block)
         backward.rows["residual_and_norms"] -= s.T * s.H * s.act  # the input is the kept one
         if t.offload_activations:
-            add(backward.rows, block_kept(s, on_device(config)))
+            add(backward.rows, block_kept(s, config))
     if last_is_moe:
         # autograd runs the later-created shared expert's backward first: its tensors are gone
         backward.rows["moe_activations"] += experts_backward_peak(s, p.llep_chunks) - mlp_saved(s, s.shared)
@@ -226,7 +229,8 @@ def estimate(config: Config, world: int, ranks_per_node: int, routing_skew: floa
         update = Moment("update: torch AdamW on the device", dict(base))
         update.rows["gradients"] = counts.local * stored + counts.local * FP32
         moments.append(update)
-    return MemoryEstimate(max(moments, key=lambda x: x.total), moments, host_bytes(config, counts, s), ranks_per_node)
+    return MemoryEstimate(max(moments, key=lambda x: x.total), moments, host_bytes(config, counts, s), ranks_per_node,
+                          s, counts)
 
 
 def host_bytes(config: Config, counts: ParameterCounts, s: Shapes) -> dict[str, int]:
@@ -251,4 +255,4 @@ def offloaded_activations(config: Config, s: Shapes) -> int:
     """Bytes `train.offload_activations` moves to the host per micro-batch: every block's kept tensors."""
     if not config.train.offload_activations:
         return 0
-    return config.model.layers * sum(block_kept(s, on_device(config)).values())
+    return config.model.layers * sum(block_kept(s, config).values())

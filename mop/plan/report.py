@@ -69,7 +69,8 @@ def _gib(n) -> str:
     return "-" if n is None else f"{n / GIB:.1f}"
 
 
-def _speed(side: dict) -> str:
+def speed_cell(side: dict) -> str:
+    """tokens/s/GPU, or OOM when nothing fits."""
     return f"{side['tokens_per_s_per_gpu']:.0f}" if side["fits"] else "OOM"
 
 
@@ -87,7 +88,7 @@ def detail(results: dict, plan: dict) -> str:
     rows += [(f"  {row.replace('_', ' ')}", [_gib(s["device_rows"][row]) for _, s in sides]) for row in ROWS]
     rows += [("host GiB per node", [_gib(s["host_bytes_per_node"]) for _, s in sides]),
              ("step seconds", [f"{s['step_seconds']:.2f}" if s["step_seconds"] else "-" for _, s in sides]),
-             ("tokens/s/GPU", [_speed(s) for _, s in sides])]
+             ("tokens/s/GPU", [speed_cell(s) for _, s in sides])]
     width = max(len(r[0]) for r in rows) + 2
     col = max(len(v) for _, values in rows for v in values) + 2
     lines.append(" " * width + "".join(name.ljust(col) for name, _ in sides))
@@ -105,8 +106,8 @@ def table1(results: dict) -> str:
     m, cl = results["model"], results["cluster"]
     header = ["context", "MoP tok/s/GPU", "MoP GiB", "MoP layout", "FSDP-best tok/s/GPU", "FSDP-best GiB",
               "FSDP-best config", "speedup"]
-    body = [[tokens(p["context"]), _speed(p["mop"]), _gib(p["mop"]["peak_device_bytes"]), p["mop"]["description"],
-             _speed(p["fsdp2_best"]), _gib(p["fsdp2_best"]["peak_device_bytes"]), p["fsdp2_best"]["description"],
+    body = [[tokens(p["context"]), speed_cell(p["mop"]), _gib(p["mop"]["peak_device_bytes"]), p["mop"]["description"],
+             speed_cell(p["fsdp2_best"]), _gib(p["fsdp2_best"]["peak_device_bytes"]), p["fsdp2_best"]["description"],
              f"{p['speedup']:.2f}x" if p["speedup"] else "-"]
             for p in results["plans"]]
     widths = [max(len(str(r[i])) for r in [header, *body]) + 2 for i in range(len(header))]

@@ -32,8 +32,7 @@ from mop.config import Config, ConfigError, validate
 from mop.models.config import ModelConfig
 from mop.parallel.mesh import LayoutError
 from mop.plan.cluster import Cluster
-from mop.plan.activations import shapes
-from mop.plan.memory import MemoryEstimate, estimate, parameter_counts
+from mop.plan.memory import MemoryEstimate, estimate
 from mop.plan.speed import StepTime, step_time
 
 CHUNKS = (1, 2, 4, 8)
@@ -152,10 +151,8 @@ def fsdp2_configs(model: ModelConfig, cluster: Cluster, context: int, global_bat
 
 def evaluate(config: Config, cluster: Cluster, tp: int = 1, routing_skew: float = 1.0,
              document_tokens: int = 0) -> Candidate:
-    p = config.parallel
     memory = estimate(config, cluster.world, cluster.gpus_per_node, routing_skew, tp)
-    counts = parameter_counts(config.model, cluster.world, p.expert, p.vocab, tp)
-    time = step_time(config, cluster, shapes(config, routing_skew, tp), counts, tp, document_tokens)
+    time = step_time(config, cluster, memory.shapes, memory.counts, tp, document_tokens)
     return Candidate(config, tp, memory, time, cluster)
 
 

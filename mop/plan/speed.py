@@ -113,13 +113,13 @@ def step_time(config: Config, cluster: Cluster, s: Shapes, counts: ParameterCoun
     links = {"nvlink": 0.0, "network": 0.0, "host": 0.0}
     exposed = {"all_to_all": 0.0, "host_optimizer": 0.0, "cpu_adamw": 0.0}
     # FSDP2: gather twice, reduce-scatter once, per unit
+    expert_bytes = m.moe_layers * counts.expert_partition  # a rank's expert partitions, gathered
     dense_world = world // tp
-    dense_bytes = (counts.total - m.moe_layers * m.experts * 3 * m.hidden * m.expert_intermediate) // tp
+    dense_bytes = counts.total // tp - expert_bytes * p.expert
     if p.vocab > 1:
         dense_bytes -= m.vocab_size * m.hidden
     links[_link(cluster, dense_world, strided=tp > 1)] += _share(dense_world) * dense_bytes * (2 * s.act + FP32)
     replicas = world // (p.expert * tp)
-    expert_bytes = m.moe_layers * counts.expert_partition
     links[_link(cluster, replicas, strided=True)] += _share(replicas) * expert_bytes * (2 * s.act + FP32)
     # the vocabulary ring
     if p.vocab > 1:
