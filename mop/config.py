@@ -74,8 +74,9 @@ class ParallelConfig:
     """Tokens per logit tile of the vocabulary-parallel loss (parallel.vocab > 1); 0 picks the size that
     makes one fp32 [tokens, vocab / parallel.vocab] tile about 64 MiB."""
     llep_chunks: int = 1
-    """> 1: route each MoE layer's tokens in this many pipelined chunks and recompute the expert
-    intermediate in backward (memory-efficient EP/LLEP: about one chunk's buffers live at a time)."""
+    """> 1: route each MoE layer's tokens in this many pipelined chunks and recompute the experts' gate
+    and up projections in backward (memory-efficient EP/LLEP: about one chunk's buffers live at a
+    time; with full activation checkpointing no more expert FLOPs than unchunked)."""
     attention_head_chunks: int = 1
     """With parallel.sequence > 1: exchange and attend the heads of a rank in this many chunks, so that
     only one chunk's head-sharded Q/K/V/output is live at a time (recomputed per chunk in backward)."""

@@ -173,6 +173,33 @@ def test_routing_permutations_from_tensor_ops_equal_the_row_by_row_ones(seed):
             assert route.compute_rows.tolist() == compute_rows
 
 
+@pytest.mark.parametrize("mode", ["ep", "llep"])
+def test_every_chunk_carries_a_fair_share_of_what_each_rank_sends_and_computes(mode):
+    """Chunk c takes the c-th part of every plan slice's rows from each source, so with 4 ranks and 2
+    chunks every rank sends and computes about half its rows in each chunk (cutting the slices alone
+    put a source's rows of an expert, consecutive in the global numbering, into one chunk), and
+    the chunks together route exactly what the whole plan routes."""
+    g = torch.Generator().manual_seed(0)
+    ranks, chunks = 4, 2
+    counts = torch.randint(20, 60, (ranks, 8), generator=g)
+    counts[:, 0] += 300
+    counts = counts.tolist()
+    loads = [sum(column) for column in zip(*counts)]
+    plan = plan_llep(loads, ranks, gate=1.0, alpha=1.0, min_chunk=1) if mode == "llep" else plan_ep(loads, ranks)
+    whole = [build_routing(plan, counts, r) for r in range(ranks)]
+    parts = [[build_routing(sub, counts, r, foreign=whole[r].foreign_experts) for r in range(ranks)]
+             for sub in chunk_plans(plan, chunks, counts)]
+    for r in range(ranks):
+        segments = len(_segments(plan, counts[r], [sum(counts[s][e] for s in range(r)) for e in range(8)]))
+        for splits in ("send_splits", "recv_splits"):
+            total = sum(getattr(whole[r], splits))
+            per_chunk = [sum(getattr(part[r], splits)) for part in parts]
+            assert sum(per_chunk) == total
+            assert max(per_chunk) <= total / chunks + segments, (r, splits, per_chunk)
+        for key in ("native_counts", "foreign_counts"):
+            assert [sum(c) for c in zip(*(getattr(part[r], key) for part in parts))] == getattr(whole[r], key)
+
+
 def test_a_chunk_without_rows_of_a_shipped_expert_counts_it_as_zero():
     """A chunked layer ships its foreign weights once; a chunk that has no rows for one of them must
     still line its counts up with the shipped weights (the grouped GEMM takes one group per weight)."""
@@ -180,7 +207,7 @@ def test_a_chunk_without_rows_of_a_shipped_expert_counts_it_as_zero():
     plan = plan_llep([40, 0, 0, 0], 2, gate=1.0, alpha=1.0, min_chunk=1)
     helper_rows = [s for s in plan.slices if s.rank == 1]
     assert helper_rows, "the plan must spill expert 0 to rank 1"
-    first_chunk = chunk_plans(plan, 4)[0]
+    first_chunk = chunk_plans(plan, 4, counts)[0]
     route = build_routing(first_chunk, counts, 1, foreign=[0, 1])  # weights of experts 0 and 1 shipped
     assert route.foreign_experts == [0, 1] and route.foreign_counts[1] == 0
     assert sum(route.native_counts) + sum(route.foreign_counts) == sum(route.recv_splits)

@@ -98,6 +98,8 @@ def _count_passes(rank, world, extra):
 
     mop.models.attention.document_attention = counted("attention", mop.models.attention.document_attention)
     mop.parallel.llep_chunked.expert_outputs = counted("expert chunks", mop.parallel.llep_chunked.expert_outputs)
+    mop.parallel.llep_chunked.grouped_expert_outputs = counted("expert chunks",
+                                                               mop.parallel.llep_chunked.grouped_expert_outputs)
     layout = DistLayout(Layout(world, 2, 2, 1), torch.device("cpu"))
     model = parallelize(build_model(config.model, seed=4), layout, config)
     batch = packed_batch(config.data.seq_len)

@@ -172,6 +172,29 @@ def test_groups_padded_for_cuda_alignment_give_the_same_outputs_and_gradients():
         assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("path", [dict(grouped=True), dict(grouped=False), dict(grouped=True, align=8)])
+def test_the_probe_gives_each_rows_product_and_the_experts_backward_without_the_down_forward(path):
+    """`swiglu_experts(probe=g)` returns `<g, expert(x)>` per row, and its backward for row weights w
+    is the experts' backward for output gradients `w * g` (chunked LLEP's backward), on the grouped
+    GEMM, the expert loop and padded groups."""
+    torch.manual_seed(5)
+    x = torch.randn(13, 16, requires_grad=True)
+    w_gate_up = (torch.randn(4, 2 * 8, 16) / 4).requires_grad_()
+    w_down = (torch.randn(4, 16, 8) / 8**0.5).requires_grad_()
+    counts = [5, 0, 6, 2]
+    probe, row_weights = torch.randn(13, 16), torch.rand(13)
+    products = swiglu_experts(x, counts, w_gate_up, w_down, probe=probe, **path)
+    y = swiglu_experts(x, counts, w_gate_up, w_down, grouped=True)
+    assert products.dtype == torch.float32 and products.shape == (13,)
+    assert_close(products, (probe * y).sum(-1), atol=1e-5, rtol=1e-5)
+    inputs = [x, w_gate_up, w_down]
+    for a, b in zip(torch.autograd.grad(products, inputs, row_weights),
+                    torch.autograd.grad(y, inputs, probe * row_weights.unsqueeze(-1))):
+        assert_close(a, b, atol=1e-5, rtol=1e-5)
+    empty = swiglu_experts(x[:0], [0] * 4, w_gate_up, w_down, probe=probe[:0], **path)
+    assert empty.shape == (0,) and empty.requires_grad
+
+
 def test_a_non_finite_gradient_skips_the_update_and_leaves_the_state():
     from mop.config import Config
     from mop.build import build_optimizer

@@ -5,8 +5,14 @@ evenly over n hot experts (x in 30/50/80/95, n in 1/4/16), the rest uniform over
 hot experts are experts 0..n-1, which all live on rank 0, as routing collapse tends to do.
 
 For each scenario and variant, W ranks (one expert group, one intra-op thread each) run the
-expert layer (dispatch, expert GEMMs, combine) forward + backward on their own tokens. Reported
-per scenario: time (mean after a warm-up, the slowest rank, which is what a step waits for), the
+expert layer (dispatch, expert GEMMs, combine) forward + backward on their own tokens, twice:
+bare (as `mop train` runs it without activation checkpointing) and inside a checkpointed block
+(`mop.parallel.checkpointing.checkpoint_block`, as with `train.activation_checkpointing=full`,
+which a run that needs chunked LLEP's memory saving will usually have on). Bare, chunked LLEP
+re-runs the gate and up projections in its backward where LLEP keeps their outputs; in a
+checkpointed block LLEP re-runs its whole forward in the block's recomputation and chunked LLEP
+does not (it returns its kept output), so the two cost about the same FLOPs there. Reported
+per scenario and mode: time (mean after a warm-up, the slowest rank, which is what a step waits for), the
 hot rank's transient peak memory (`mop.bench.memory`: every tensor created during forward +
 backward, weights and inputs excluded), and the max/mean token load over ranks after the plan.
 Ratios are against EP in the same scenario of the same run.
@@ -32,9 +38,11 @@ from mop.models.config import ModelConfig
 from mop.models.moe import Experts
 from mop.models.transformer import init_weights
 from mop.parallel import DistLayout, Layout
+from mop.parallel.checkpointing import checkpoint_block
 from mop.parallel.llep import BalanceOptions, ExpertParallel
 from mop.testing import run_distributed
 
+MODES = ("bare", "checkpointed")
 SCENARIOS = [("balanced", 0.0, 0)] + [(f"{int(p * 100)}% -> {n}", p, n) for n in (1, 4, 16) for p in (0.3, 0.5, 0.8, 0.95)]
 
 
@@ -67,7 +75,8 @@ def routing(scenario: tuple, tokens: int, experts: int, top_k: int, seed: int):
     return expert_ids, torch.rand(tokens, top_k, generator=g)
 
 
-def expert_rank(rank, world, cfg: ModelConfig, scenario, options: BalanceOptions, tokens: int, repeats: int) -> dict:
+def expert_rank(rank, world, cfg: ModelConfig, scenario, options: BalanceOptions, tokens: int, repeats: int,
+                mode: str) -> dict:
     layout = DistLayout(Layout(world, expert=world), torch.device("cpu"))
     experts = Experts(cfg)
     init_weights(experts, seed=0, std=0.02)
@@ -79,7 +88,10 @@ def expert_rank(rank, world, cfg: ModelConfig, scenario, options: BalanceOptions
     weights.requires_grad_()
 
     def step():
-        module(x, expert_ids, weights).sum().backward()
+        if mode == "checkpointed":
+            checkpoint_block(module, x, expert_ids, weights, offload=None).sum().backward()
+        else:
+            module(x, expert_ids, weights).sum().backward()
 
     measured = measure_step(step, repeats)
     record = module.records[-1]
@@ -97,45 +109,54 @@ def run(args) -> dict:
                 f"llep chunks={args.chunks}": BalanceOptions("llep", min_chunk=args.min_chunk, chunks=args.chunks)}
     rows = []
     for scenario in SCENARIOS:
-        base = None
-        for name, options in variants.items():
-            per_rank = run_distributed(expert_rank, args.world, cfg, scenario, options, args.tokens, args.repeats,
-                                       timeout=1800)
-            result = {"seconds": max(r["seconds"] for r in per_rank),
-                      "realised_hot_share": sum(r["hot_assignments"] for r in per_rank) / sum(
-                          r["assignments"] for r in per_rank),
-                      "ep_rank_load_imbalance": per_rank[0]["rank_load_imbalance_ep"],
-                      "hot_rank_peak_bytes": per_rank[0]["peak_bytes"],
-                      "max_rank_peak_bytes": max(r["peak_bytes"] for r in per_rank),
-                      "rank_load_imbalance": per_rank[0]["rank_load_imbalance"],
-                      "weight_bytes_moved": per_rank[0]["weight_bytes_moved"]}
-            base = base or result
-            rows.append({"scenario": scenario[0], "variant": name, **result,
-                         "speedup_vs_ep": base["seconds"] / result["seconds"],
-                         "hot_peak_vs_ep": result["hot_rank_peak_bytes"] / base["hot_rank_peak_bytes"]})
+        for mode in MODES:
+            base = None
+            for name, options in variants.items():
+                per_rank = run_distributed(expert_rank, args.world, cfg, scenario, options, args.tokens, args.repeats,
+                                           mode, timeout=1800)
+                result = {"seconds": max(r["seconds"] for r in per_rank),
+                          "realised_hot_share": sum(r["hot_assignments"] for r in per_rank) / sum(
+                              r["assignments"] for r in per_rank),
+                          "ep_rank_load_imbalance": per_rank[0]["rank_load_imbalance_ep"],
+                          "hot_rank_peak_bytes": per_rank[0]["peak_bytes"],
+                          "max_rank_peak_bytes": max(r["peak_bytes"] for r in per_rank),
+                          "rank_load_imbalance": per_rank[0]["rank_load_imbalance"],
+                          "weight_bytes_moved": per_rank[0]["weight_bytes_moved"]}
+                base = base or result
+                rows.append({"scenario": scenario[0], "mode": mode, "variant": name, **result,
+                             "speedup_vs_ep": base["seconds"] / result["seconds"],
+                             "hot_peak_vs_ep": result["hot_rank_peak_bytes"] / base["hot_rank_peak_bytes"]})
     return {"rows": rows}
 
 
 def report(args, results: dict) -> None:
     rows = results["rows"]
     order = sorted({r["scenario"]: r["ep_rank_load_imbalance"] for r in rows}.items(), key=lambda item: item[1])
-    by = {(r["scenario"], r["variant"]): r for r in rows}
+    by = {(r["scenario"], r["mode"], r["variant"]): r for r in rows}
     variants = list(dict.fromkeys(r["variant"] for r in rows))
     chunked = variants[-1]
-    print(table(f"expert layer forward + backward, W={args.world}, {args.tokens} tokens/rank, E={args.experts}, "
-                f"k={args.top_k}, H={args.hidden}, I={args.intermediate}; scenarios ordered by EP's max/mean rank load",
-                ["scenario", "hot share", "EP load", "variant", "time s", "speedup vs EP", "hot rank peak MiB",
-                 "vs EP", "max/mean rank load", "weights moved MiB"],
-                [[name, by[(name, v)]["realised_hot_share"], load, v, by[(name, v)]["seconds"],
-                  by[(name, v)]["speedup_vs_ep"], by[(name, v)]["hot_rank_peak_bytes"] / MIB,
-                  by[(name, v)]["hot_peak_vs_ep"], by[(name, v)]["rank_load_imbalance"],
-                  by[(name, v)]["weight_bytes_moved"] / MIB] for name, load in order for v in variants]))
-    print()
-    print(table(f"{chunked} against llep (target: time <= 1.10x at hot-rank peak <= 0.55x)",
-                ["scenario", "hot share", "EP load", "time vs llep", "hot rank peak vs llep"],
-                [[name, by[(name, chunked)]["realised_hot_share"], load,
-                  by[(name, chunked)]["seconds"] / by[(name, "llep")]["seconds"],
-                  by[(name, chunked)]["hot_rank_peak_bytes"] / by[(name, "llep")]["hot_rank_peak_bytes"]]
-                 for name, load in order]))
+    for mode in MODES:
+        print(table(f"expert layer forward + backward ({mode}), W={args.world}, {args.tokens} tokens/rank, "
+                    f"E={args.experts}, k={args.top_k}, H={args.hidden}, I={args.intermediate}; scenarios ordered by "
+                    "EP's max/mean rank load",
+                    ["scenario", "hot share", "EP load", "variant", "time s", "speedup vs EP", "hot rank peak MiB",
+                     "vs EP", "max/mean rank load", "weights moved MiB"],
+                    [[name, by[(name, mode, v)]["realised_hot_share"], load, v, by[(name, mode, v)]["seconds"],
+                      by[(name, mode, v)]["speedup_vs_ep"], by[(name, mode, v)]["hot_rank_peak_bytes"] / MIB,
+                      by[(name, mode, v)]["hot_peak_vs_ep"], by[(name, mode, v)]["rank_load_imbalance"],
+                      by[(name, mode, v)]["weight_bytes_moved"] / MIB] for name, load in order for v in variants]))
+        print()
+
+    def against_llep(name: str, mode: str, key: str) -> float:
+        return by[(name, mode, chunked)][key] / by[(name, mode, "llep")][key]
+
+    print(table(f"{chunked} against llep, bare and in a checkpointed block (target: time <= 1.10x at hot-rank "
+                "peak <= 0.55x)",
+                ["scenario", "hot share", "EP load", "time vs llep", "peak vs llep", "checkpointed: time vs llep",
+                 "checkpointed: peak vs llep"],
+                [[name, by[(name, "bare", chunked)]["realised_hot_share"], load,
+                  against_llep(name, "bare", "seconds"), against_llep(name, "bare", "hot_rank_peak_bytes"),
+                  against_llep(name, "checkpointed", "seconds"),
+                  against_llep(name, "checkpointed", "hot_rank_peak_bytes")] for name, load in order]))
     path = write_json(args.out, "moe", {k: str(v) for k, v in vars(args).items() if k != "func"}, results)
     print(f"\nresults written to {path}")

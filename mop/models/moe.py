@@ -113,7 +113,7 @@ def row_ranges(starts: list[int], lengths: list[int], device) -> torch.Tensor:
 
 
 def swiglu_experts(x_sorted: torch.Tensor, counts: list[int], w_gate_up: torch.Tensor, w_down: torch.Tensor,
-                   grouped: bool | None = None, align: int | None = None):
+                   grouped: bool | None = None, align: int | None = None, probe: torch.Tensor | None = None):
     """Apply expert e to its contiguous run of `counts[e]` rows of `x_sorted`.
 
     One grouped GEMM per projection where `torch._grouped_mm` applies (`grouped=None` decides),
@@ -122,38 +122,62 @@ def swiglu_experts(x_sorted: torch.Tensor, counts: list[int], w_gate_up: torch.T
     CUDA_GROUP_ROWS, whose weight-gradient grouped GEMM, grouped along the rows, needs group
     offsets aligned to 16 bytes; none on the CPU): the padding rows are zeros, so the real rows' outputs and the
     gradients are unchanged up to the kernel's summation order.
+
+    With `probe` (rows like `x_sorted`, `[rows, H]`), the per-row fp32 product `<probe, expert(x)>`
+    instead of the outputs, computed as `<probe W_down, hidden>` without the down projection's
+    forward. Its backward, given each row's output weight w, is the experts' backward for the output
+    gradient `w * probe`: `w * probe W_down` into the hidden activations, `sum w * probe^T hidden`
+    into W_down. So a backward that has the rows and their output gradients (unweighted, `probe`)
+    gets both the experts' gradients and the routing weights' gradient (the products) after
+    re-running the gate and up projections alone, not the down projection.
     """
     if grouped is None:
         grouped = grouped_gemm_applies(x_sorted, w_gate_up, w_down)
     if not grouped:
-        return _expert_loop(x_sorted, counts, w_gate_up, w_down)
+        return _expert_loop(x_sorted, counts, w_gate_up, w_down, probe)
     align = align or (CUDA_GROUP_ROWS if x_sorted.is_cuda else 1)
     if align == 1:
-        return _grouped_swiglu(x_sorted, counts, w_gate_up, w_down)
+        return _grouped_swiglu(x_sorted, counts, w_gate_up, w_down, probe)
     padded = [-(-count // align) * align for count in counts]
     starts = [sum(padded[:e]) for e in range(len(padded))]
     rows = row_ranges(starts, counts, x_sorted.device)  # where each real row sits among the padded ones
-    x_padded = x_sorted.new_zeros((sum(padded), x_sorted.shape[1])).index_copy(0, rows, x_sorted)
-    return _grouped_swiglu(x_padded, padded, w_gate_up, w_down)[rows]
+
+    def pad(t):
+        return None if t is None else t.new_zeros((sum(padded), t.shape[1])).index_copy(0, rows, t)
+
+    return _grouped_swiglu(pad(x_sorted), padded, w_gate_up, w_down, pad(probe))[rows]
 
 
-def _grouped_swiglu(x_sorted, counts: list[int], w_gate_up, w_down) -> torch.Tensor:
+def _down_or_product(hidden: torch.Tensor, down, probe: torch.Tensor | None, probe_down) -> torch.Tensor:
+    """The down projection of `hidden`, or with `probe` the per-row `<probe W_down, hidden>` (fp32)."""
+    if probe is None:
+        return down(hidden)
+    return (probe_down(probe) * hidden).sum(-1, dtype=torch.float32)
+
+
+def _grouped_swiglu(x_sorted, counts: list[int], w_gate_up, w_down, probe=None) -> torch.Tensor:
     offsets = device_ints(counts, x_sorted.device).cumsum(0).to(torch.int32)
     gate, up = torch._grouped_mm(x_sorted, w_gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
-    return torch._grouped_mm(F.silu(gate) * up, w_down.transpose(1, 2), offs=offsets)
+    return _down_or_product(F.silu(gate) * up, lambda h: torch._grouped_mm(h, w_down.transpose(1, 2), offs=offsets),
+                            probe, lambda p: torch._grouped_mm(p, w_down, offs=offsets))
 
 
-def _expert_loop(x_sorted, counts: list[int], w_gate_up, w_down) -> torch.Tensor:
+def _expert_loop(x_sorted, counts: list[int], w_gate_up, w_down, probe=None) -> torch.Tensor:
     outputs = []
+    probes = probe.split(counts) if probe is not None else [None] * len(counts)
     # unbind once: its backward stacks the per-expert gradients in one tensor, where indexing
     # w[expert] per expert would allocate a full-size zero gradient for every expert.
-    for rows, gate_up_weight, down_weight in zip(x_sorted.split(counts), w_gate_up.unbind(0), w_down.unbind(0)):
+    for rows, rows_probe, gate_up_weight, down_weight in zip(x_sorted.split(counts), probes, w_gate_up.unbind(0),
+                                                            w_down.unbind(0)):
         if rows.shape[0] == 0:
             continue
         gate, up = F.linear(rows, gate_up_weight).chunk(2, dim=-1)
-        outputs.append(F.linear(F.silu(gate) * up, down_weight))
+        outputs.append(_down_or_product(F.silu(gate) * up, lambda h: F.linear(h, down_weight), rows_probe,
+                                        lambda p: p @ down_weight))
+    if outputs:
+        return torch.cat(outputs)
     # With no rows at all, an empty slice of the input keeps the output on the autograd graph.
-    return torch.cat(outputs) if outputs else x_sorted[:0, : w_down.shape[1]]
+    return x_sorted[:0, : w_down.shape[1]] if probe is None else x_sorted[:0, 0].float()
 
 
 class Experts(nn.Module):

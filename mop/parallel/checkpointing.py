@@ -171,7 +171,7 @@ class KeepsForwardOutputs:
             outputs.keep(self, value)
 
 
-def _checkpoint_block(block: nn.Module, *args, offload: HostOffload | None, **kwargs):
+def checkpoint_block(block: nn.Module, *args, offload: HostOffload | None, **kwargs):
     """Non-reentrant checkpoint of one block call, with a fresh `ForwardOutputs` for its parts: the
     first run of `run` is the forward, the second (in the backward) the recomputation."""
     if not torch.is_grad_enabled():  # nothing to save, nothing to recompute
@@ -197,6 +197,6 @@ def apply_activation_checkpointing(model: MoETransformer, offload: bool, pin_mem
     """Checkpoint every block; with `offload`, keep the checkpointed inputs in host memory (returned store)."""
     store = HostOffload(pin_memory) if offload else None
     for index, block in enumerate(model.layers):
-        model.layers[index] = checkpoint_wrapper(block, checkpoint_fn=partial(_checkpoint_block, offload=store))
+        model.layers[index] = checkpoint_wrapper(block, checkpoint_fn=partial(checkpoint_block, offload=store))
     model.activation_offload = store
     return store

@@ -1,8 +1,9 @@
 """Memory-efficient expert parallelism: the routed tokens in C chunks, pipelined, recomputed in backward.
 
-The plan (EP or LLEP, `llep`) is made once per layer from the full loads; every plan slice is then
-cut into C consecutive sub-slices and chunk c is the c-th sub-slice of every slice, so each chunk
-is a smaller plan with the same placement (same helpers, same shipped weights).
+The plan (EP or LLEP, `llep`) is made once per layer from the full loads; the rows of every plan
+slice from each source rank are then cut into C consecutive parts and chunk c is the c-th part of
+every (slice, source), so each chunk is a smaller plan with the same placement (same helpers, same
+shipped weights) carrying about 1/C of every rank's sent and computed rows.
 
 Forward, one autograd node for the whole expert computation of the layer:
 - the shipped expert weights move once (p2p, overlapped with the first token exchange);
@@ -12,11 +13,15 @@ Forward, one autograd node for the whole expert computation of the layer:
   into the output (in chunk order). Only about two chunks' buffers and one chunk's expert
   intermediate exist at a time; nothing per chunk is saved.
 Backward, per chunk, pipelined the same way (chunk c+1's rows travel and chunk c-1's results come
-back while chunk c computes): the source sends [token rows | their output gradients] in one
-all-to-all; the computing rank recomputes the expert forward, takes its gradients, and returns
-[row gradients | outputs] in one all-to-all (the outputs give the routing weights' gradients at
-the source). The foreign experts' weight gradients accumulate over the chunks and return to their
-owners once, at the end, as in the unchunked path.
+back while chunk c computes): the source sends [token rows | their output gradients g | routing
+weights w] in one all-to-all; the computing rank recomputes the gate and up projections only and
+takes the experts' gradients for the output gradients w * g from the per-row product
+`<g W_down, hidden> = <g, expert output>`, which is also the routing weight's gradient
+(`swiglu_experts(probe=...)`): the down projection's forward is not re-run, so the chunked layer
+recomputes two thirds of the expert forward's FLOPs (the gate and up GEMM), not all of it. It
+returns [row gradients | routing-weight gradients] in one all-to-all. The foreign experts' weight
+gradients accumulate over the chunks and return to their owners once, at the end, as in the
+unchunked path.
 In a checkpointed block's recomputation the node is given the forward's output (`kept`): it only
 ships the foreign weights again (its backward needs them) and returns it, so the expert
 computation runs twice in all, forward and backward (`mop.parallel.checkpointing`).
@@ -34,22 +39,27 @@ import torch.distributed as dist
 
 from mop.parallel.checkpointing import forward_autocast
 from mop.parallel.llep_routing import (Exchange, Routing, build_routing, expert_outputs, finish_gradient_return,
-                                      start_gradient_return, start_weight_shipping)
+                                      grouped_expert_outputs, start_gradient_return, start_weight_shipping)
 from mop.parallel.llep_plan import Plan, Slice
 
 
-def chunk_plans(plan: Plan, chunks: int) -> list[Plan]:
-    """`plan` with every slice cut into `chunks` consecutive parts; part c of each forms plan c."""
-    plans = []
-    for c in range(chunks):
-        parts = []
-        for s in plan.slices:
-            size = s.stop - s.start
-            lo, hi = s.start + size * c // chunks, s.start + size * (c + 1) // chunks
-            if hi > lo:
-                parts.append(Slice(s.expert, s.rank, lo, hi, s.forced))
-        plans.append(Plan(plan.experts, plan.ranks, tuple(parts), plan.balanced, plan.capacity))
-    return plans
+def chunk_plans(plan: Plan, chunks: int, counts: list[list[int]]) -> list[Plan]:
+    """`plan` in `chunks` parts with the same placement: the rows of every slice that come from each
+    source rank (`counts`, the `[Ep, E]` count matrix) are cut into `chunks` consecutive parts, and
+    part c of each forms plan c. So every chunk carries about 1/chunks of what each rank sends and
+    of what each rank computes: cutting the slices alone would put a source's rows of an expert,
+    which are consecutive in its global numbering, into one or two chunks whenever Ep >= chunks."""
+    parts: list[list[Slice]] = [[] for _ in range(chunks)]
+    for s in plan.slices:
+        first = 0  # where the source's rows of the expert start in its global numbering
+        for source_counts in counts:
+            lo, hi = max(s.start, first), min(s.stop, first + source_counts[s.expert])
+            first += source_counts[s.expert]
+            for c in range(chunks):
+                start, stop = lo + (hi - lo) * c // chunks, lo + (hi - lo) * (c + 1) // chunks
+                if stop > start:
+                    parts[c].append(Slice(s.expert, s.rank, start, stop, s.forced))
+    return [Plan(plan.experts, plan.ranks, tuple(part), plan.balanced, plan.capacity) for part in parts]
 
 
 @dataclass
@@ -66,7 +76,7 @@ def chunk_job(plan: Plan, chunks: int, counts: list[list[int]], rank: int, order
               exchange: Exchange, top_k: int) -> ChunkJob:
     routings, assignments = [], []
     shipped = [expert for expert, _ in exchange.receive]  # the foreign weights every chunk computes with
-    for sub in chunk_plans(plan, chunks):
+    for sub in chunk_plans(plan, chunks, counts):
         routing = build_routing(sub, counts, rank, shipped, device=order.device)
         routings.append(routing)
         assignments.append(order[routing.send_rows])
@@ -102,8 +112,8 @@ class ChunkedExperts(torch.autograd.Function):
         for c, routing in enumerate(job.routings):
             received, work = pending
             work.wait()
-            if c + 1 < len(job.routings):
-                pending = _dispatch(x, job, c + 1)
+            pending = _dispatch(x, job, c + 1) if c + 1 < len(job.routings) else None
+            del work  # it holds chunk c's sent rows until it goes
             y = expert_outputs(received, routing, weights)
             del received
             if combining is not None:
@@ -129,18 +139,21 @@ class ChunkedExperts(torch.autograd.Function):
         grad_x, grad_weights = torch.zeros_like(x), torch.zeros_like(weights_flat)
 
         def send_rows(c: int):
-            """Start chunk c's [token rows | output gradients] exchange to the computing ranks."""
+            """Start chunk c's [token rows | output gradients | routing weights] exchange to the computing ranks."""
             tokens = job.assignments[c] // job.top_k
-            grad_rows = grad_out[tokens] * weights_flat[job.assignments[c]].unsqueeze(-1).to(grad_out.dtype)
+            # The weight repeated over 16 bytes, so the received rows' views keep the 16-byte
+            # strides the grouped GEMM needs.
+            weight = weights_flat[job.assignments[c]].unsqueeze(-1).to(grad_out.dtype)
+            weight = weight.expand(-1, 16 // weight.element_size())
             routing = job.routings[c]
-            return _exchange_rows(torch.cat([x[tokens], grad_rows], dim=1), routing.recv_splits, routing.send_splits,
-                                  ex.group, async_op=True)
+            return _exchange_rows(torch.cat([x[tokens], grad_out[tokens], weight], dim=1), routing.recv_splits,
+                                  routing.send_splits, ex.group, async_op=True)
 
         def take_back(c: int, sent: torch.Tensor, back: torch.Tensor, work) -> None:
             work.wait()
             tokens = job.assignments[c] // job.top_k
             grad_x.index_add_(0, tokens, back[:, :hidden])
-            grad_weights[job.assignments[c]] = (grad_out[tokens] * back[:, hidden:]).sum(-1).to(grad_weights.dtype)
+            grad_weights[job.assignments[c]] = back[:, hidden].to(grad_weights.dtype)
 
         # Pipelined like the forward: chunk c+1's rows travel and chunk c-1's results come back
         # while chunk c's experts are recomputed and differentiated.
@@ -148,16 +161,24 @@ class ChunkedExperts(torch.autograd.Function):
         for c, routing in enumerate(job.routings):
             received, work = incoming
             work.wait()
-            if c + 1 < len(job.routings):
-                incoming = send_rows(c + 1)
-            rows = received[:, :hidden].detach().requires_grad_()
+            incoming = send_rows(c + 1) if c + 1 < len(job.routings) else None
+            del work  # it holds chunk c's sent message until it goes
+            # The received rows grouped by expert, in one gather that replaces the received buffer.
+            grouped = received[routing.compute_rows]
+            del received
+            rows = grouped[:, :hidden].detach().requires_grad_()
             used = [rows] + (leaves[:2] if sum(routing.native_counts) else []) + (
                 leaves[2:] if sum(routing.foreign_counts) else [])
             with torch.enable_grad(), ctx.autocast():
-                y = expert_outputs(rows, routing, leaves)
-                torch.autograd.backward(y, received[:, hidden:], inputs=used)
-            sent = torch.cat([rows.grad, y.detach()], dim=1)
-            del received, rows, y
+                # Per row <g, expert(x)> (the routing weight's gradient), without the down
+                # projection's forward; its backward for the weights w is the experts' backward
+                # for output gradients w * g (`swiglu_experts`).
+                products = grouped_expert_outputs(rows, routing, leaves, probe=grouped[:, hidden:2 * hidden])
+                torch.autograd.backward(products, grouped[:, 2 * hidden].float(), inputs=used)
+            # Back to arrival order, as the sources sent the rows.
+            sent = torch.cat([rows.grad, products.detach().unsqueeze(-1).to(rows.grad.dtype)], dim=1)[
+                torch.argsort(routing.compute_rows)]
+            del grouped, rows, products
             if returning is not None:
                 take_back(*returning)
             returning = (c, sent, *_exchange_rows(sent, routing.send_splits, routing.recv_splits, ex.group,

@@ -45,6 +45,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,16 @@ class Plan:
         return sorted(t for t in triples if t[1] != t[2])
 
     def slices_of(self, expert: int) -> list[Slice]:
-        return [s for s in self.slices if s.expert == expert]
+        return self._by_expert.get(expert, [])
+
+    @cached_property
+    def _by_expert(self) -> dict[int, list[Slice]]:
+        # Routing asks for every expert's slices once per source rank (and chunk): an index keeps
+        # that O(E + slices), not O(E x slices).
+        index: dict[int, list[Slice]] = {}
+        for s in self.slices:
+            index.setdefault(s.expert, []).append(s)
+        return index
 
     def compute_experts(self, rank: int) -> list[int]:
         """Experts this rank computes tokens of, native and foreign, ascending."""

@@ -165,15 +165,23 @@ def finish_gradient_return(owned: tuple[torch.Tensor, torch.Tensor], exchange: E
 def expert_outputs(received: torch.Tensor, routing: Routing, weights) -> torch.Tensor:
     """Expert outputs of the received rows, in arrival order (as the combine sends them back).
 
-    `weights`: (owned gate_up, owned down, foreign gate_up, foreign down); the rows are grouped
-    owned experts first, then foreign ones, for one grouped GEMM each.
+    `weights`: (owned gate_up, owned down, foreign gate_up, foreign down).
     """
-    w_gate_up, w_down, foreign_gate_up, foreign_down = weights
     compute = routing.compute_rows
-    rows = received[compute]
-    native = sum(routing.native_counts)
-    y = swiglu_experts(rows[:native], routing.native_counts, w_gate_up, w_down)
-    if sum(routing.foreign_counts):
-        y = torch.cat([y, swiglu_experts(rows[native:], routing.foreign_counts, foreign_gate_up, foreign_down)])
+    y = grouped_expert_outputs(received[compute], routing, weights)
     # Arrival position compute_rows[i] holds y[i].
     return y[torch.argsort(compute)]
+
+
+def grouped_expert_outputs(rows: torch.Tensor, routing: Routing, weights, probe: torch.Tensor | None = None):
+    """Expert outputs of rows already in compute order (`rows = received[routing.compute_rows]`):
+    owned experts first, then foreign ones, one grouped GEMM each. With `probe` (one row per row),
+    each row's `<probe, output>` instead (`swiglu_experts`)."""
+    w_gate_up, w_down, foreign_gate_up, foreign_down = weights
+    native = sum(routing.native_counts)
+    y = swiglu_experts(rows[:native], routing.native_counts, w_gate_up, w_down,
+                       probe=None if probe is None else probe[:native])
+    if sum(routing.foreign_counts):
+        y = torch.cat([y, swiglu_experts(rows[native:], routing.foreign_counts, foreign_gate_up, foreign_down,
+                                         probe=None if probe is None else probe[native:])])
+    return y

@@ -121,16 +121,16 @@ def experts_backward_peak(s: Shapes, llep_chunks: int) -> int:
     gradients of the product, of silu and of up and the block's output gradient, less the product
     and the rows gathered to send and sent back, which the backward has released by then (only the
     received rows stay, for the first GEMM's weight gradient). Chunked (`ChunkedExperts.backward`):
-    the chunk being computed, [rows | output gradients] (2H wide), with the next chunk's message on
-    its way in and the previous chunk's [row gradients | outputs] on its way back (each a send and
-    a receive buffer), the pieces that message was cut from (the chunk's token rows and their
-    weighted output gradients) and the gradient of the received rows, the chunk's recomputed
-    intermediate and its gradients, and the input's gradient accumulator."""
+    the chunk being computed, its received [rows | output gradients | weight] message (2H + 16
+    bytes wide) gathered by expert, the next chunk's message on its way in and, from the third
+    chunk on, the previous chunk's [row gradients | weight gradient] (H + 1 wide) on its way back
+    (each a send and a receive buffer), the chunk's recomputed gate/up output, silu, product and
+    probe product and two gradients, and the input's gradient accumulator."""
     if llep_chunks > 1:
         rows, assigned = -(-s.R // llep_chunks), -(-s.A // llep_chunks)
-        in_flight = rows + min(2, llep_chunks - 1) * (assigned + rows)
-        pieces = 2 * assigned + rows
-        return ((in_flight * 2 + pieces) * s.H + 7 * rows * s.I) * s.act + s.T * s.H * (FP32 + s.act)
+        message, reply = 2 * s.H * s.act + 16, (s.H + 1) * s.act
+        in_flight = rows * message + (rows + assigned) * (message + (reply if llep_chunks > 2 else 0))
+        return in_flight + 7 * rows * s.I * s.act + s.T * s.H * (FP32 + s.act)
     return (2 * s.R * s.I - 2 * s.A * s.H) * s.act + s.T * s.H * FP32
 
 

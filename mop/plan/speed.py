@@ -4,9 +4,9 @@ Compute: the model FLOPs of the rank's tokens (`mop.flops.flops_per_token`; a qu
 (L + 1) / 2 keys on average for documents of L tokens, by default one document per sequence,
 L = S: the long-context worst case, where attention FLOPs grow with S) plus the
 recomputation the options add (full activation checkpointing: one more forward of every block;
-head-chunked attention and chunked LLEP: one more forward of their part in the backward, except
-under checkpointing, where the kept output replaces the block's rerun of it; the ring loss: the
-logits again in the backward), at `cluster.mfu` x the peak.
+head-chunked attention: one more forward of its core in the backward; chunked LLEP: its gate and
+up GEMMs again in the backward; under checkpointing a chunked part's kept output replaces the
+block's rerun of it; the ring loss: the logits again in the backward), at `cluster.mfu` x the peak.
 
 Communication, bytes per rank per micro-batch, each over the link its group spans (NVLink when
 the group is inside a node, else the network; torchrun numbers a node's ranks consecutively and
@@ -50,6 +50,8 @@ HOST_MEMORY_BYTES_PER_S = 400e9  # sustained memory bandwidth of a 2-socket DDR5
 # also copies master and moments to their rollback spares (24).
 UPDATE_BYTES_PER_PARAM = 36
 SPECULATIVE_UPDATE_BYTES_PER_PARAM = UPDATE_BYTES_PER_PARAM + 24
+# Chunked LLEP's backward re-runs the gate and up GEMMs, not the down one (`mop.parallel.llep_chunked`).
+CHUNKED_EXPERT_RECOMPUTE = 2 / 3
 
 
 @dataclass
@@ -99,13 +101,16 @@ def step_time(config: Config, cluster: Cluster, s: Shapes, counts: ParameterCoun
     tokens = s.T
     model_flops = flops_per_token(m, keys) * tokens
     forward = model_flops / 3
-    # head-chunked attention recomputes its core (QK^T and PV) in the backward; chunked LLEP its GEMMs
+    # head-chunked attention recomputes its core (QK^T and PV) in the backward; chunked LLEP its gate
+    # and up GEMMs (two thirds of the expert FLOPs). In a checkpointed block their kept outputs
+    # replace the block's rerun of them.
     attention_share = m.layers * m.heads * m.head_dim * keys * 4 * tokens / forward
     expert_share = m.moe_layers * m.top_k * 3 * m.hidden * m.expert_intermediate * 2 * tokens / forward
     extra = forward if checkpointed else 0.0
-    if not checkpointed:
-        extra += forward * (attention_share if p.attention_head_chunks > 1 else 0)
-        extra += forward * (expert_share if p.llep_chunks > 1 else 0)
+    if p.attention_head_chunks > 1 and not checkpointed:
+        extra += forward * attention_share
+    if p.llep_chunks > 1:
+        extra += forward * expert_share * (CHUNKED_EXPERT_RECOMPUTE - checkpointed)
     if p.vocab > 1:
         extra += 2 * m.hidden * m.vocab_size * tokens
     compute = (model_flops + extra) / (cluster.peak_flops * cluster.mfu)
@@ -130,7 +135,9 @@ def step_time(config: Config, cluster: Cluster, s: Shapes, counts: ParameterCoun
     ulysses = _share(p.sequence) * m.layers * s.T * (2 * s.q + 2 * s.kv) * s.act
     ulysses_passes = passes + (p.attention_head_chunks > 1 and not checkpointed)
     dispatch = _share(p.expert) * m.moe_layers * 2 * s.A * s.H * s.act
-    dispatch_passes = passes + (p.llep_chunks > 1)
+    # chunked: rows out and back in forward, then [rows | gradients] out and [row gradients] back:
+    # 2.5 passes' bytes, checkpointed or not (a checkpointed block's recomputation keeps its output)
+    dispatch_passes = 2.5 if p.llep_chunks > 1 else passes
     tensor = 4 * _share(tp) * m.layers * s.T * tp * s.H * s.act  # TP+SP: gather/scatter around attention and MLP
     # under TP a sequence (or expert) group's members are tp ranks apart: the group spans cp x tp ranks
     a2a = ulysses * ulysses_passes / _bandwidth(cluster, _link(cluster, p.sequence * tp))
