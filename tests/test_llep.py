@@ -16,8 +16,8 @@ from mop.models.transformer import init_weights
 from mop.parallel import DistLayout, Layout
 from mop.parallel.experts import shard_experts
 from mop.parallel.llep import BalanceOptions, drain_records
-from mop.parallel.llep_chunked import chunk_plans
-from mop.parallel.llep_routing import _segments, build_routing
+from mop.parallel.llep_chunked import chunk_segments
+from mop.parallel.llep_routing import _segments, build_routing, routing_from_segments, source_segments
 from mop.parallel.llep_plan import plan_ep, plan_llep
 from mop.testing import rank_device, run_distributed
 from conftest import devices, to_cpu
@@ -175,10 +175,10 @@ def test_routing_permutations_from_tensor_ops_equal_the_row_by_row_ones(seed):
 
 @pytest.mark.parametrize("mode", ["ep", "llep"])
 def test_every_chunk_carries_a_fair_share_of_what_each_rank_sends_and_computes(mode):
-    """Chunk c takes the c-th part of every plan slice's rows from each source, so with 4 ranks and 2
-    chunks every rank sends and computes about half its rows in each chunk (cutting the slices alone
-    put a source's rows of an expert, consecutive in the global numbering, into one chunk), and
-    the chunks together route exactly what the whole plan routes."""
+    """Chunk c takes the c-th part of every routing segment, so with 4 ranks and 2 chunks every rank
+    sends and computes about half its rows in each chunk (cutting the plan's slices put a source's
+    rows of an expert, consecutive in the global numbering, into one chunk), and the chunks
+    together route exactly what the whole plan routes."""
     g = torch.Generator().manual_seed(0)
     ranks, chunks = 4, 2
     counts = torch.randint(20, 60, (ranks, 8), generator=g)
@@ -187,10 +187,11 @@ def test_every_chunk_carries_a_fair_share_of_what_each_rank_sends_and_computes(m
     loads = [sum(column) for column in zip(*counts)]
     plan = plan_llep(loads, ranks, gate=1.0, alpha=1.0, min_chunk=1) if mode == "llep" else plan_ep(loads, ranks)
     whole = [build_routing(plan, counts, r) for r in range(ranks)]
-    parts = [[build_routing(sub, counts, r, foreign=whole[r].foreign_experts) for r in range(ranks)]
-             for sub in chunk_plans(plan, chunks, counts)]
+    per_source = source_segments(plan, counts)
+    parts = [[routing_from_segments(part, 8, r, foreign=whole[r].foreign_experts) for r in range(ranks)]
+             for part in chunk_segments(per_source, chunks)]
     for r in range(ranks):
-        segments = len(_segments(plan, counts[r], [sum(counts[s][e] for s in range(r)) for e in range(8)]))
+        segments = len(per_source[r])
         for splits in ("send_splits", "recv_splits"):
             total = sum(getattr(whole[r], splits))
             per_chunk = [sum(getattr(part[r], splits)) for part in parts]
@@ -207,12 +208,12 @@ def test_a_chunk_without_rows_of_a_shipped_expert_counts_it_as_zero():
     plan = plan_llep([40, 0, 0, 0], 2, gate=1.0, alpha=1.0, min_chunk=1)
     helper_rows = [s for s in plan.slices if s.rank == 1]
     assert helper_rows, "the plan must spill expert 0 to rank 1"
-    first_chunk = chunk_plans(plan, 4, counts)[0]
-    route = build_routing(first_chunk, counts, 1, foreign=[0, 1])  # weights of experts 0 and 1 shipped
+    first_chunk = chunk_segments(source_segments(plan, counts), 4)[0]
+    route = routing_from_segments(first_chunk, 4, 1, foreign=[0, 1])  # weights of experts 0 and 1 shipped
     assert route.foreign_experts == [0, 1] and route.foreign_counts[1] == 0
     assert sum(route.native_counts) + sum(route.foreign_counts) == sum(route.recv_splits)
     with pytest.raises(ValueError, match="receives rows of experts"):
-        build_routing(first_chunk, counts, 1, foreign=[1])
+        routing_from_segments(first_chunk, 4, 1, foreign=[1])
 
 
 def zero_token_rank(rank, world, mode, chunks):

@@ -1,9 +1,10 @@
 """Memory-efficient expert parallelism: the routed tokens in C chunks, pipelined, recomputed in backward.
 
-The plan (EP or LLEP, `llep`) is made once per layer from the full loads; the rows of every plan
-slice from each source rank are then cut into C consecutive parts and chunk c is the c-th part of
-every (slice, source), so each chunk is a smaller plan with the same placement (same helpers, same
-shipped weights) carrying about 1/C of every rank's sent and computed rows.
+The plan (EP or LLEP, `llep`) is made once per layer from the full loads; every routing segment
+(a run of one source's rows of one expert for one computing rank, `llep_routing`) is then cut
+into C consecutive parts and chunk c is the c-th part of every segment, so each chunk has the
+same placement (same helpers, same shipped weights) and carries about 1/C of every rank's sent
+and computed rows.
 
 Forward, one autograd node for the whole expert computation of the layer:
 - the shipped expert weights move once (p2p, overlapped with the first token exchange);
@@ -23,8 +24,9 @@ returns [row gradients | routing-weight gradients] in one all-to-all. The foreig
 gradients accumulate over the chunks and return to their owners once, at the end, as in the
 unchunked path.
 In a checkpointed block's recomputation the node is given the forward's output (`kept`): it only
-ships the foreign weights again (its backward needs them) and returns it, so the expert
-computation runs twice in all, forward and backward (`mop.parallel.checkpointing`).
+ships the foreign weights again (its backward needs them) and returns it, so the expert forward
+runs once and its gate and up projections once more in the backward, checkpointed or not
+(`mop.parallel.checkpointing`).
 
 Invariant: the same rows meet the same weights as in `ExpertParallel`, only in C groups, so the
 result matches it (and the single-device layer) up to summation order.
@@ -38,28 +40,26 @@ import torch
 import torch.distributed as dist
 
 from mop.parallel.checkpointing import forward_autocast
-from mop.parallel.llep_routing import (Exchange, Routing, build_routing, expert_outputs, finish_gradient_return,
-                                      grouped_expert_outputs, start_gradient_return, start_weight_shipping)
-from mop.parallel.llep_plan import Plan, Slice
+from mop.parallel.llep_routing import (Exchange, Routing, Segment, expert_outputs, finish_gradient_return,
+                                      grouped_expert_outputs, routing_from_segments, source_segments,
+                                      start_gradient_return, start_weight_shipping)
+from mop.parallel.llep_plan import Plan
 
 
-def chunk_plans(plan: Plan, chunks: int, counts: list[list[int]]) -> list[Plan]:
-    """`plan` in `chunks` parts with the same placement: the rows of every slice that come from each
-    source rank (`counts`, the `[Ep, E]` count matrix) are cut into `chunks` consecutive parts, and
-    part c of each forms plan c. So every chunk carries about 1/chunks of what each rank sends and
-    of what each rank computes: cutting the slices alone would put a source's rows of an expert,
-    which are consecutive in its global numbering, into one or two chunks whenever Ep >= chunks."""
-    parts: list[list[Slice]] = [[] for _ in range(chunks)]
-    for s in plan.slices:
-        first = 0  # where the source's rows of the expert start in its global numbering
-        for source_counts in counts:
-            lo, hi = max(s.start, first), min(s.stop, first + source_counts[s.expert])
-            first += source_counts[s.expert]
+def chunk_segments(per_source: list[list[Segment]], chunks: int) -> list[list[list[Segment]]]:
+    """The layer's segments (`source_segments`) in `chunks` parts: chunk c holds the c-th of
+    `chunks` consecutive parts of every segment (a run of one source's rows of one expert for one
+    computing rank). So every chunk has the layer's placement and carries about 1/chunks of what
+    each rank sends and computes; cutting the plan's slices instead would put a source's rows of
+    an expert, consecutive in the expert's global numbering, into one or two chunks when Ep >= chunks."""
+    parts: list[list[list[Segment]]] = [[[] for _ in per_source] for _ in range(chunks)]
+    for source, segments in enumerate(per_source):
+        for destination, expert, first, rows in segments:
             for c in range(chunks):
-                start, stop = lo + (hi - lo) * c // chunks, lo + (hi - lo) * (c + 1) // chunks
-                if stop > start:
-                    parts[c].append(Slice(s.expert, s.rank, start, stop, s.forced))
-    return [Plan(plan.experts, plan.ranks, tuple(part), plan.balanced, plan.capacity) for part in parts]
+                lo, hi = rows * c // chunks, rows * (c + 1) // chunks
+                if hi > lo:
+                    parts[c][source].append((destination, expert, first + lo, hi - lo))
+    return parts
 
 
 @dataclass
@@ -76,8 +76,8 @@ def chunk_job(plan: Plan, chunks: int, counts: list[list[int]], rank: int, order
               exchange: Exchange, top_k: int) -> ChunkJob:
     routings, assignments = [], []
     shipped = [expert for expert, _ in exchange.receive]  # the foreign weights every chunk computes with
-    for sub in chunk_plans(plan, chunks, counts):
-        routing = build_routing(sub, counts, rank, shipped, device=order.device)
+    for segments in chunk_segments(source_segments(plan, counts), chunks):
+        routing = routing_from_segments(segments, plan.experts, rank, shipped, device=order.device)
         routings.append(routing)
         assignments.append(order[routing.send_rows])
     return ChunkJob(assignments, routings, exchange, top_k)
@@ -112,12 +112,15 @@ class ChunkedExperts(torch.autograd.Function):
         for c, routing in enumerate(job.routings):
             received, work = pending
             work.wait()
-            pending = _dispatch(x, job, c + 1) if c + 1 < len(job.routings) else None
-            del work  # it holds chunk c's sent rows until it goes
+            # they hold chunk c's sent rows: gone before chunk c+1's are gathered
+            pending = work = None
+            if c + 1 < len(job.routings):
+                pending = _dispatch(x, job, c + 1)
             y = expert_outputs(received, routing, weights)
             del received
             if combining is not None:
                 _add_combined(out, weights_flat, job, *combining)
+                combining = None
             combining = (c, y, *_exchange_rows(y, routing.send_splits, routing.recv_splits, ex.group, async_op=True))
         _add_combined(out, weights_flat, job, *combining)
         ctx.save_for_backward(x, weights_flat, *foreign)
@@ -161,8 +164,9 @@ class ChunkedExperts(torch.autograd.Function):
         for c, routing in enumerate(job.routings):
             received, work = incoming
             work.wait()
-            incoming = send_rows(c + 1) if c + 1 < len(job.routings) else None
-            del work  # it holds chunk c's sent message until it goes
+            incoming = work = None  # as in the forward
+            if c + 1 < len(job.routings):
+                incoming = send_rows(c + 1)
             # The received rows grouped by expert, in one gather that replaces the received buffer.
             grouped = received[routing.compute_rows]
             del received
@@ -175,12 +179,14 @@ class ChunkedExperts(torch.autograd.Function):
                 # for output gradients w * g (`swiglu_experts`).
                 products = grouped_expert_outputs(rows, routing, leaves, probe=grouped[:, hidden:2 * hidden])
                 torch.autograd.backward(products, grouped[:, 2 * hidden].float(), inputs=used)
-            # Back to arrival order, as the sources sent the rows.
-            sent = torch.cat([rows.grad, products.detach().unsqueeze(-1).to(rows.grad.dtype)], dim=1)[
-                torch.argsort(routing.compute_rows)]
+            # [row gradients | products] back in arrival order, as the sources sent the rows.
+            sent = rows.grad.new_empty((rows.shape[0], hidden + 1))
+            sent[:, :hidden].index_copy_(0, routing.compute_rows, rows.grad)
+            sent[:, hidden].index_copy_(0, routing.compute_rows, products.detach().to(sent.dtype))
             del grouped, rows, products
             if returning is not None:
                 take_back(*returning)
+                returning = None
             returning = (c, sent, *_exchange_rows(sent, routing.send_splits, routing.recv_splits, ex.group,
                                                   async_op=True))
         take_back(*returning)

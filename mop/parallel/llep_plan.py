@@ -85,7 +85,7 @@ class Plan:
         return sorted(t for t in triples if t[1] != t[2])
 
     def slices_of(self, expert: int) -> list[Slice]:
-        return self._by_expert.get(expert, [])
+        return list(self._by_expert.get(expert, ()))
 
     @cached_property
     def _by_expert(self) -> dict[int, list[Slice]]:

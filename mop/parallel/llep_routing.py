@@ -37,7 +37,10 @@ class Routing:
     foreign_counts: list[int]
 
 
-def _segments(plan: Plan, counts: list[int], before: list[int]) -> list[tuple[int, int, int, int]]:
+Segment = tuple[int, int, int, int]  # (destination rank, expert, first local position, rows)
+
+
+def _segments(plan: Plan, counts: list[int], before: list[int]) -> list[Segment]:
     """(destination, expert, first local position, rows) of one source rank, in its local sorted order.
 
     `counts[e]`: the source's rows for e; `before[e]`: rows of e on lower source ranks (its offset
@@ -53,18 +56,31 @@ def _segments(plan: Plan, counts: list[int], before: list[int]) -> list[tuple[in
     return segments
 
 
+def source_segments(plan: Plan, counts: list[list[int]]) -> list[list[Segment]]:
+    """Every source rank's segments under `plan`, given the `[Ep, E]` count matrix (`_segments`)."""
+    before, per_source = [0] * len(counts[0]), []
+    for source_counts in counts:
+        per_source.append(_segments(plan, source_counts, before))
+        before = [b + c for b, c in zip(before, source_counts)]
+    return per_source
+
+
 def build_routing(plan: Plan, counts: list[list[int]], rank: int, foreign: list[int] | None = None,
                   device: torch.device | str = "cpu") -> Routing:
     """The routing of group rank `rank` from the plan and the `[Ep, E]` count matrix; the row
-    permutations as `device` tensors.
+    permutations as `device` tensors."""
+    return routing_from_segments(source_segments(plan, counts), plan.experts, rank, foreign, device)
+
+
+def routing_from_segments(per_source: list[list[Segment]], experts: int, rank: int, foreign: list[int] | None = None,
+                          device: torch.device | str = "cpu") -> Routing:
+    """The routing of group rank `rank` from every source's segments (`source_segments`, or a chunk's).
 
     `foreign`: the shipped experts whose weights this rank holds, in that order (default: those
     the plan sends it rows of, ascending). A chunk of a chunked layer passes the whole layer's, so
     its foreign counts line up with the shipped weights even where the chunk has no rows for some.
     """
-    ranks, experts = len(counts), len(counts[0])
-    before = [[sum(counts[s][e] for s in range(source)) for e in range(experts)] for source in range(ranks)]
-    per_source = [_segments(plan, counts[s], before[s]) for s in range(ranks)]
+    ranks = len(per_source)
     mine = per_source[rank]
     sent = [seg for destination in range(ranks) for seg in mine if seg[0] == destination]
     send_splits = [sum(rows for dest, _, _, rows in mine if dest == destination) for destination in range(ranks)]

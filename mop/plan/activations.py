@@ -122,15 +122,17 @@ def experts_backward_peak(s: Shapes, llep_chunks: int) -> int:
     and the rows gathered to send and sent back, which the backward has released by then (only the
     received rows stay, for the first GEMM's weight gradient). Chunked (`ChunkedExperts.backward`):
     the chunk being computed, its received [rows | output gradients | weight] message (2H + 16
-    bytes wide) gathered by expert, the next chunk's message on its way in and, from the third
-    chunk on, the previous chunk's [row gradients | weight gradient] (H + 1 wide) on its way back
-    (each a send and a receive buffer), the chunk's recomputed gate/up output, silu, product and
-    probe product and two gradients, and the input's gradient accumulator."""
+    bytes wide) gathered by expert, the next chunk's message on its way in and, in a middle chunk,
+    also the previous chunk's [row gradients | weight gradient] (H + 1 wide) on its way back (each
+    a send and a receive buffer), the chunk's recomputed gate/up output, silu, product and probe
+    product and two gradients, the block's output gradient and the input's gradient accumulator.
+    Not counted: on CUDA the grouped GEMM's aligned copies of the chunk's rows and probe
+    (`swiglu_experts` pads each expert's group), 2 x rows x H more."""
     if llep_chunks > 1:
         rows, assigned = -(-s.R // llep_chunks), -(-s.A // llep_chunks)
         message, reply = 2 * s.H * s.act + 16, (s.H + 1) * s.act
         in_flight = rows * message + (rows + assigned) * (message + (reply if llep_chunks > 2 else 0))
-        return in_flight + 7 * rows * s.I * s.act + s.T * s.H * (FP32 + s.act)
+        return in_flight + 7 * rows * s.I * s.act + 2 * s.T * s.H * s.act
     return (2 * s.R * s.I - 2 * s.A * s.H) * s.act + s.T * s.H * FP32
 
 
