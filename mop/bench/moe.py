@@ -11,9 +11,9 @@ bare (as `mop train` runs it without activation checkpointing) and inside a chec
 which a run that needs chunked LLEP's memory saving will usually have on). Bare, chunked LLEP
 re-runs the gate and up projections in its backward where LLEP keeps their outputs; in a
 checkpointed block LLEP re-runs its whole forward in the block's recomputation and chunked LLEP
-does not (it returns its kept output), so the two cost about the same FLOPs there. Reported
-per scenario and mode: time (mean after a warm-up, the slowest rank, which is what a step waits for), the
-hot rank's transient peak memory (`mop.bench.memory`: every tensor created during forward +
+does not (it returns its kept output), so there chunked LLEP computes fewer expert FLOPs (11
+GEMMs' worth per row against 12). Reported per scenario and mode: time (mean after a warm-up,
+the slowest rank, which is what a step waits for), the hot rank's transient peak memory (`mop.bench.memory`: every tensor created during forward +
 backward, weights and inputs excluded), and the max/mean token load over ranks after the plan.
 Ratios are against EP in the same scenario of the same run.
 
