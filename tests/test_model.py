@@ -176,13 +176,15 @@ def test_groups_padded_for_cuda_alignment_give_the_same_outputs_and_gradients():
 def test_the_probe_gives_each_rows_product_and_the_experts_backward_without_the_down_forward(path):
     """`swiglu_experts(probe=g)` returns `<g, expert(x)>` per row, and its backward for row weights w
     is the experts' backward for output gradients `w * g` (chunked LLEP's backward), on the grouped
-    GEMM, the expert loop and padded groups."""
+    GEMM, the expert loop and padded groups. The rows and the probe are views of one wider message,
+    as chunked LLEP's backward passes them (16-byte strides)."""
     torch.manual_seed(5)
-    x = torch.randn(13, 16, requires_grad=True)
+    message = torch.randn(13, 2 * 16 + 4)
+    x, probe = message[:, :16].requires_grad_(), message[:, 16:32]
     w_gate_up = (torch.randn(4, 2 * 8, 16) / 4).requires_grad_()
     w_down = (torch.randn(4, 16, 8) / 8**0.5).requires_grad_()
     counts = [5, 0, 6, 2]
-    probe, row_weights = torch.randn(13, 16), torch.rand(13)
+    row_weights = torch.rand(13)
     products = swiglu_experts(x, counts, w_gate_up, w_down, probe=probe, **path)
     y = swiglu_experts(x, counts, w_gate_up, w_down, grouped=True)
     assert products.dtype == torch.float32 and products.shape == (13,)
