@@ -148,18 +148,18 @@ def swiglu_experts(x_sorted: torch.Tensor, counts: list[int], w_gate_up: torch.T
     return _grouped_swiglu(pad(x_sorted), padded, w_gate_up, w_down, pad(probe))[rows]
 
 
-def _down_or_product(hidden: torch.Tensor, down, probe: torch.Tensor | None, probe_down) -> torch.Tensor:
-    """The down projection of `hidden`, or with `probe` the per-row `<probe W_down, hidden>` (fp32)."""
-    if probe is None:
-        return down(hidden)
-    return (probe_down(probe) * hidden).sum(-1, dtype=torch.float32)
+def _product(probe_down: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """Per row `<probe W_down, hidden>` (= `<probe, hidden W_down^T>`), summed in fp32."""
+    return (probe_down * hidden).sum(-1, dtype=torch.float32)
 
 
 def _grouped_swiglu(x_sorted, counts: list[int], w_gate_up, w_down, probe=None) -> torch.Tensor:
     offsets = device_ints(counts, x_sorted.device).cumsum(0).to(torch.int32)
     gate, up = torch._grouped_mm(x_sorted, w_gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
-    return _down_or_product(F.silu(gate) * up, lambda h: torch._grouped_mm(h, w_down.transpose(1, 2), offs=offsets),
-                            probe, lambda p: torch._grouped_mm(p, w_down, offs=offsets))
+    hidden = F.silu(gate) * up
+    if probe is None:
+        return torch._grouped_mm(hidden, w_down.transpose(1, 2), offs=offsets)
+    return _product(torch._grouped_mm(probe, w_down, offs=offsets), hidden)
 
 
 def _expert_loop(x_sorted, counts: list[int], w_gate_up, w_down, probe=None) -> torch.Tensor:
@@ -172,8 +172,9 @@ def _expert_loop(x_sorted, counts: list[int], w_gate_up, w_down, probe=None) -> 
         if rows.shape[0] == 0:
             continue
         gate, up = F.linear(rows, gate_up_weight).chunk(2, dim=-1)
-        outputs.append(_down_or_product(F.silu(gate) * up, lambda h: F.linear(h, down_weight), rows_probe,
-                                        lambda p: p @ down_weight))
+        hidden = F.silu(gate) * up
+        outputs.append(F.linear(hidden, down_weight) if rows_probe is None
+                       else _product(rows_probe @ down_weight, hidden))
     if outputs:
         return torch.cat(outputs)
     # With no rows at all, an empty slice of the input keeps the output on the autograd graph.
