@@ -17,8 +17,8 @@ import argparse
 from pathlib import Path
 
 from mop.bench.report import table, write_json
+from mop.plan.cluster import GIB
 
-GIB = 2**30
 CONTEXTS = [65536, 131072, 262144, 524288, 1048576]
 CLUSTERS = {"mop-120b": 2, "mop-600b": 8, "mop-1t": 12}
 # The paper's Table 1: (model, context) -> (MoP tokens/s/GPU, FSDP-best tokens/s/GPU or None for OOM).

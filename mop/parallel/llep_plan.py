@@ -89,8 +89,8 @@ class Plan:
 
     @cached_property
     def _by_expert(self) -> dict[int, list[Slice]]:
-        # Routing asks for every expert's slices once per source rank (and chunk): an index keeps
-        # that O(E + slices), not O(E x slices).
+        # Routing asks for every expert's slices once per source rank: an index keeps that
+        # O(E + slices) per source, not O(E x slices).
         index: dict[int, list[Slice]] = {}
         for s in self.slices:
             index.setdefault(s.expert, []).append(s)

@@ -18,8 +18,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
-
 from mop.config import Config
 from mop.models.config import ModelConfig
 from mop.parallel.parallelize import compute_dtype
@@ -64,7 +62,7 @@ def shapes(config: Config, routing_skew: float = 1.0, tp: int = 1) -> Shapes:
         computed = math.ceil(p.llep_alpha * assigned)
     else:
         computed = math.ceil(min(routing_skew, p.expert) * assigned) if p.expert > 1 else assigned
-    act = torch.finfo(compute_dtype(config)).bits // 8
+    act = compute_dtype(config).itemsize
     # Tensor parallelism (planner baseline only) with sequence parallelism splits every activation of
     # a block over its tp ranks: along the tokens outside attention and the MLPs, along heads and the
     # expert width inside; either way each term below shrinks by tp, which dividing the tokens does.

@@ -150,7 +150,7 @@ def estimate(config: Config, world: int, ranks_per_node: int, routing_skew: floa
     m, p, t = config.model, config.parallel, config.train
     s = shapes(config, routing_skew, tp)
     counts = parameter_counts(m, world, p.expert, p.vocab, tp)
-    stored = torch.finfo(storage_dtype(config)).bits // 8
+    stored = storage_dtype(config).itemsize
     host_optimizer, fsdp_offload = config.optim.offload, p.fsdp_cpu_offload
     # Persistent: the shards (on the host under FSDP2's CPU offload), torch AdamW's moments, and
     # its gradients once a micro-batch has made them (the host optimizer takes each at hand-over).
@@ -242,7 +242,7 @@ def host_bytes(config: Config, counts: ParameterCounts, s: Shapes) -> dict[str, 
     dtype per parameter. FSDP2's CPU offload: the fp32 shards, their gradients and torch AdamW's
     moments. Offloaded activations: every block's kept tensors (`offloaded_activations`), pinned."""
     out = {"optimizer": 0, "parameters": 0, "activations": offloaded_activations(config, s)}
-    stored = torch.finfo(storage_dtype(config)).bits // 8
+    stored = storage_dtype(config).itemsize
     if config.optim.offload:
         out["optimizer"] = counts.local * ((7 if config.optim.speculative else 4) * FP32 + stored)
     if config.parallel.fsdp_cpu_offload:

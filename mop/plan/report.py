@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 
 from mop.plan.activations import ROWS
+from mop.plan.cluster import GIB
 from mop.plan.search import Candidate, Choice, describe
-
-GIB = 2**30
 
 
 def layout(c: Candidate) -> dict:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from mop.config import Config, ConfigError, validate
 from mop.models.config import ModelConfig
 from mop.parallel.mesh import LayoutError
-from mop.plan.cluster import Cluster
+from mop.plan.cluster import GIB, Cluster
 from mop.plan.memory import MemoryEstimate, estimate
 from mop.plan.speed import StepTime, step_time
 
@@ -174,15 +174,15 @@ def choose(candidates: list[Candidate]) -> Choice:
     near = [c for c in fitting if c.tokens_per_s_per_gpu >= (1 - SPEED_RESOLUTION) * fastest]
     best = min(near, key=lambda c: (c.memory.peak_device_bytes, -c.tokens_per_s_per_gpu), default=None)
     closest = best or min(candidates, key=_overrun, default=None)
-    return Choice(best, closest, binding(best, candidates), len(candidates))
+    return Choice(best, closest, binding(best, closest, candidates), len(candidates))
 
 
-def binding(best: Candidate | None, candidates: list[Candidate]) -> str:
-    """Why nothing faster was chosen: the fastest rejected layout and the limit it broke."""
+def binding(best: Candidate | None, closest: Candidate | None, candidates: list[Candidate]) -> str:
+    """Why nothing faster was chosen: the fastest rejected layout and the limit it broke (when nothing
+    fits, what the `closest` layout needs)."""
     faster = [c for c in candidates if not c.fits and (best is None or
                                                        c.tokens_per_s_per_gpu > best.tokens_per_s_per_gpu)]
     if best is None:
-        closest = min(candidates, key=_overrun, default=None)
         return "no candidate" if closest is None else f"nothing fits: the closest layout ({describe(closest)}) needs " \
             f"{_over(closest)}"
     if not faster:
@@ -202,14 +202,13 @@ def _overrun(c: Candidate) -> float:
 
 
 def _over(c: Candidate) -> str:
-    gib = 2**30
     if not c.fits_device:
         peak = c.memory.peak
         row = max(peak.rows, key=peak.rows.get)
-        return (f"{peak.total / gib:.1f} GiB of device memory > {c.cluster.budget_bytes / gib:.1f} GiB budget "
-                f"(at the {peak.name.split(':')[0]}; largest row {row} {peak.rows[row] / gib:.1f} GiB)")
-    return (f"{c.memory.host_bytes_per_node / gib:.0f} GiB of host memory per node > "
-            f"{c.cluster.host_bytes / gib:.0f} GiB")
+        return (f"{peak.total / GIB:.1f} GiB of device memory > {c.cluster.budget_bytes / GIB:.1f} GiB budget "
+                f"(at the {peak.name.split(':')[0]}; largest row {row} {peak.rows[row] / GIB:.1f} GiB)")
+    return (f"{c.memory.host_bytes_per_node / GIB:.0f} GiB of host memory per node > "
+            f"{c.cluster.host_bytes / GIB:.0f} GiB")
 
 
 def describe(c: Candidate) -> str:

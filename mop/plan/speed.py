@@ -35,8 +35,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from mop.build import step_micro_batches, storage_dtype
 from mop.config import Config
 from mop.flops import flops_per_token
@@ -149,7 +147,7 @@ def step_time(config: Config, cluster: Cluster, s: Shapes, counts: ParameterCoun
     exposed["all_to_all"] = a2a + expert_a2a
     # host link, per micro-batch
     local, mbs = counts.local, step_micro_batches(config, world)
-    stored = torch.finfo(storage_dtype(config)).bits // 8
+    stored = storage_dtype(config).itemsize
     if config.optim.offload:  # every micro-batch's gradients down, the updated weights up once a step
         links["host"] += local * stored * (1 + 1 / mbs)
     if p.fsdp_cpu_offload:  # FSDP2 copies the shards up before their gathers, the gradients down
