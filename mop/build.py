@@ -37,6 +37,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from mop.config import Config, ConfigError
 from mop.data import build_data, group_slice, load_batch, micro_batches, sequence_shard
@@ -66,12 +67,18 @@ def step_micro_batches(config: Config, world: int) -> int:
 
 
 def build_optimizer(model: torch.nn.Module, config: Config) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only; norms (1-D) are not decayed."""
+    """AdamW with weight decay on matrices only; norms (1-D) are not decayed.
+
+    One parameter group per (decayed or not, kind of shard): plain tensors, or the DTensors of one
+    mesh (the world's, an expert replica group's). torch's multi-tensor kernels, CUDA's default, take
+    one kind per call and see one group at a time; a group mixing kinds fails at the first step."""
     o = config.optim
-    matrices = [p for p in model.parameters() if p.dim() >= 2]
-    vectors = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": matrices, "weight_decay": o.weight_decay}, {"params": vectors, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    groups: dict[tuple, list] = {}
+    for param in model.parameters():
+        mesh = param.device_mesh if isinstance(param, DTensor) else None
+        groups.setdefault((param.dim() >= 2, mesh), []).append(param)
+    return torch.optim.AdamW([{"params": params, "weight_decay": o.weight_decay if decayed else 0.0}
+                              for (decayed, _), params in groups.items()], lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
 
 
 def build_model_shards(config: Config, runtime: Runtime,

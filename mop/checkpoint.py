@@ -63,6 +63,7 @@ from mop.parallel.views import GlobalViews
 
 META = "mop.json"
 META_KEYS = {"step", "data", "config", "has_optimizer"}  # what every mop.json holds
+DCP_METADATA = ".metadata"  # DCP's index of the shard files, written last by the coordinator
 PARTIAL = ".partial"
 TOKENIZER = "tokenizer"
 
@@ -261,6 +262,8 @@ def load(path: Path, model, optimizer, host, views: GlobalViews, with_optimizer:
         _load_hf_weights(path, meta, model, host, views)
         return meta
     state = _state(model, optimizer, host, views, with_optimizer=with_optimizer and meta["has_optimizer"])
+    if not (path / DCP_METADATA).is_file():  # else DCP logs two tracebacks of its fallbacks before failing
+        raise damaged(path, FileNotFoundError(f"no {DCP_METADATA}, the index of its shards"))
     try:
         with _quiet_if_single_process():
             dcp.load(state, storage_reader=FileSystemReader(path), no_dist=not dist.is_initialized())

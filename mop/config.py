@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
+
 from mop.models.config import ModelConfig
 from mop.parallel.mesh import Layout
 
@@ -46,8 +48,8 @@ class ParallelConfig:
     """"reference": one process, no sharding (the ground truth); "mop": the mixture of parallelisms;
     "fsdp2": the baseline built from torch's own pieces (FSDP2, standard EP, Ulysses, full logits)."""
     nproc: int = 0
-    """Local ranks to launch when not started by torchrun (ignored under torchrun); 0: 1 for the
-    reference strategy, 2 otherwise."""
+    """Local ranks to launch when not started by torchrun (ignored under torchrun), one per GPU on CUDA;
+    0: 1 for the reference strategy, else the visible GPUs on CUDA (see train.device), 2 on the CPU."""
     sequence: int = 0
     """D: ranks that share one sequence (Ulysses sequence parallelism); divides the world size. 0: under
     "mop" the largest that divides the ranks of one node, model.heads and data.seq_len; 1 otherwise.
@@ -174,7 +176,8 @@ class CheckpointConfig:
     stop_grace_s: int = 120
     """After SIGTERM or SIGINT every rank finishes its step and saves a checkpoint; mop's launcher kills
     ranks still running after this many seconds (under torchrun: TORCH_ELASTIC_SHUTDOWN_TIMEOUT). Keep a
-    step plus a save below the scheduler's notice (Slurm: --signal=TERM@<seconds>)."""
+    step plus a save below the scheduler's notice (Slurm: --signal=TERM@<seconds>). On a torch whose
+    launcher has no such setting (torch 2.11) the grace is torch's fixed 30 s and this one is not used."""
     resume: str = ""
     """Empty: start fresh. "latest": resume from the newest complete checkpoint in checkpoint.dir
     (start fresh if there is none). A path: resume from that step_<N> directory, saved by any
@@ -350,6 +353,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), world
     return config
 
 
+def visible_gpus(device: str) -> int:
+    """The GPUs a local launch gives one rank each under `train.device = device`: 0 on the CPU."""
+    if device == "cpu" or not torch.cuda.is_available():
+        return 0
+    return torch.cuda.device_count()
+
+
 def resolve(config: Config, world: int | None = None, local_world: int | None = None) -> Config:
     """A copy with every automatic setting (0, "auto") decided for the strategy and the world size
     (`world`: the real one once known; else parallel.nproc). Explicit settings are kept as given.
@@ -359,7 +369,7 @@ def resolve(config: Config, world: int | None = None, local_world: int | None = 
     (Ulysses, experts, vocabulary ring) stays on the node's fast links."""
     p, m = config.parallel, config.model
     mop = p.strategy == "mop"
-    nproc = p.nproc or (1 if p.strategy == "reference" else 2)
+    nproc = p.nproc or (1 if p.strategy == "reference" else visible_gpus(config.train.device) or 2)
     world = world or nproc
     node = math.gcd(world, local_world or world)
 
@@ -384,6 +394,8 @@ def validate(config: Config, world: int | None = None, local_world: int | None =
         raise ConfigError(f"model.{key}", message)
     config = resolve(config, world, local_world)  # a negative degree stays, and the Layout names it
     p, t, d = config.parallel, config.train, config.data
+    if world is None:  # mop launches the ranks itself, one per GPU
+        _check_local_gpus(p.nproc, t.device)
     world = world or p.nproc
     _positive(config, ["parallel.nproc", "parallel.attention_head_chunks", "parallel.llep_min_chunk", "train.max_skipped_steps", "log.progress_every",
                        "parallel.timeout_s", "checkpoint.stop_grace_s", "eval.sequences",
@@ -432,6 +444,13 @@ def validate(config: Config, world: int | None = None, local_world: int | None =
                           f"train.micro_batch ({t.micro_batch}); e.g. {groups * t.micro_batch}")
     _check_eval(config.eval, groups * t.micro_batch)
     return config
+
+
+def _check_local_gpus(nproc: int, device: str) -> None:
+    gpus = visible_gpus(device)
+    if gpus and nproc > gpus:
+        raise ConfigError("parallel.nproc", f"{nproc} local ranks but {gpus} visible GPU(s), and each rank needs its "
+                          f"own GPU; use --parallel.nproc={gpus} or fewer (0: one per GPU), or --train.device=cpu")
 
 
 def _check_eval(e: EvalConfig, unit: int) -> None:

@@ -37,7 +37,7 @@ def launch(config: Config) -> list[dict]:
     launch_config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=resolve(config).parallel.nproc, run_id=f"mop-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1, start_method="spawn",
-        shutdown_timeout=config.checkpoint.stop_grace_s)
+        **stop_grace(config, LaunchConfig))
     if not config.log.run_dir:
         # Rank 0 writes the run directory; fixing it here keeps it the one the user is told about.
         config = dataclasses.replace(config, log=dataclasses.replace(config.log, run_dir=str(resolve_run_dir(config))))
@@ -56,6 +56,14 @@ def launch(config: Config) -> list[dict]:
         sys.warnoptions.append(quiet_tracker)
     results = elastic_launch(launch_config, worker)(config)
     return results[0]
+
+
+def stop_grace(config: Config, launch_config_type: type) -> dict:
+    """The launcher's grace for ranks saving after SIGTERM, where this torch's launcher takes one
+    (`LaunchConfig.shutdown_timeout`, torch 2.13+); torch 2.11's waits a fixed 30 s, and
+    `checkpoint.stop_grace_s` is then not used (its docstring says so)."""
+    takes = "shutdown_timeout" in {f.name for f in dataclasses.fields(launch_config_type)}
+    return {"shutdown_timeout": config.checkpoint.stop_grace_s} if takes else {}
 
 
 def worker(config: Config) -> list[dict]:

@@ -15,7 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from mop.config import Config, ConfigError, validate
+from mop.config import Config, ConfigError, validate, visible_gpus
 from mop.parallel.mesh import DistLayout, Layout, TorchrunEnv, device_for, init_distributed, set_rank_threads
 
 
@@ -54,6 +54,10 @@ def setup_runtime(config: Config) -> tuple[Config, Runtime]:
         return config, Runtime(0, 1, pick_device(config, 0), None)
     env = TorchrunEnv.from_environ()
     validate(config, world=env.world_size)  # a bad setting stops every rank before it joins
+    gpus = visible_gpus(config.train.device)
+    if gpus and env.local_world_size > gpus:
+        raise ConfigError("parallel.nproc", f"{env.local_world_size} ranks on this node but {gpus} visible GPU(s), "
+                          f"and each rank needs its own GPU; start at most {gpus} (torchrun --nproc_per_node={gpus})")
     device = pick_device(config, env.local_rank)
     if device.type == "cpu":
         set_rank_threads(env.local_world_size)

@@ -163,6 +163,12 @@ def missing_shard(s: Scene) -> Path:
     return s.step
 
 
+def missing_metadata(s: Scene) -> Path:
+    """The checkpoint copy without DCP's `.metadata` (its index of the shards)."""
+    (s.step / ".metadata").unlink()
+    return s.step
+
+
 def with_meta(s: Scene, text: str) -> Path:
     (s.step / "mop.json").write_text(text)
     return s.step
@@ -378,6 +384,10 @@ CHECKPOINT = [
          "checkpoint.resume", "step_2"),
     launched("resume-missing-shard-launched", lambda s: s.launch(f"--checkpoint.resume={missing_shard(s)}"),
          "checkpoint.resume", "step_2"),
+    case("resume-missing-metadata", lambda s: s.train(f"--checkpoint.resume={missing_metadata(s)}"),
+         "checkpoint.resume", "step_2", ".metadata"),
+    launched("resume-missing-metadata-launched", lambda s: s.launch(f"--checkpoint.resume={missing_metadata(s)}"),
+             "checkpoint.resume", "step_2", ".metadata"),
     case("resume-invalid-meta", lambda s: s.train(f"--checkpoint.resume={with_meta(s, '{not json')}"),
          "checkpoint.resume", "step_2"),
     case("resume-meta-not-an-object", lambda s: s.train(f"--checkpoint.resume={with_meta(s, '[]')}"),

@@ -1,6 +1,7 @@
 """Config loading: TOML + overrides, strict validation with one-line errors, presets, and CLI exit codes."""
 
 import dataclasses
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -145,3 +146,41 @@ def test_automatic_settings_follow_the_strategy_and_the_world_size():
         assert config.optim.offload is False
     explicit = validate(load_config(None, ["--parallel.sequence=1", "--optim.offload=false"])).parallel
     assert (explicit.sequence, explicit.expert) == (1, 2)
+
+
+def pretend_gpus(monkeypatch, count: int) -> None:
+    """This CPU machine seen as one with `count` visible GPUs (only what `visible_gpus` reads)."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: count > 0)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: count)
+
+
+@pytest.mark.parametrize("gpus", [1, 2, 4, 8])
+def test_automatic_nproc_is_one_rank_per_visible_gpu(monkeypatch, gpus):
+    pretend_gpus(monkeypatch, gpus)
+    config = validate(load_config())
+    assert config.parallel.nproc == gpus
+    assert config.parallel.sequence == math.gcd(gpus, 4)  # the debug model's 4 heads
+    assert validate(load_config(None, ["--train.device=cpu"])).parallel.nproc == 2  # the CPU's default
+    assert validate(load_config(None, ["--parallel.strategy=reference"])).parallel.nproc == 1
+
+
+def test_more_local_ranks_than_gpus_is_one_line_naming_nproc(monkeypatch, capsys):
+    pretend_gpus(monkeypatch, 1)
+    with pytest.raises(ConfigError, match=r"parallel.nproc: 2 local ranks but 1 visible GPU.*--parallel.nproc=1"):
+        load_config(None, ["--parallel.nproc=2"])
+    assert main(["train", "--parallel.nproc=2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "parallel.nproc" in err
+    # The CPU takes any number of local ranks, and a world torchrun started is checked per node instead.
+    assert load_config(None, ["--parallel.nproc=2", "--train.device=cpu"]).parallel.nproc == 2
+    assert validate(load_config(None, ["--parallel.nproc=8", "--train.device=cpu"]), world=8).parallel.nproc == 8
+
+
+def test_torchrun_with_more_ranks_on_a_node_than_gpus_names_nproc_per_node(monkeypatch):
+    from mop.runtime import setup_runtime
+
+    pretend_gpus(monkeypatch, 2)
+    for key, value in {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "4"}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigError, match=r"4 ranks on this node but 2 visible GPU.*--nproc_per_node=2"):
+        setup_runtime(load_config(None, world=4))

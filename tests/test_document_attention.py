@@ -7,6 +7,8 @@ a document filling a whole row, documents crossing the Ulysses slice boundaries,
 equal-length documents (one batched call) and packs of short ones (one masked call).
 """
 
+import inspect
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -157,6 +159,51 @@ def test_ulysses_core_matches_the_dense_mask(world):
             for label, got, full in zip(("out", "dq", "dk", "dv"), results[index], want):
                 assert_close(got, full[:, rows], atol=1e-5, rtol=1e-5,
                              msg=f"{label} D={world} {name} kv_heads={kv_heads} chunks={chunks} rank {rank}")
+
+
+def varlen_stand_in(signature: inspect.Signature):
+    """A CPU stand-in for torch's `varlen_attn`: it takes exactly `signature`'s arguments (binding
+    raises TypeError where the real call would), refuses unequal head counts without `enable_gqa`
+    as torch's does, and attends causally within the cumulative spans by the dense oracle."""
+
+    def kernel(*args, **kwargs):
+        given = signature.bind(*args, **kwargs).arguments
+        q, k, v, cu = given["query"], given["key"], given["value"], given["cu_seq_q"]
+        assert given["window_size"] == (-1, 0) and given["max_q"] == int(cu.diff().max())
+        if q.shape[1] != k.shape[1] and not given.get("enable_gqa", False):
+            raise RuntimeError("varlen_attn: unequal query and key heads need enable_gqa=True")
+        ids = torch.repeat_interleave(torch.arange(cu.numel() - 1), cu.diff().long()).unsqueeze(0)
+        return dense_oracle(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), ids).squeeze(0)
+
+    return kernel
+
+
+def _without(signature: inspect.Signature, name: str) -> inspect.Signature:
+    return signature.replace(parameters=[p for p in signature.parameters.values() if p.name != name])
+
+
+@pytest.mark.parametrize("kernel", ["this-torch", "without-enable_gqa"])
+@pytest.mark.parametrize("kv_heads", [1, 2, HEADS])
+def test_varlen_call_fits_the_kernel_signature(monkeypatch, kernel, kv_heads):
+    """The flash path's call, run on the CPU through a stand-in with the signature of this torch's
+    `varlen_attn` (on the torch 2.11 leg: without `enable_gqa`) and of one without `enable_gqa`:
+    the arguments bind, and the K/V heads reach the query heads exactly as the dense mask says."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    signature = inspect.signature(varlen_attn)
+    stand_in = varlen_stand_in(signature if kernel == "this-torch" else _without(signature, "enable_gqa"))
+    monkeypatch.setattr(documents_module, "_varlen_kernel", lambda: stand_in)
+    documents_module._varlen_takes_gqa.cache_clear()
+    try:
+        q, k, v, upstream = inputs(kv_heads)
+        layout = "crossing-slices"
+        documents = Documents.from_ids(LAYOUTS[layout])
+        got = output_and_grads(lambda *t: documents_module._varlen(*t, documents, kv_heads != HEADS), q, k, v,
+                               upstream)
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, oracle_case(layout, kv_heads)):
+            assert_close(a, b, atol=1e-5, rtol=1e-5, msg=f"{name} {kernel} kv_heads={kv_heads}")
+    finally:
+        documents_module._varlen_takes_gqa.cache_clear()
 
 
 @pytest.mark.cuda

@@ -14,7 +14,7 @@ BENCHMARKS = {
     "build": "the resident memory of building a real preset's model: shards only against the full model first",
     "context": "`mop train` at long packed-document context, and plain FSDP2 on Hugging Face's model",
     "e2e": "training throughput and per-rank memory of mop and of the best fsdp2 setup, against context",
-    "gpu": "on a GPU machine, the CUDA test tier and a short bf16 training of a real-shaped model",
+    "gpu": "acceptance test of 1-8 GPUs: the CUDA tier and bf16 trainings sized to the GPUs and host (--dry-run: the plan)",
     "moe": "the expert layer under skewed routing for EP, LLEP and chunked LLEP",
     "optimizer": "the host optimizer's update throughput and how much of it the step exposes",
     "plan": "the paper's Table 1 as `mop plan` predicts it (3 models on 2/8/12 H200 nodes, 64K-1M), beside the paper",

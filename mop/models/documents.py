@@ -11,8 +11,10 @@ holds a single document has no `Documents` (None): attention is plain causal SDP
 Kernels (`document_attention`, one entry point that picks by device and dtype):
 - CUDA in bf16/fp16 (the inputs' dtype, or autocast's when it is on, since that is what SDPA would
   compute in): `torch.nn.attention.varlen.varlen_attn` (flash attention over cumulative document
-  lengths, causal, GQA without repeating K/V) on the flattened stream, where flash applies
-  (Ampere or newer, head dim a multiple of 8 up to 256).
+  lengths, causal) on the flattened stream, where flash applies (Ampere or newer, head dim a
+  multiple of 8 up to 256). GQA without repeating K/V where `varlen_attn` takes `enable_gqa`
+  (torch 2.13+); on a torch without it (2.11) K/V are repeated to the query heads first (exact;
+  costs one K and one V of the query heads' width per call, a head chunk's under Ulysses).
 - Everywhere else (CPU; fp32 on CUDA): SDPA per segment of the stream, from `Documents.segments`:
   * a run of consecutive documents of equal length L is one batched `is_causal` SDPA call on the
     `[n, L]` view of the stream (no copy), so a whole row of one document, or equal-length
@@ -38,6 +40,7 @@ as the dense mask `causal & same_document` would say (the tests' oracle).
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from functools import cache, cached_property
 
@@ -57,6 +60,13 @@ def _varlen_kernel():
     except ImportError:  # torch < 2.10
         return None
     return varlen_attn
+
+
+@cache
+def _varlen_takes_gqa() -> bool:
+    """Whether `varlen_attn` takes `enable_gqa` (torch 2.13 does, 2.11 does not: there K/V are
+    repeated to the query heads before the call)."""
+    return "enable_gqa" in inspect.signature(_varlen_kernel()).parameters
 
 SHORT_DOCUMENT = 128  # documents shorter than this are packed with their neighbours...
 PACK_TOKENS = 256  # ...into groups of at most this many tokens, one masked SDPA call each
@@ -199,7 +209,13 @@ def _segments(q, k, v, documents: Documents, gqa: bool) -> torch.Tensor:
 def _varlen(q, k, v, documents: Documents, gqa: bool) -> torch.Tensor:
     stream = [t.reshape(-1, *t.shape[2:]) for t in (q, k, v)]
     cu, longest = documents.cu_seqlens, documents.max_length
-    out = _varlen_kernel()(*stream, cu, cu, longest, longest, window_size=(-1, 0), enable_gqa=gqa)
+    options = {}
+    if gqa and _varlen_takes_gqa():
+        options["enable_gqa"] = True
+    elif gqa:  # each K/V head serves heads/kv consecutive query heads, as SDPA's enable_gqa groups them
+        group = q.shape[2] // k.shape[2]
+        stream[1:] = [t.repeat_interleave(group, dim=1) for t in stream[1:]]
+    out = _varlen_kernel()(*stream, cu, cu, longest, longest, window_size=(-1, 0), **options)
     return out.view(q.shape)
 
 

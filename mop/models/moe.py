@@ -78,7 +78,10 @@ class Router(nn.Module):
 def expert_order(expert_ids: torch.Tensor, experts: int):
     """Sort token-expert assignments by expert: (order into the flat [T*k] list, counts per expert)."""
     flat = expert_ids.reshape(-1)
-    return torch.argsort(flat, stable=True), torch.bincount(flat, minlength=experts)
+    # Counted by index_add_, not bincount: bincount reads its input's maximum back to the host (a
+    # device synchronisation on CUDA in every layer).
+    counts = torch.zeros(experts, dtype=torch.long, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
+    return torch.argsort(flat, stable=True), counts
 
 
 def grouped_gemm_applies(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> bool:

@@ -61,10 +61,12 @@ from mop.parallel.comms import all_gather_rows, all_reduce_sum, all_to_all
 
 @dataclass(frozen=True)
 class ChunkPlan:
-    """Head ranges `[start, stop)` that each destination rank receives for one head chunk."""
+    """Head ranges `[start, stop)` that each destination rank receives for one head chunk, and the
+    local KV head each of its query heads reads (`kv_index`), planned once on the host."""
 
     query: list[tuple[int, int]]
     kv: list[tuple[int, int]]
+    kv_index: list[torch.Tensor | None]
 
 
 def head_plan(heads: int, kv_heads: int, ranks: int, chunks: int) -> list[ChunkPlan]:
@@ -76,7 +78,7 @@ def head_plan(heads: int, kv_heads: int, ranks: int, chunks: int) -> list[ChunkP
     for c in range(chunks):
         query = [(j * per_rank + c * per_chunk, j * per_rank + (c + 1) * per_chunk) for j in range(ranks)]
         kv = [(start // group, (stop - 1) // group + 1) for start, stop in query]
-        plans.append(ChunkPlan(query, kv))
+        plans.append(ChunkPlan(query, kv, [kv_index(q, k, group) for q, k in zip(query, kv)]))
     return plans
 
 
@@ -115,7 +117,6 @@ class UlyssesAttention(KeepsForwardOutputs, nn.Module):
         self.group = group
         self.ranks = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.group_size = heads // kv_heads
         self.plans = head_plan(heads, kv_heads, self.ranks, head_chunks)
         self.core = AttentionCore()
 
@@ -153,7 +154,7 @@ class UlyssesAttention(KeepsForwardOutputs, nn.Module):
         q_heads, k_heads, v_heads = (
             part.reshape(self.ranks, batch, tokens, heads, dim).transpose(0, 1).reshape(batch, -1, heads, dim)
             for part, heads in zip(received.view(self.ranks, -1).split([batch * tokens * h * dim for h in mine], 1), mine))
-        index = kv_index(plan.query[self.rank], plan.kv[self.rank], self.group_size)
+        index = plan.kv_index[self.rank]
         if index is not None:
             index = index.to(k_heads.device, non_blocking=True)  # staged at once: no wait for the device
             k_heads, v_heads = k_heads.index_select(2, index), v_heads.index_select(2, index)
