@@ -122,6 +122,11 @@ class TrainingRun:
         dtype = compute_dtype(self.config)
         return torch.autocast(self.runtime.device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
 
+    def close(self) -> None:
+        """End the run's worker threads (the host optimizer's); the run is not used after."""
+        if self.host is not None:
+            self.host.close()
+
     def micro_batches_per_step(self) -> int:
         return step_micro_batches(self.config, self.runtime.world)
 

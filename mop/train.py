@@ -22,7 +22,7 @@ import dataclasses
 import json
 import math
 import time
-from contextlib import nullcontext
+from contextlib import closing, nullcontext
 from pathlib import Path
 
 import torch
@@ -306,7 +306,13 @@ def _train(config: Config, runtime: Runtime, stop: StopRequest | None = None) ->
     request it honours after each step (None: signals are not caught)."""
     stop = stop or StopRequest()
     run_dir = shared_run_dir(config, runtime)
-    run = build_run(config, runtime)
+    with closing(build_run(config, runtime)) as run:  # its worker threads end on every way out
+        return _steps(run, run_dir, stop)
+
+
+def _steps(run: TrainingRun, run_dir: Path, stop: StopRequest) -> list[dict]:
+    """The steps of `_train`'s run: resume, train, evaluate, log, save; the final summary."""
+    config, runtime = run.config, run.runtime
     state_memory = worst_rank_state(run)
     first_step = resume(run, run_dir)
     if first_step >= config.train.steps:
@@ -316,13 +322,32 @@ def _train(config: Config, runtime: Runtime, stop: StopRequest | None = None) ->
         announce(config, runtime, run_dir)
 
     logger = MetricsLogger(run_dir, config.log.tensorboard, first_step) if runtime.is_main else None
-    records = []
-    tokens_per_step = config.train.global_batch * config.data.seq_len
     progress = StepProgress(run.model.layers, first_step, config.train.steps, run.micro_batches_per_step(),
                             enabled=runtime.is_main and config.log.progress, every=config.log.progress_every)
     skips = SkippedSteps(config.train.max_skipped_steps)
-    stopped = None
-    for step in range(first_step, config.train.steps):
+    records: list[dict] = []
+    try:
+        stopped = _loop(run, run_dir, stop, range(first_step, config.train.steps), records, logger, progress, skips,
+                        state_memory)
+    finally:  # on an error too: the bar ends and every record written so far is kept
+        progress.close()
+        if logger is not None:
+            logger.close()
+    if run.host is not None:
+        run.host.synchronize()  # the last step's updates, before the model is returned or read
+    if logger is not None:
+        summarise(run, run_dir, records, skips, state_memory, first_step)
+    if stopped is not None:
+        raise stopped
+    return records
+
+
+def _loop(run: TrainingRun, run_dir: Path, stop: StopRequest, steps: range, records: list[dict],
+          logger: MetricsLogger | None, progress: StepProgress, skips: SkippedSteps, state_memory: dict) -> Stopped | None:
+    """Run `steps`, appending each step's record to `records`; a `Stopped` when a signal ended them early."""
+    config, runtime = run.config, run.runtime
+    tokens_per_step = config.train.global_batch * config.data.seq_len
+    for step in steps:
         reset_peak_memory(runtime.device, run.offload_store)
         start = time.perf_counter()
         lr = learning_rate(config, step)
@@ -348,33 +373,31 @@ def _train(config: Config, runtime: Runtime, stop: StopRequest | None = None) ->
         skips.check(checkpoint.checkpoint_dir(config, run_dir))
         signum = stop.agreed(runtime.layout.world_group if runtime.layout else None, runtime.device)
         if signum is not None and done < config.train.steps:
-            stopped = Stopped(signum, done, config.train.steps, save(run, run_dir, done), run_dir)
-            break
+            return Stopped(signum, done, config.train.steps, save(run, run_dir, done), run_dir)
         # A skipped step changed nothing: no checkpoint rotates out a good one for it.
         every, last = config.checkpoint.every, done == config.train.steps
         if not outcome["skipped"] and ((every and done % every == 0) or (last and (every or config.checkpoint.final))):
             save(run, run_dir, done)
-    progress.close()
-    if run.host is not None:
-        run.host.synchronize()  # the last step's updates, before the model is returned or read
-    if logger is not None:
-        logger.close()
-        if config.log.plot:
-            plot_run(logger.path, run_dir / "loss.png")
-        if records and skips.total:
-            print(f"mop: {skips.total} step(s) skipped for non-finite gradients")
-        evaluated = [r for r in records if "eval_loss" in r]
-        if evaluated:
-            print(f"mop: held-out loss {evaluated[-1]['eval_loss']:.4f} after step {evaluated[-1]['step'] + 1} "
-                  f"({config.eval.sequences} sequences)")
-        if records:
-            per_param = ", ".join(f"{kind} {state_memory[f'device_bytes_per_param_{kind}']:g}"
-                                  for kind in ("weights", "gradients", "optimizer"))
-            print(f"mop: steps {first_step}-{records[-1]['step']}, loss {records[0]['loss']:.4f} -> "
-                  f"{records[-1]['loss']:.4f}; device bytes per parameter: {per_param}; run directory {run_dir}")
-    if stopped is not None:
-        raise stopped
-    return records
+    return None
+
+
+def summarise(run: TrainingRun, run_dir: Path, records: list[dict], skips: SkippedSteps, state_memory: dict,
+              first_step: int) -> None:
+    """Rank 0's end of a run: the plot of its metrics and the summary lines."""
+    config = run.config
+    if config.log.plot:
+        plot_run(run_dir / "metrics.jsonl", run_dir / "loss.png")
+    if records and skips.total:
+        print(f"mop: {skips.total} step(s) skipped for non-finite gradients")
+    evaluated = [r for r in records if "eval_loss" in r]
+    if evaluated:
+        print(f"mop: held-out loss {evaluated[-1]['eval_loss']:.4f} after step {evaluated[-1]['step'] + 1} "
+              f"({config.eval.sequences} sequences)")
+    if records:
+        per_param = ", ".join(f"{kind} {state_memory[f'device_bytes_per_param_{kind}']:g}"
+                              for kind in ("weights", "gradients", "optimizer"))
+        print(f"mop: steps {first_step}-{records[-1]['step']}, loss {records[0]['loss']:.4f} -> "
+              f"{records[-1]['loss']:.4f}; device bytes per parameter: {per_param}; run directory {run_dir}")
 
 
 def save(run: TrainingRun, run_dir: Path, done: int) -> Path:

@@ -350,6 +350,12 @@ class HostAdamW:
         for shard in self.shards:
             shard.wait_settled()
 
+    def close(self) -> None:
+        """End the worker threads (queued work is dropped, running work finishes): a process leaving
+        on an error must not exit with a thread inside torch."""
+        for pool in (self.arrivals, self.pool):
+            pool.shutdown(wait=True, cancel_futures=True)
+
     def state_of(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
         """`param`'s AdamW state, named as torch.optim.AdamW names it (local shard tensors, loadable in place)."""
         shard = self.shard_of(param)
