@@ -8,16 +8,20 @@ import io
 import json
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
 
 from mop.cli import main
+from mop.config import ConfigError, load_config, validate
 from mop.metrics import read_metrics
 from mop.models.config import ModelConfig
 from mop.models.transformer import build_model
 from mop.progress import StepProgress
+from mop.runtime import Runtime
 from mop.testing import cuda_ranks_available
+from mop.train import _train
 from conftest import devices
 
 # The reference layout, explicitly: tests that run another strategy override only what they test.
@@ -241,6 +245,20 @@ def test_non_finite_steps_are_counted_and_stop_the_run_keeping_the_last_good_che
     resumed = main(["train", *TINY, "--train.steps=2", f"--log.run_dir={tmp_path / 'again'}",
                     f"--checkpoint.resume={run_dir / 'checkpoints/step_1'}"])
     assert resumed == 0  # the last good checkpoint is intact
+
+
+def test_a_run_ended_by_an_error_has_ended_its_worker_threads(tmp_path):
+    """The host optimizer's threads end with the run, however it ends (here: non-finite steps), even
+    while the error's traceback still holds the run: a rank then exits with its one line and code 2,
+    not with a thread still inside torch. Every step's record is kept."""
+    config = validate(load_config(None, [*TINY, "--optim.offload=true", "--train.steps=6", "--optim.lr=1e30",
+                                         "--optim.warmup_steps=0", "--train.max_skipped_steps=2",
+                                         f"--log.run_dir={tmp_path}"]), 1)
+    with pytest.raises(ConfigError, match="train.max_skipped_steps") as stopped:
+        _train(config, Runtime(0, 1, torch.device("cpu"), None))
+    assert stopped.traceback  # the frames, and so the run, are still referenced here
+    assert [t.name for t in threading.enumerate() if t.name.startswith("host-adamw")] == []
+    assert len(read_metrics(tmp_path / "metrics.jsonl")) == 3
 
 
 def test_overwriting_a_run_moves_the_old_one_aside_whole(tmp_path, capsys):
