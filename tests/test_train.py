@@ -85,6 +85,27 @@ def test_one_gpu_trains_in_bf16_with_the_host_optimizer(tmp_path, reference):
     assert records[0]["device_bytes_per_param_weights"] == 2 and records[0]["device_bytes_per_param_gradients"] == 0
 
 
+@pytest.mark.parametrize("device", devices(1))
+def test_the_mop_strategy_on_one_rank_trains_like_the_reference(tmp_path, reference, device):
+    """One GPU is a cluster: `mop train` with the automatic rank count launches one rank per GPU
+    (one on a one-GPU machine; here asked for on the CPU) and runs the mop path with W = 1: FSDP2
+    over one rank, the host optimizer, activation checkpointing with offload. fp32 on the CPU is
+    the reference to 1e-5; bf16 on the GPU (flash varlen attention, pinned copies) to 2^-6, as above."""
+    mop_one = ["--parallel.strategy=mop", "--parallel.sequence=0", "--parallel.expert=0", "--parallel.vocab=0",
+               "--parallel.expert_balance=auto", "--optim.offload=auto", "--train.activation_checkpointing=full",
+               "--train.offload_activations=true"]
+    if device == "cpu":
+        records = run(tmp_path, "one", *mop_one, "--parallel.nproc=1")
+        assert losses(records) == pytest.approx(losses(reference), rel=1e-5)
+    else:
+        records = run(tmp_path, "one", *mop_one, "--train.dtype=bfloat16", "--parallel.nproc=0" if
+                      torch.cuda.device_count() == 1 else "--parallel.nproc=1")
+        assert losses(records) == pytest.approx(losses(reference), rel=2**-6)
+    config = json.loads((tmp_path / "one/config.json").read_text())
+    assert (config["parallel"]["nproc"], config["optim"]["offload"]) == (1, True)
+    assert records[0]["device_bytes_per_param_gradients"] == 0
+
+
 @pytest.mark.slow
 def test_sequence_parallel_training_matches_the_reference(tmp_path, reference):
     records = run(tmp_path, "ulysses", "--parallel.strategy=mop", "--parallel.nproc=2", "--parallel.sequence=2",
