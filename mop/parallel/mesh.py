@@ -40,9 +40,12 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 # Subgroups (new_group, DeviceMesh) get the backend's default timeout, not the default group's;
-# this sets it on the groups DeviceMesh has already created.
+# this sets it on the groups DeviceMesh has already created. torch 2.14 made the setter public
+# (dist.set_timeout) and deprecated the private one, whose warning would be a second error line.
 from torch.distributed.distributed_c10d import _set_pg_timeout
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+set_group_timeout = getattr(dist, "set_timeout", _set_pg_timeout)
 
 
 class LayoutError(ValueError):
@@ -223,7 +226,7 @@ class DistLayout:
                 self.expert_p2p_group = group
         if timeout is not None:
             for group in self._groups():
-                _set_pg_timeout(timeout, group)
+                set_group_timeout(timeout, group)
         self._warm_up()
 
     def _warm_up(self) -> None:
