@@ -42,6 +42,8 @@ from torch.distributed.tensor import DTensor
 from mop.config import Config, ConfigError
 from mop.data import build_data, group_slice, load_batch, micro_batches, sequence_shard
 from mop.evaluation import HeldOut, held_out
+from mop.models.families import model_spec
+from mop.models.spec import ModelSpec
 from mop.models.transformer import MoETransformer
 from mop.optim.host_adamw import HostAdamW
 from mop.optim.pipeline import GradientFeed
@@ -112,6 +114,11 @@ class TrainingRun:
     feed: GradientFeed | None
     data: object  # mop.data.Data
     held_out: HeldOut | None  # the sequences evaluations read (`mop.evaluation`), None without evaluation
+
+    @property
+    def spec(self) -> ModelSpec:
+        """The model's shape facts (FLOPs per token, parameter counts)."""
+        return model_spec(self.config.model)
 
     @property
     def offload_store(self):

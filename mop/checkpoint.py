@@ -228,7 +228,8 @@ def _last_line(err: BaseException) -> str:
 
 def check_compatible(meta: dict, config: Config, path: Path) -> None:
     """The checkpoint's model must be the configured one (the layout may differ)."""
-    saved = meta["config"]["model"]
+    # Checkpoints written before model families carry no family: their modules are qwen3_moe's.
+    saved = {"family": "qwen3_moe", **meta["config"]["model"]}
     for key, value in asdict(config.model).items():
         if saved.get(key) != value:
             raise ConfigError(f"model.{key}", f"checkpoint {path} was saved with model.{key}={saved.get(key)!r}, "

@@ -34,6 +34,7 @@ from mop import checkpoint
 from mop.config import Config, ConfigError, DataConfig
 from mop.data.tokenizer import COMPANION_FILES, AnyTokenizer, load_tokenizer
 from mop.models.config import ModelConfig
+from mop.models.families import FAMILIES
 from mop.models.hf import HFConversionError, HFWeights, empty_model, save_hf
 from mop.models.transformer import MoETransformer
 
@@ -46,8 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     to_hf = directions.add_parser("to-hf", help="export a mop checkpoint as a Hugging Face model directory")
     to_hf.add_argument("checkpoint", type=Path, help="a step_<N> checkpoint directory")
     to_hf.add_argument("out", type=Path, help="the Hugging Face directory to write")
-    to_hf.add_argument("--model-type", choices=["qwen3_moe", "mixtral"], default=None,
-                       help="architecture to write (default: the one the model's settings express)")
+    to_hf.add_argument("--model-type", choices=sorted(FAMILIES), default=None,
+                       help="family to write as (default: the checkpoint's model.family)")
     to_hf.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                        help="dtype of the written weights (default: the train.dtype the checkpoint was trained in)")
     from_hf = directions.add_parser("from-hf", help="import a Hugging Face model directory as a mop checkpoint")

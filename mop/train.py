@@ -35,7 +35,7 @@ from mop.config import Config, ConfigError
 from mop.data import count_targets, to_device
 from mop.evaluation import evaluate
 from mop.faults import Stopped, StopRequest, collective_timeout, quiet_exit_code
-from mop.flops import attended_keys, flops_per_token, peak_flops
+from mop.flops import attended_keys, peak_flops
 from mop.metrics import MetricsLogger, peak_memory_bytes, plot_run, reset_peak_memory
 from mop.models.transformer import MoETransformer
 from mop.optim.host_adamw import HostAdamW
@@ -205,7 +205,7 @@ def train_step(run: TrainingRun, batches: list[dict]) -> dict:
                               run.autocast(), run.feed)
     ce_loss, aux_loss = sum_over_ranks(list(shares), runtime)
     # Every rank of a sequence group holds distinct tokens, so the sums count each token once.
-    model_flops = flops_per_token(run.config.model, keys / tokens) * tokens
+    model_flops = run.spec.flops_per_token(keys / tokens) * tokens
     return {"loss": ce_loss + aux_loss, "ce_loss": ce_loss, "aux_loss": aux_loss, "targets": int(global_targets),
             "model_flops": model_flops}
 

@@ -284,6 +284,7 @@ CONFIG = [
          "--optim.offload=true"),
     case("kv-heads-not-dividing", lambda s: s.train("--model.heads=4", "--model.kv_heads=3"), "model.kv_heads"),
     case("top-k-above-experts", lambda s: s.train("--model.top_k=9"), "model.top_k", "model.experts"),
+    case("unknown-model-family", lambda s: s.train("--model.family=llama"), "model.family", "qwen3_moe"),
     case("batch-not-a-multiple", lambda s: s.train("--train.global_batch=6", "--train.micro_batch=4"),
          "train.global_batch"),
     case("reference-on-two-ranks", lambda s: s.train("--parallel.nproc=2"), "parallel.strategy"),

@@ -196,7 +196,7 @@ MOP_CASES = {
     "qwen3_moe": ModelConfig(vocab_size=128, hidden=64, layers=3, heads=4, kv_heads=2, head_dim=24, experts=8,
                              top_k=2, expert_intermediate=48, dense_layers=1, dense_intermediate=80,
                              norm_topk_prob=False, tie_embeddings=True, rope_theta=1e6, norm_eps=1e-5),
-    "mixtral": ModelConfig(vocab_size=128, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, experts=4, top_k=2,
+    "mixtral": ModelConfig(family="mixtral", vocab_size=128, hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, experts=4, top_k=2,
                            expert_intermediate=32, qk_norm=False, aux_loss_coef=0.02),
 }
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from mop.models.attention import Attention
+from mop.models.attention import Attention, AttentionCore
 from mop.models.config import ModelConfig
 from mop.models.documents import Documents
 from mop.models.transformer import document_positions
@@ -97,3 +97,43 @@ def test_each_kv_head_is_sent_only_where_it_is_read():
     assert plan.kv == [(0, 2), (1, 3)]
     assert kv_index(plan.query[0], plan.kv[0], group=4).tolist() == [0, 0, 0, 0, 1, 1]
     assert kv_index((0, 4), (0, 2), group=2) is None
+
+
+WIDE_V = [(chunks, packed) for chunks in (1, 2) for packed in (False, True)]  # q/k width 8, v width 12
+
+
+def wide_v_case(packed):
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(BATCH, SEQ, heads, width, generator=g) for heads, width in ((8, 8), (2, 8), (2, 12)))
+    upstream = torch.randn(BATCH, SEQ, 8, 12, generator=g)
+    documents = torch.tensor([[0] * 3 + [1] * 6 + [2] * 7, [0] * 11 + [1] * 5]) if packed else None
+    return q, k, v, upstream, documents
+
+
+def run_core(core, q, k, v, upstream, documents, rows=slice(None)):
+    q, k, v = (t[:, rows].clone().requires_grad_() for t in (q, k, v))
+    out = core(q, k, v, None if documents is None else Documents.from_ids(documents))
+    (out * upstream[:, rows]).sum().backward()
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def wide_v_cases(rank, world):
+    device = rank_device()
+    layout = DistLayout(Layout(world, sequence=world), device)
+    tokens = SEQ // world
+    return [to_cpu(run_core(UlyssesAttention(layout.sequence_group, 8, 2, chunks),
+                            *(t.to(device) if t is not None else None for t in wide_v_case(packed)),
+                            slice(rank * tokens, (rank + 1) * tokens)))
+            for chunks, packed in WIDE_V]
+
+
+@pytest.mark.parametrize("device", devices(2))
+def test_ulysses_sends_values_wider_than_queries_and_keys_at_their_own_width(device):
+    per_rank = run_distributed(wide_v_cases, 2, device=device)
+    tokens = SEQ // 2
+    for case, (chunks, packed) in enumerate(WIDE_V):
+        reference = run_core(AttentionCore(), *wide_v_case(packed))
+        for rank, results in enumerate(per_rank):
+            rows = slice(rank * tokens, (rank + 1) * tokens)
+            for name, got, want in zip(("output", "q grad", "k grad", "v grad"), results[case], reference):
+                assert_close(got, want[:, rows], atol=1e-5, rtol=1e-5, msg=f"{name} chunks={chunks} packed={packed}")

@@ -4,9 +4,13 @@
 their global positions), and delegates the sequence-mixing step to `self.core`, an
 `AttentionCore`. Sequence parallelism replaces only the core: the core is the one place that
 needs every token of a sequence, so it is the one place a parallel layout has to touch.
+
+`GQASpec` is this attention's shape facts (`mop.models.spec`), for the families that use it.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -14,6 +18,7 @@ from torch import nn
 from mop.models.config import ModelConfig
 from mop.models.documents import Documents, document_attention
 from mop.models.layers import RMSNorm, apply_rope, rope_cos_sin
+from mop.models.spec import FP32, AttentionSpec, norm_saved_bytes
 
 
 class AttentionCore(nn.Module):
@@ -51,3 +56,34 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = self.core(q, k, v, documents)
         return self.o_proj(out.reshape(batch, seq, self.heads * self.head_dim))
+
+
+@dataclass(frozen=True)
+class GQASpec(AttentionSpec):
+    """`Attention`'s shape: q/k/v/o projections without bias, optional q/k RMSNorm over head_dim."""
+
+    hidden: int
+    qk_norm: bool
+
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> "GQASpec":
+        return cls(cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.head_dim, cfg.hidden, cfg.qk_norm)
+
+    @property
+    def parameters(self) -> int:
+        return self.matmul_parameters + (2 * self.qk_head_dim if self.qk_norm else 0)
+
+    @property
+    def matmul_parameters(self) -> int:
+        return self.hidden * (self.q_width + self.k_width + self.v_width + self.out_width)
+
+    def saved_bytes_per_token(self, act: int, head_chunks: int) -> int:
+        # q/k norms save per head row; RoPE its cos/sin tables; the projections their outputs
+        qk = (self.heads + self.kv_heads) * norm_saved_bytes(self.qk_head_dim, act) if self.qk_norm else 0
+        rope = 2 * self.qk_head_dim * act
+        local_qkv = (self.q_width + self.k_width + self.v_width) * act
+        if head_chunks > 1:  # `_HeadChunkedAttention` saves the local q, k, v; its output feeds o_proj
+            return qk + rope + local_qkv + self.out_width * act
+        # the head-sharded output (under D = 1 the kernel's own output), the softmax statistics,
+        # and o_proj's input (the output back in the sequence-sharded layout)
+        return qk + rope + local_qkv + 2 * self.out_width * act + self.heads * FP32

@@ -1,7 +1,8 @@
 """Model shape: the architecture hyper-parameters of a decoder-only MoE transformer.
 
-This dataclass is the `[model]` section of the training config and the single source of shapes
-for the model code, the HF converters and the memory planner. Presets for real models live in
+This dataclass is the `[model]` section of the training config: `family` picks the model family
+(`mop.models.families`), whose spec turns these fields into parameter counts, FLOPs and activation
+bytes (`mop.models.spec`). Presets for real models live in
 `configs/*.toml`; the defaults here are the tiny CPU debug model.
 """
 
@@ -9,11 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-_TYPES = {"int": int, "float": (int, float), "bool": bool}  # the field types, as annotations spell them
+_TYPES = {"int": int, "float": (int, float), "bool": bool, "str": str}  # the field types, as annotations spell them
 
 
 @dataclass
 class ModelConfig:
+    family: str = "qwen3_moe"
+    """The model family (`mop.models.families`): its attention, its spec and its HF `model_type`."""
     vocab_size: int = 259
     """Rows of the embedding and of the output projection (must cover the tokenizer's ids)."""
     hidden: int = 128
@@ -60,6 +63,10 @@ class ModelConfig:
         problems = self._wrong_types()
         if problems:
             return problems
+        from mop.models.families import FAMILIES  # the families import this module
+
+        if self.family not in FAMILIES:
+            problems.append(("family", f"{self.family!r} is not a model family; use one of {', '.join(FAMILIES)}"))
         for key in ("vocab_size", "hidden", "layers", "heads", "kv_heads", "head_dim", "experts", "top_k"):
             if getattr(self, key) < 1:
                 problems.append((key, f"must be >= 1, got {getattr(self, key)}"))

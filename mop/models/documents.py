@@ -160,12 +160,14 @@ def pack_mask(lengths: list[int], device: torch.device) -> torch.Tensor:
 
 
 def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents | None) -> torch.Tensor:
-    """Causal attention of `q [B, S, h, d]` over `k, v [B, S, kv, d]` within each document."""
+    """Causal attention of `q [B, S, h, d]` over `k [B, S, kv, d]`, `v [B, S, kv, dv]` within each
+    document; the output is `[B, S, h, dv]`. Values of another width than q and k (dv != d) take
+    the segment path, which SDPA computes exactly, not the flash kernel, which wants one width."""
     gqa = q.shape[2] != k.shape[2]
     if documents is None:
         return _sdpa(q, k, v, is_causal=True, gqa=gqa)
     dtype = varlen_dtype(q)
-    if dtype is not None:
+    if dtype is not None and v.shape[-1] == q.shape[-1]:
         return _varlen(q.to(dtype), k.to(dtype), v.to(dtype), documents, gqa)
     return _segments(q, k, v, documents, gqa)
 
@@ -203,7 +205,7 @@ def _segments(q, k, v, documents: Documents, gqa: bool) -> torch.Tensor:
                     is_causal=s.mask is None, gqa=gqa, mask=s.mask)
         outputs.append(out.flatten(0, 1))
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
-    return out.reshape(q.shape)
+    return out.reshape(*q.shape[:-1], v.shape[-1])
 
 
 def _varlen(q, k, v, documents: Documents, gqa: bool) -> torch.Tensor:

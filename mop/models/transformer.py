@@ -2,7 +2,8 @@
 
 Pre-norm residual blocks, as in Qwen3-MoE and Mixtral:
     h = h + attention(attn_norm(h));  h = h + mlp(mlp_norm(h))
-The first `dense_layers` blocks use a dense SwiGLU MLP, the rest an MoE layer.
+The first `dense_layers` blocks use a dense SwiGLU MLP, the rest an MoE layer; the attention is
+the family's (`mop.models.families`).
 
 No collectives live here. A parallel layout changes what each module computes on by swapping
 four seams: `MoETransformer.documents` (the micro-batch's document spans, once per forward),
@@ -24,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mop.models.attention import Attention
 from mop.models.config import ModelConfig
 from mop.models.documents import DocumentBoundaries, Documents
+from mop.models.families import family_of
 from mop.models.layers import RMSNorm, SwiGLU
 from mop.models.moe import MoE, RouterStats, load_balancing_loss
 
@@ -51,7 +52,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
-        self.attention = Attention(cfg)
+        self.attention = family_of(cfg).attention(cfg)
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.is_moe = layer >= cfg.dense_layers
         self.mlp = MoE(cfg) if self.is_moe else SwiGLU(cfg.hidden, cfg.dense_intermediate)

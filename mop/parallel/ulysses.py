@@ -27,6 +27,9 @@ it: once in total when KV >= D and the head groups align with the chunks; replic
 D/KV ranks sharing it when KV < D (the minimum, since each of them reads it); re-sent per chunk
 when several chunks of one rank read the same KV head (the price of holding one chunk at a time).
 
+Head widths: q and k share one, v (and so the output) may have another (multi-head latent
+attention); each travels at its own width.
+
 Memory per rank: the local q/k/v/output `[B, N, heads, d]` (O(N)); one chunk's head-sharded
 Q/K/V/output `[B, S, H/(D C), d]` (= N H d / C elements) and the kernel's statistics at a time,
 never an `[S, S]` tensor. C = 1 is plain Ulysses: autograd saves the head-sharded tensors and
@@ -53,6 +56,7 @@ from torch import nn
 
 from mop.models.attention import AttentionCore
 from mop.models.documents import Documents
+from mop.models.families import model_spec
 from mop.models.moe import RouterStats
 from mop.models.transformer import MoETransformer
 from mop.parallel.checkpointing import KeepsForwardOutputs, forward_autocast
@@ -137,9 +141,10 @@ class UlyssesAttention(KeepsForwardOutputs, nn.Module):
 
     def attend(self, plan: ChunkPlan, q_chunk, k, v, documents: Documents | None) -> torch.Tensor:
         """Exchange one chunk's Q/K/V to head-sharded and attend: `[B, S, queries, d]` on this rank."""
-        batch, tokens, _, dim = k.shape
+        batch, tokens = k.shape[:2]
+        dims = (q_chunk.shape[-1], k.shape[-1], v.shape[-1])  # v's head width may differ from q's and k's
         # Send buffer, per destination rank: its query heads, then its K heads, then its V heads,
-        # each [B, N, heads, d]; filled in place, so the buffer is the only copy.
+        # each [B, N, heads, width]; filled in place, so the buffer is the only copy.
         parts = [piece for j, (ka, kb) in enumerate(plan.kv) for piece in (q_chunk[j], k[:, :, ka:kb], v[:, :, ka:kb])]
         sizes = [part.numel() for part in parts]
         send = k.new_empty(sum(sizes))
@@ -151,9 +156,10 @@ class UlyssesAttention(KeepsForwardOutputs, nn.Module):
         (qa, qb), (ka, kb) = plan.query[self.rank], plan.kv[self.rank]
         mine = [qb - qa, kb - ka, kb - ka]
         received = all_to_all(send, [in_splits[self.rank]] * self.ranks, in_splits, self.group)
+        parts = received.view(self.ranks, -1).split([batch * tokens * h * d for h, d in zip(mine, dims)], 1)
         q_heads, k_heads, v_heads = (
             part.reshape(self.ranks, batch, tokens, heads, dim).transpose(0, 1).reshape(batch, -1, heads, dim)
-            for part, heads in zip(received.view(self.ranks, -1).split([batch * tokens * h * dim for h in mine], 1), mine))
+            for part, heads, dim in zip(parts, mine, dims))
         index = plan.kv_index[self.rank]
         if index is not None:
             index = index.to(k_heads.device, non_blocking=True)  # staged at once: no wait for the device
@@ -196,9 +202,9 @@ class _HeadChunkedAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v)
         if kept is not None:
             return kept
-        batch, tokens, heads, dim = q.shape
+        batch, tokens, heads, _ = q.shape
         chunks = len(ulysses.plans)
-        out = q.new_empty(batch, tokens, ulysses.ranks, chunks, heads // (ulysses.ranks * chunks), dim)
+        out = q.new_empty(batch, tokens, ulysses.ranks, chunks, heads // (ulysses.ranks * chunks), v.shape[-1])
         for c, (plan, q_chunk) in enumerate(zip(ulysses.plans, ulysses.query_chunks(q))):
             out[:, :, :, c] = ulysses.to_sequence(ulysses.attend(plan, q_chunk, k, v, documents))
         return out.flatten(2, 4)
@@ -221,10 +227,10 @@ class _HeadChunkedAttention(torch.autograd.Function):
 
 def apply_sequence_parallel(model: MoETransformer, group: dist.ProcessGroup, head_chunks: int) -> None:
     """Swap every block's attention core for the Ulysses core over `group`."""
-    cfg = model.cfg
+    heads = model_spec(model.cfg).attention
     model.documents = SequenceDocumentBoundaries(group)
     for block in model.layers:
-        block.attention.core = UlyssesAttention(group, cfg.heads, cfg.kv_heads, head_chunks)
+        block.attention.core = UlyssesAttention(group, heads.heads, heads.kv_heads, head_chunks)
 
 
 def reduce_router_stats(stats: RouterStats, group: dist.ProcessGroup) -> RouterStats:

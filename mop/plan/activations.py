@@ -19,11 +19,11 @@ import math
 from dataclasses import dataclass
 
 from mop.config import Config
-from mop.models.config import ModelConfig
+from mop.models.families import model_spec
+from mop.models.spec import FP32, norm_saved_bytes
 from mop.parallel.parallelize import compute_dtype
 from mop.parallel.vocab import default_token_block
 
-FP32 = 4
 
 # The paper's Table 3 rows (plus the residual stream and norms, which the paper folds into attention).
 ROWS = ("dense_weights", "attention_activations", "residual_and_norms", "expert_weights", "moe_activations",
@@ -42,11 +42,6 @@ class Shapes:
     A: int  # routed token-expert assignments
     R: int  # rows this rank's expert GEMMs compute
     H: int
-    q: int  # query width heads x head_dim
-    kv: int  # key/value width kv_heads x head_dim
-    d: int
-    heads: int
-    kv_heads: int
     E: int
     k: int
     I: int  # noqa: E741 - the paper's name for the expert width
@@ -66,29 +61,13 @@ def shapes(config: Config, routing_skew: float = 1.0, tp: int = 1) -> Shapes:
     # Tensor parallelism (planner baseline only) with sequence parallelism splits every activation of
     # a block over its tp ranks: along the tokens outside attention and the MLPs, along heads and the
     # expert width inside; either way each term below shrinks by tp, which dividing the tokens does.
-    return Shapes(tokens // tp, assigned // tp, computed // tp, m.hidden, m.heads * m.head_dim, m.kv_heads * m.head_dim,
-                  m.head_dim, m.heads, m.kv_heads, m.experts, m.top_k, m.expert_intermediate,
+    return Shapes(tokens // tp, assigned // tp, computed // tp, m.hidden, m.experts, m.top_k, m.expert_intermediate,
                   m.shared_expert_intermediate, act)
 
 
-def norm(s: Shapes, width: int, tokens: int | None = None) -> int:
-    """One RMSNorm's saved tensors: the fp32 normalised product and inverse rms (and the fp32 copy of
-    a low-precision input), plus its output, which the next matmul saves."""
-    tokens = s.T if tokens is None else tokens
-    upcast = tokens * width * FP32 if s.act < FP32 else 0
-    return tokens * width * (FP32 + s.act) + tokens * FP32 + upcast
-
-
-def attention_saved(s: Shapes, model: ModelConfig, head_chunks: int) -> int:
-    """What one attention layer keeps for its backward (q/k norms, RoPE tables, the core's tensors)."""
-    qk = norm(s, model.head_dim, s.T * s.heads) + norm(s, model.head_dim, s.T * s.kv_heads) if model.qk_norm else 0
-    rope = 2 * s.T * s.d * s.act
-    local_qkv = s.T * (s.q + 2 * s.kv) * s.act
-    if head_chunks > 1:  # `_HeadChunkedAttention` saves the local q, k, v; its output feeds o_proj
-        return qk + rope + local_qkv + s.T * s.q * s.act
-    # the head-sharded q/k/v and output (under D = 1 the kernel's own inputs and output), the
-    # softmax statistics, and o_proj's input (the output back in the sequence-sharded layout)
-    return qk + rope + local_qkv + 2 * s.T * s.q * s.act + s.T * s.heads * FP32
+def norm(s: Shapes, width: int) -> int:
+    """One RMSNorm over `width` on every token (`mop.models.spec.norm_saved_bytes`)."""
+    return s.T * norm_saved_bytes(width, s.act)
 
 
 def router_saved(s: Shapes) -> int:
@@ -146,7 +125,7 @@ def block_saved(s: Shapes, config: Config, moe: bool) -> dict[str, int]:
     m, p = config.model, config.parallel
     out = rows()
     out["residual_and_norms"] = 2 * s.T * s.H * s.act + 2 * norm(s, s.H)
-    out["attention_activations"] = attention_saved(s, m, p.attention_head_chunks)
+    out["attention_activations"] = s.T * model_spec(m).attention.saved_bytes_per_token(s.act, p.attention_head_chunks)
     if moe:
         out["moe_activations"] = (router_saved(s) + experts_saved(s, p.llep_chunks)
                                    + (mlp_saved(s, s.shared) if s.shared else 0))
@@ -161,7 +140,8 @@ def block_kept(s: Shapes, config: Config) -> dict[str, int]:
     out = rows()
     p = config.parallel
     out["residual_and_norms"] = s.T * s.H * s.act
-    out["attention_activations"] = s.T * s.q * s.act if p.attention_head_chunks > 1 else 0
+    out_width = model_spec(config.model).attention.out_width
+    out["attention_activations"] = s.T * out_width * s.act if p.attention_head_chunks > 1 else 0
     out["moe_activations"] = s.T * s.H * s.act if p.llep_chunks > 1 else 0
     return out
 

@@ -1,6 +1,6 @@
 """Predicted step time of a layout: a roofline of compute and each collective over its link.
 
-Compute: the model FLOPs of the rank's tokens (`mop.flops.flops_per_token`; a query attends
+Compute: the model FLOPs of the rank's tokens (`mop.models.spec.ModelSpec.flops_per_token`; a query attends
 (L + 1) / 2 keys on average for documents of L tokens, by default one document per sequence,
 L = S: the long-context worst case, where attention FLOPs grow with S) plus the
 recomputation the options add (full activation checkpointing: one more forward of every block;
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from mop.build import step_micro_batches, storage_dtype
 from mop.config import Config
-from mop.flops import flops_per_token
+from mop.models.families import model_spec
 from mop.plan.cluster import Cluster
 from mop.plan.activations import FP32, Shapes
 from mop.plan.memory import ParameterCounts, offloaded_activations
@@ -97,13 +97,14 @@ def step_time(config: Config, cluster: Cluster, s: Shapes, counts: ParameterCoun
     checkpointed = t.activation_checkpointing == "full"
     # compute, per micro-batch: the model FLOPs of the rank's tokens plus the recomputation
     tokens = s.T
-    model_flops = flops_per_token(m, keys) * tokens
+    spec = model_spec(m)
+    model_flops = spec.flops_per_token(keys) * tokens
     forward = model_flops / 3
     # head-chunked attention recomputes its core (QK^T and PV) in the backward; chunked LLEP its gate
     # and up GEMMs (two thirds of the expert FLOPs). In a checkpointed block their kept outputs
     # replace the block's rerun of them.
-    attention_share = m.layers * m.heads * m.head_dim * keys * 4 * tokens / forward
-    expert_share = m.moe_layers * m.top_k * 3 * m.hidden * m.expert_intermediate * 2 * tokens / forward
+    attention_share = spec.attention_core_flops(keys) * tokens / forward
+    expert_share = spec.routed_expert_flops() * tokens / forward
     extra = forward if checkpointed else 0.0
     if p.attention_head_chunks > 1 and not checkpointed:
         extra += forward * attention_share
@@ -130,7 +131,7 @@ def step_time(config: Config, cluster: Cluster, s: Shapes, counts: ParameterCoun
         links[_link(cluster, p.vocab)] += (p.vocab - 1) * shard * 2 * s.act + p.vocab * shard * FP32
     # all-to-alls: passes = forward + backward (+ recomputations)
     passes = 2 + checkpointed
-    ulysses = _share(p.sequence) * m.layers * s.T * (2 * s.q + 2 * s.kv) * s.act
+    ulysses = _share(p.sequence) * m.layers * s.T * spec.attention.exchanged_width * s.act
     ulysses_passes = passes + (p.attention_head_chunks > 1 and not checkpointed)
     dispatch = _share(p.expert) * m.moe_layers * 2 * s.A * s.H * s.act
     # chunked: rows out and back in forward, then [rows | gradients] out and [row gradients] back:

@@ -1,0 +1,31 @@
+"""What a model family is: its attention, its shape spec and its HF mapping, in one folder.
+
+A family folder (`mop/models/<family>/`, registered in `mop.models.families`) exports one `Family`.
+The shared layers (`mop.models.layers`: norms, RoPE, SwiGLU; `mop.models.moe`: the router and the
+stacked experts; `mop.models.attention`: grouped-query attention) stay shared; a block takes its
+attention from the family (`mop.models.transformer.Block`). The family's name is `model.family`
+in a run's config and the `model_type` of its HF checkpoints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from torch import nn
+
+from mop.models.config import ModelConfig
+from mop.models.hf_mapping import HFMapping
+from mop.models.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    """`model.family` and the HF `model_type`."""
+    attention: Callable[[ModelConfig], nn.Module]
+    """Builds one block's attention: `(cfg) -> module(x, position_ids, documents)` with a `core` seam."""
+    spec: Callable[[ModelConfig], ModelSpec]
+    """The shape facts of a config of this family."""
+    hf: HFMapping
+    """Its Hugging Face config and checkpoint mapping."""

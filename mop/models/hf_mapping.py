@@ -1,0 +1,197 @@
+"""What a family's Hugging Face mapping is made of: the config keys and checkpoint tensors the
+families share, and the `HFMapping` interface each family folder implements in its `hf.py`.
+
+A mapping turns a parsed `config.json` into a `ModelConfig` and back, says which configs it cannot
+express, and lists the checkpoint tensors (`Piece`s) that hold each mop parameter. The loading and
+saving machinery (`mop.models.hf`) is family-independent: it reads and writes pieces.
+
+Shared by every family here (`config.json` key -> `ModelConfig` field):
+    hidden_size -> hidden, num_hidden_layers -> layers, num_attention_heads -> heads,
+    num_key_value_heads -> kv_heads, head_dim -> head_dim (default hidden / heads), vocab_size,
+    rms_norm_eps -> norm_eps, rope_parameters.rope_theta or rope_theta -> rope_theta,
+    num_experts_per_tok -> top_k, tie_word_embeddings -> tie_embeddings,
+    initializer_range -> init_std, router_aux_loss_coef -> aux_loss_coef.
+Features that would change the function computed (attention_bias, non-default RoPE, an activation
+other than silu) raise. Settings that touch training only are ignored, as they do not change the
+model and mop's objective has none of them (attention_dropout, pad_token_id: HF's embedding
+freezes that row's gradient). router_aux_loss_coef is mapped as is, although HF adds the aux loss
+only when called with `output_router_logits=True`: mop's loss is HF's loss with that flag (for one
+sequence; HF pools the load-balancing statistics over a batch, mop per sequence).
+
+Shared tensors (mop parameter <- checkpoint tensor), per layer i under `model.layers.{i}.`:
+    embed.weight <- model.embed_tokens.weight; norm.weight <- model.norm.weight;
+    lm_head.weight <- lm_head.weight (absent on disk when tied);
+    attn_norm / mlp_norm <- input_layernorm / post_attention_layernorm;
+    attention.{q,k,v,o}_proj, attention.{q,k}_norm <- self_attn.<same>;
+    dense block mlp.{gate,up,down}_proj <- mlp.<same>;
+    MoE block, stacked layout (transformers 5.x in-memory names): mlp.router <- mlp.gate,
+        w_gate_up <- mlp.experts.gate_up_proj, w_down <- mlp.experts.down_proj;
+    MoE block, hub layout (per expert, what the hub serves and `save_pretrained` writes): the
+        family's own names (`hub_expert_pieces`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from mop.models.config import ModelConfig
+
+
+class HFConversionError(ValueError):
+    """A Hugging Face config or checkpoint that mop cannot convert as it stands."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One checkpoint tensor and the part of a mop parameter it holds."""
+
+    param: str
+    index: tuple
+    """Index into the mop parameter; () for the whole parameter."""
+    key: str
+
+
+class HFMapping(Protocol):
+    """A family's mapping to and from its HF checkpoints (a family folder's `hf.py` module)."""
+
+    ARCHITECTURE: str
+    """The HF class name, `architectures[0]` in config.json."""
+
+    def config_from_hf(self, hf: dict) -> ModelConfig:
+        """The model of a parsed config.json of this family; raises `HFConversionError`."""
+
+    def config_to_hf(self, cfg: ModelConfig) -> dict:
+        """The family's own config.json keys for `cfg` (the shared ones: `shared_config_to_hf`)."""
+
+    def inexpressible(self, cfg: ModelConfig) -> list[str]:
+        """The settings of `cfg` the family's HF model has no equivalent of (empty: it saves exactly)."""
+
+    def block_pieces(self, cfg: ModelConfig, layer: int, stacked: bool) -> list[Piece]:
+        """The tensors of block `layer`, its experts in the stacked layout when `stacked`."""
+
+
+# ---------------------------------------------------------------- config
+
+
+def required(hf: dict, key: str):
+    if hf.get(key) is None:
+        raise HFConversionError(f"config.json lacks {key}, which fixes the {hf['model_type']} model's shapes; add it")
+    return hf[key]
+
+
+def shared_config_from_hf(hf: dict, defaults: dict) -> dict:
+    """The `ModelConfig` fields every family reads alike; `defaults`: the family's class defaults
+    for `rms_norm_eps`, `rope_theta` and `router_aux_loss_coef`."""
+    check_shared_features(hf)
+    heads = required(hf, "num_attention_heads")
+    # transformers 5.x reads rope_parameters first and falls back to the 4.x top-level rope_theta.
+    rope_theta = (hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta", defaults["rope_theta"]))
+    return dict(
+        family=hf["model_type"],
+        vocab_size=required(hf, "vocab_size"),
+        hidden=required(hf, "hidden_size"),
+        layers=required(hf, "num_hidden_layers"),
+        heads=heads,
+        # Required: the families default it differently (Qwen3-MoE to 4, Mixtral to 8).
+        kv_heads=required(hf, "num_key_value_heads"),
+        head_dim=hf.get("head_dim") or required(hf, "hidden_size") // heads,
+        rope_theta=float(rope_theta),
+        norm_eps=float(hf.get("rms_norm_eps", defaults["rms_norm_eps"])),
+        top_k=required(hf, "num_experts_per_tok"),
+        aux_loss_coef=float(hf.get("router_aux_loss_coef", defaults["router_aux_loss_coef"])),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        init_std=float(hf.get("initializer_range", 0.02)),
+    )
+
+
+def check_shared_features(hf: dict) -> None:
+    """Raise on config settings that change the function the HF model computes and mop cannot."""
+    if hf.get("hidden_act", "silu") != "silu":
+        raise HFConversionError(f"config.json: hidden_act={hf['hidden_act']!r}; mop's experts use silu only")
+    if hf.get("attention_bias"):
+        raise HFConversionError("config.json: attention_bias=true; mop's attention projections have no bias")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise HFConversionError(f"config.json: rope_type={rope_type!r}; mop implements the default RoPE only")
+
+
+def shared_config_to_hf(cfg: ModelConfig, architecture: str, dtype: torch.dtype) -> dict:
+    """The config.json keys every family writes alike. Both `rope_theta` (read by transformers 4.x)
+    and `rope_parameters` (5.x), and both `torch_dtype` and `dtype`, are written so that every
+    transformers version reads the same model."""
+    dtype_name = str(dtype).removeprefix("torch.")
+    return {
+        "architectures": [architecture],
+        "model_type": cfg.family,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden,
+        "num_hidden_layers": cfg.layers,
+        "num_attention_heads": cfg.heads,
+        "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "attention_dropout": 0.0,
+        "num_experts_per_tok": cfg.top_k,
+        "router_aux_loss_coef": cfg.aux_loss_coef,
+        "output_router_logits": False,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "initializer_range": cfg.init_std,
+        "torch_dtype": dtype_name,
+        "dtype": dtype_name,
+    }
+
+
+# ---------------------------------------------------------------- tensors
+
+
+def model_pieces(cfg: ModelConfig, mapping: HFMapping, stacked_layers: set[int]) -> list[Piece]:
+    """The checkpoint tensors of a model, MoE layers in `stacked_layers` in the stacked layout."""
+    pieces = [Piece("embed.weight", (), "model.embed_tokens.weight"), Piece("norm.weight", (), "model.norm.weight")]
+    if not cfg.tie_embeddings:
+        pieces.append(Piece("lm_head.weight", (), "lm_head.weight"))
+    for layer in range(cfg.layers):
+        pieces += mapping.block_pieces(cfg, layer, layer in stacked_layers)
+    return pieces
+
+
+def stacked_experts_key(layer: int) -> str:
+    """The tensor whose presence marks a layer saved in the stacked expert layout."""
+    return f"model.layers.{layer}.mlp.experts.gate_up_proj"
+
+
+def gqa_block_pieces(cfg: ModelConfig, layer: int, stacked: bool, hub_experts) -> list[Piece]:
+    """A block of grouped-query attention and a SwiGLU MoE (or a dense MLP), its experts in the
+    stacked layout or in the family's hub layout, `hub_experts(cfg, mop_prefix, hf_prefix)`."""
+    mop, hf = f"layers.{layer}.", f"model.layers.{layer}."
+    pieces = [Piece(mop + "attn_norm.weight", (), hf + "input_layernorm.weight"),
+              Piece(mop + "mlp_norm.weight", (), hf + "post_attention_layernorm.weight")]
+    attention = ["q_proj", "k_proj", "v_proj", "o_proj"] + (["q_norm", "k_norm"] if cfg.qk_norm else [])
+    pieces += [Piece(f"{mop}attention.{name}.weight", (), f"{hf}self_attn.{name}.weight") for name in attention]
+    if layer < cfg.dense_layers:
+        return pieces + [Piece(f"{mop}mlp.{name}.weight", (), f"{hf}mlp.{name}.weight")
+                         for name in ("gate_proj", "up_proj", "down_proj")]
+    if stacked:
+        return pieces + [Piece(mop + "mlp.router.weight", (), hf + "mlp.gate.weight"),
+                         Piece(mop + "mlp.experts.w_gate_up", (), hf + "mlp.experts.gate_up_proj"),
+                         Piece(mop + "mlp.experts.w_down", (), hf + "mlp.experts.down_proj")]
+    return pieces + hub_experts(cfg, mop + "mlp.", hf)
+
+
+def per_expert_pieces(cfg: ModelConfig, mop: str, moe: str, names: tuple[str, str, str]) -> list[Piece]:
+    """The router and one (gate, up, down) tensor triple per expert, under the HF prefix `moe`."""
+    gate, up, down = names
+    inter = cfg.expert_intermediate
+    pieces = [Piece(mop + "router.weight", (), moe + "gate.weight")]
+    for e in range(cfg.experts):
+        expert = f"{moe}experts.{e}."
+        pieces += [Piece(mop + "experts.w_gate_up", (e, slice(0, inter)), f"{expert}{gate}.weight"),
+                   Piece(mop + "experts.w_gate_up", (e, slice(inter, 2 * inter)), f"{expert}{up}.weight"),
+                   Piece(mop + "experts.w_down", (e,), f"{expert}{down}.weight")]
+    return pieces

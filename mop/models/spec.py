@@ -1,0 +1,155 @@
+"""A model's shape facts: the one owner of its parameter counts, its FLOPs and its activation bytes.
+
+Every family (`mop.models.families`) builds a `ModelSpec` from its config: the family's attention
+supplies an `AttentionSpec` (head widths, parameters, what it saves for its backward), the shared
+MoE and MLP layers supply the rest. `mop.flops` (MFU), `mop plan` (memory and step time), `mop
+bench gpu` and the run builder ask the spec and hold no formula of their own; a test checks the
+parameter counts against the model built on the meta device.
+
+Conventions:
+- parameters by category: `expert` (the routed experts' stacked weights), `vocabulary` (the
+  embedding and the output projection, one table when tied) and `dense` (everything else:
+  attention, norms, routers, dense MLPs, shared experts).
+- FLOPs per trained token (forward + backward = 3 x forward, multiply-add = 2 FLOPs): 6 x the
+  parameters one token is multiplied with (the embedding lookup is no matmul), plus the attention
+  core, 2 matmuls per query head of (q/k width, v width) x the keys the query attends, 2 FLOPs x 3.
+  Causal attention counts the keys a query really attends (`mop.flops.attended_keys`: its position
+  in its document + 1), not the full sequence some reports count. Recomputation (activation
+  checkpointing, chunked LLEP, the vocabulary ring) is no model FLOP.
+- activation bytes are per token of one layer, for an activation element of `act` bytes; what
+  the code keeps in fp32 (RMSNorm internals, softmax statistics) counts 4 bytes.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from mop.models.config import ModelConfig
+
+FP32 = 4
+
+
+def norm_saved_bytes(width: int, act: int) -> int:
+    """What one RMSNorm over `width` saves per normalised row: the fp32 normalised product and inverse
+    rms (and the fp32 copy of a low-precision input), plus its output, which the next matmul saves."""
+    upcast = width * FP32 if act < FP32 else 0
+    return width * (FP32 + act) + FP32 + upcast
+
+
+@dataclass(frozen=True)
+class AttentionSpec(ABC):
+    """One attention layer's shape facts, owned by the family's attention module."""
+
+    heads: int
+    """Query heads."""
+    kv_heads: int
+    """Key/value heads (as the core receives them)."""
+    qk_head_dim: int
+    """Width of one query or key head, the dot product's width."""
+    v_head_dim: int
+    """Width of one value head, and of one head of the core's output."""
+
+    @property
+    def q_width(self) -> int:
+        return self.heads * self.qk_head_dim
+
+    @property
+    def k_width(self) -> int:
+        return self.kv_heads * self.qk_head_dim
+
+    @property
+    def v_width(self) -> int:
+        return self.kv_heads * self.v_head_dim
+
+    @property
+    def out_width(self) -> int:
+        return self.heads * self.v_head_dim
+
+    @property
+    def exchanged_width(self) -> int:
+        """Elements per token that sequence parallelism moves per layer and pass: q, k and v to the
+        head-sharded layout, the output back."""
+        return self.q_width + self.k_width + self.v_width + self.out_width
+
+    @property
+    @abstractmethod
+    def parameters(self) -> int:
+        """Parameters of one layer (projections and norms)."""
+
+    @property
+    @abstractmethod
+    def matmul_parameters(self) -> int:
+        """Parameters one token is multiplied with in one layer's forward."""
+
+    def core_flops_per_key(self) -> int:
+        """Forward FLOPs of one query against one key: q.k and p.v for every query head."""
+        return 2 * self.heads * (self.qk_head_dim + self.v_head_dim)
+
+    @abstractmethod
+    def saved_bytes_per_token(self, act: int, head_chunks: int) -> int:
+        """What one layer keeps for its backward, per token; `head_chunks` > 1: the head-chunked core
+        (`mop.parallel.ulysses`), which recomputes its kernel in the backward."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The shape of one `ModelConfig`: parameter counts, FLOPs, activation widths and bytes."""
+
+    cfg: ModelConfig
+    attention: AttentionSpec
+
+    # ---------------------------------------------------------------- parameters
+
+    def mlp_parameters(self, intermediate: int) -> int:
+        """A SwiGLU MLP of this width (dense block, shared expert, one routed expert)."""
+        return 3 * self.cfg.hidden * intermediate
+
+    def moe_dense_parameters(self) -> int:
+        """One MoE layer's non-expert parameters: the router and the shared expert."""
+        m = self.cfg
+        return m.experts * m.hidden + self.mlp_parameters(m.shared_expert_intermediate)
+
+    def parameters(self) -> dict[str, int]:
+        """Parameter elements by category (`dense`, `expert`, `vocabulary`; the module docstring)."""
+        m = self.cfg
+        norms = 2 * m.hidden
+        dense = (m.layers * (self.attention.parameters + norms) + m.dense_layers * self.mlp_parameters(m.dense_intermediate)
+                 + m.moe_layers * self.moe_dense_parameters() + m.hidden)
+        expert = m.moe_layers * m.experts * self.mlp_parameters(m.expert_intermediate)
+        vocabulary = m.vocab_size * m.hidden * (1 if m.tie_embeddings else 2)
+        return {"dense": dense, "expert": expert, "vocabulary": vocabulary}
+
+    @property
+    def total_parameters(self) -> int:
+        return sum(self.parameters().values())
+
+    @property
+    def active_parameters(self) -> int:
+        """Parameters one token uses: all but the routed experts it is not sent to."""
+        m = self.cfg
+        unused = m.moe_layers * (m.experts - m.top_k) * self.mlp_parameters(m.expert_intermediate)
+        return self.total_parameters - unused
+
+    # ---------------------------------------------------------------- FLOPs
+
+    def matmul_parameters_per_token(self) -> int:
+        """Parameters each token is multiplied with once in a forward."""
+        m = self.cfg
+        moe = self.moe_dense_parameters() + m.top_k * self.mlp_parameters(m.expert_intermediate)
+        layers = (m.layers * self.attention.matmul_parameters + m.dense_layers * self.mlp_parameters(m.dense_intermediate)
+                  + m.moe_layers * moe)
+        return layers + m.hidden * m.vocab_size
+
+    def attention_core_flops(self, attended_keys: float) -> float:
+        """Forward FLOPs of every layer's attention core for one token attending `attended_keys` keys."""
+        return self.cfg.layers * self.attention.core_flops_per_key() * attended_keys
+
+    def routed_expert_flops(self) -> float:
+        """Forward FLOPs of one token's routed experts over every MoE layer."""
+        m = self.cfg
+        return 2 * m.moe_layers * m.top_k * self.mlp_parameters(m.expert_intermediate)
+
+    def flops_per_token(self, attended_keys: float) -> float:
+        """Model FLOPs of training one token that attends `attended_keys` keys on average (causal)."""
+        return 3 * (2 * self.matmul_parameters_per_token() + self.attention_core_flops(attended_keys))

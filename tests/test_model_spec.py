@@ -1,0 +1,75 @@
+"""Model shape facts (`mop.models.spec`, one per family): parameter counts against the built model,
+what a token is multiplied with, and the causal attention convention of the FLOPs (`mop.flops`)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from mop.cli import main
+from mop.flops import attended_keys
+from mop.models.config import ModelConfig
+from mop.models.families import FAMILIES, model_spec
+from mop.models.transformer import MoETransformer, build_model, document_positions
+
+CFG = ModelConfig(vocab_size=97, hidden=16, layers=3, heads=4, kv_heads=2, head_dim=8, experts=4, top_k=4,
+                  expert_intermediate=8, shared_expert_intermediate=8, dense_layers=1, dense_intermediate=24)
+SHAPES = [CFG, dataclasses.replace(CFG, tie_embeddings=True, qk_norm=False, shared_expert_intermediate=0),
+          dataclasses.replace(CFG, dense_layers=0, head_dim=6, heads=2, kv_heads=1)]
+
+
+def category(name: str) -> str:
+    """The spec's categories, read from parameter names written independently of `mop.models.spec`."""
+    if ".experts." in name:
+        return "expert"
+    return "vocabulary" if name in ("embed.weight", "lm_head.weight") else "dense"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("shape", range(len(SHAPES)))
+def test_the_spec_counts_the_parameters_the_built_model_has_by_category(family, shape):
+    cfg = dataclasses.replace(SHAPES[shape], family=family)
+    with torch.device("meta"):
+        model = MoETransformer(cfg)
+    counts = dict.fromkeys(("dense", "expert", "vocabulary"), 0)
+    for name, param in model.named_parameters():  # tied: one parameter, listed once
+        counts[category(name)] += param.numel()
+    assert model_spec(cfg).parameters() == counts
+
+
+def test_with_every_expert_active_a_token_meets_every_matrix_but_the_embedding():
+    """top_k = experts: each token is multiplied with every weight matrix once (the embedding is a lookup)."""
+    model = build_model(CFG, seed=0)
+    matrices = sum(p.numel() for name, p in model.named_parameters() if p.dim() >= 2 and name != "embed.weight")
+    spec = model_spec(CFG)
+    assert spec.matmul_parameters_per_token() == matrices
+    # Fewer active experts: only top_k of them count.
+    half = model_spec(dataclasses.replace(CFG, top_k=2))
+    assert spec.matmul_parameters_per_token() - half.matmul_parameters_per_token() == (CFG.layers - 1) * 2 * 3 * 16 * 8
+    assert spec.routed_expert_flops() - half.routed_expert_flops() == 2 * (CFG.layers - 1) * 2 * 3 * 16 * 8
+
+
+def test_causal_attention_counts_the_keys_each_query_attends():
+    ids = torch.tensor([[0, 0, 0, 1, 1]])
+    assert attended_keys(document_positions(ids)).tolist() == [[1, 2, 3, 1, 2]]
+    spec = model_spec(CFG)
+    no_attention = spec.flops_per_token(0.0)
+    # q.k and p.v: 2 matmuls of head_dim per query head and key, 2 FLOPs each, x 3 for the backward
+    assert spec.flops_per_token(10.0) - no_attention == CFG.layers * CFG.heads * CFG.head_dim * 10.0 * 12
+    assert no_attention == 6 * spec.matmul_parameters_per_token()
+
+
+def test_the_attention_widths_are_the_modules():
+    spec = model_spec(CFG).attention
+    attention = build_model(CFG, seed=0).layers[0].attention
+    assert (spec.q_width, spec.k_width, spec.v_width) == tuple(
+        p.weight.shape[0] for p in (attention.q_proj, attention.k_proj, attention.v_proj))
+    assert spec.out_width == attention.o_proj.weight.shape[1]
+
+
+def test_mop_bench_gpu_without_a_gpu_says_so_in_one_line(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the benchmark would run")
+    assert main(["bench", "gpu", "--skip-tests"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("mop: error: mop bench gpu: needs a CUDA GPU") and "\n" not in err
