@@ -10,10 +10,16 @@ Order of `build_run`:
    `reference`: the memory options only), then materialised: each rank allocates and
    initialises only its own shards (`mop.parallel.materialize`), so no rank ever holds the full
    model, and every layout starts from the same weights;
-3. the optimizer: torch AdamW over the parameters or, with `optim.offload`, the host optimizer
-   (its fp32 masters written from the same initial values) and the gradient feed that hands it
-   each gradient during the backward;
+3. the optimizer (`mop.optim.optimizer`): torch AdamW on the device or, with `optim.offload`,
+   the host optimizer (its fp32 masters written from the same initial values) fed each gradient
+   during the backward;
 4. the global views that checkpoints save and load through.
+
+One step of the run (`mop.train`): every rank reads the step's global batch order, keeps its data
+group's sequences and its slice of each (`rank_batches`); per micro-batch the model's forward runs
+on those tokens with the techniques at its seams (`mop.models`, `mop.parallel`), the backward
+reduces each gradient shard and hands it to the optimizer; then the optimizer's `step` takes the
+global norm, clips and updates, and the techniques' metrics are collected (`mop.metrics`).
 
 Device state per parameter on each rank (its shard; `state_bytes` reports it):
 
@@ -37,7 +43,6 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from mop.config import Config, ConfigError
 from mop.data import build_data, group_slice, load_batch, micro_batches, sequence_shard
@@ -46,7 +51,7 @@ from mop.models.families import model_spec
 from mop.models.spec import ModelSpec
 from mop.models.transformer import MoETransformer
 from mop.optim.host_adamw import HostAdamW
-from mop.optim.pipeline import GradientFeed
+from mop.optim.optimizer import DeviceAdamW, HostOptimizer, Optimizer, parameter_groups
 from mop.parallel.baseline import parallelize_fsdp2
 from mop.parallel.materialize import initial_values, materialize, write_weights
 from mop.parallel.parallelize import apply_memory_options, compute_dtype, parallelize
@@ -68,19 +73,16 @@ def step_micro_batches(config: Config, world: int) -> int:
     return config.train.global_batch // groups // config.train.micro_batch
 
 
-def build_optimizer(model: torch.nn.Module, config: Config) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only; norms (1-D) are not decayed.
-
-    One parameter group per (decayed or not, kind of shard): plain tensors, or the DTensors of one
-    mesh (the world's, an expert replica group's). torch's multi-tensor kernels, CUDA's default, take
-    one kind per call and see one group at a time; a group mixing kinds fails at the first step."""
+def build_optimizer(model: torch.nn.Module, config: Config, runtime: Runtime) -> Optimizer:
+    """torch AdamW on the device or, with `optim.offload`, the host optimizer (`mop.optim.optimizer`)."""
     o = config.optim
-    groups: dict[tuple, list] = {}
-    for param in model.parameters():
-        mesh = param.device_mesh if isinstance(param, DTensor) else None
-        groups.setdefault((param.dim() >= 2, mesh), []).append(param)
-    return torch.optim.AdamW([{"params": params, "weight_decay": o.weight_decay if decayed else 0.0}
-                              for (decayed, _), params in groups.items()], lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    groups = parameter_groups(model, o.weight_decay)
+    replicas = replicated_parameters(model)
+    if o.offload:
+        host = HostAdamW(groups, betas=(o.beta1, o.beta2), eps=o.eps, speculative=o.speculative, replicas=replicas)
+        return HostOptimizer(host, model, runtime.world_group, runtime.device)
+    adamw = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    return DeviceAdamW(adamw, model, runtime.world_group, runtime.device, replicas)
 
 
 def build_model_shards(config: Config, runtime: Runtime,
@@ -109,9 +111,7 @@ class TrainingRun:
     runtime: Runtime
     model: MoETransformer
     views: GlobalViews
-    optimizer: torch.optim.AdamW  # holds the parameter groups (and the state, without the host optimizer)
-    host: HostAdamW | None
-    feed: GradientFeed | None
+    optimizer: Optimizer
     data: object  # mop.data.Data
     held_out: HeldOut | None  # the sequences evaluations read (`mop.evaluation`), None without evaluation
 
@@ -131,8 +131,7 @@ class TrainingRun:
 
     def close(self) -> None:
         """End the run's worker threads (the host optimizer's); the run is not used after."""
-        if self.host is not None:
-            self.host.close()
+        self.optimizer.close()
 
     def micro_batches_per_step(self) -> int:
         return step_micro_batches(self.config, self.runtime.world)
@@ -160,31 +159,21 @@ class TrainingRun:
         params = [p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters()]
         count = max(1, sum(p.numel() for p in params))
         weights = sum(p.nbytes for p in params)
-        host_optimizer = _host_optimizer_bytes(self.host) if self.host is not None else 0
+        offloaded = self.optimizer.on_host
+        host_optimizer = self.optimizer.state_bytes() if offloaded else 0
         on_host = self.config.parallel.fsdp_cpu_offload  # the fsdp2 baseline's CPU offload
         # torch AdamW's gradients live until the update, in the parameter's dtype; the host
         # optimizer's are released at hand-over.
-        gradients = 0 if self.host is not None else weights
-        moments = 0 if self.host is not None else 2 * sum(p.numel() * 4 for p in params)
+        gradients = 0 if offloaded else weights
+        moments = 0 if offloaded else self.optimizer.state_bytes()
         device = {"weights": 0 if on_host else weights, "gradients": 0 if on_host else gradients,
                   "optimizer": 0 if on_host else moments}
         host = {"weights": weights if on_host else 0, "gradients": gradients if on_host else 0,
                 "optimizer": host_optimizer + (moments if on_host else 0)}
         return {"mem_param_shards_bytes": weights, "mem_grad_shards_bytes": gradients,
-                "mem_optimizer_state_bytes": host_optimizer or moments, "mem_optimizer_on_host": self.host is not None,
+                "mem_optimizer_state_bytes": host_optimizer or moments, "mem_optimizer_on_host": offloaded,
                 **{f"device_{k}_bytes": v for k, v in device.items()}, **{f"host_{k}_bytes": v for k, v in host.items()},
                 **{f"device_bytes_per_param_{k}": v / count for k, v in device.items()}}
-
-
-def _host_optimizer_bytes(host: HostAdamW) -> int:
-    """HostAdamW's host tensors: moments, rollback copies, and the master where it is not the working weight."""
-    total = 0
-    for shard in host.shards:
-        tensors = [shard.exp_avg, shard.exp_avg_sq, *(shard.spare or ())]
-        if shard.master is not shard.working:
-            tensors.append(shard.master)
-        total += sum(t.nbytes for t in tensors)
-    return total
 
 
 def build_run(config: Config, runtime: Runtime) -> TrainingRun:
@@ -200,13 +189,7 @@ def build_run(config: Config, runtime: Runtime) -> TrainingRun:
     # weights their rounding, one draw of each value.
     masters_first = config.optim.offload and storage_dtype(config) != torch.float32
     model, views = build_model_shards(config, runtime, initialise=not masters_first)
-    optimizer = build_optimizer(model, config)
-    host = feed = None
-    if config.optim.offload:
-        o = config.optim
-        host = HostAdamW(optimizer.param_groups, betas=(o.beta1, o.beta2), eps=o.eps, speculative=o.speculative,
-                         replicas=replicated_parameters(model))
-        if masters_first:
-            write_weights(model, views, initial_values(config.train.seed, config.model.init_std), host)
-        feed = GradientFeed(model, host)
-    return TrainingRun(config, runtime, model, views, optimizer, host, feed, data, evaluation)
+    optimizer = build_optimizer(model, config, runtime)
+    if masters_first:
+        write_weights(model, views, initial_values(config.train.seed, config.model.init_std), optimizer)
+    return TrainingRun(config, runtime, model, views, optimizer, data, evaluation)

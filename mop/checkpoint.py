@@ -27,7 +27,7 @@ DTensors of the global shape, without communication (`mop.parallel.views.GlobalV
 builds the same views over the new layout's tensors and lets DCP read what each rank needs into
 them in place, so a checkpoint saved with any layout loads into any other.
 
-Host optimizer. With `HostAdamW` the saved weights are its fp32 masters (the device may hold only
+Host optimizer. With `HostAdamW` (`mop.optim.optimizer.HostOptimizer`) the saved weights are its fp32 masters (the device may hold only
 bf16 working copies) and its moments; all are host tensors, presented on CPU meshes, so saving
 allocates no device memory for them and loading writes into the host tensors themselves (same
 storage, new contents); the working weights are then copied from the loaded masters.
@@ -58,6 +58,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from mop.config import Config, ConfigError
 from mop.data.tokenizer import AnyTokenizer, describe
 from mop.models.hf import HFWeights
+from mop.optim.optimizer import Optimizer
 from mop.parallel.materialize import write_weights
 from mop.parallel.views import GlobalViews
 
@@ -68,26 +69,23 @@ PARTIAL = ".partial"
 TOKENIZER = "tokenizer"
 
 
-def _state(model, optimizer, host, views: GlobalViews, with_optimizer: bool) -> dict:
-    weights = {views.names[id(p)]: views.of(p) if host is None else views.of(p, host.state_of(p)["master"], host=True)
-               for p in model.parameters()}
+def _state(model, optimizer: Optimizer | None, views: GlobalViews, with_optimizer: bool) -> dict:
+    """What DCP saves and loads: every weight (the optimizer's master where it keeps one) and, with
+    `with_optimizer`, every parameter's moments, as global views."""
+    weights = {}
+    for p in model.parameters():
+        master = optimizer.master(p) if optimizer is not None else None
+        weights[views.names[id(p)]] = views.of(p) if master is None else views.of(p, master, host=optimizer.on_host)
     state = {"model": weights, "rng": {"cpu": torch.get_rng_state()}}
     if with_optimizer:
-        state["optim"] = {views.names[id(p)]: _optimizer_state(p, optimizer, host, views) for p in model.parameters()}
+        state["optim"] = {views.names[id(p)]: _moments(p, optimizer, views) for p in model.parameters()}
     return state
 
 
-def _optimizer_state(param, optimizer, host, views: GlobalViews) -> dict:
-    on_host = host is not None
-    if on_host:
-        saved = host.state_of(param)
-    else:
-        if param not in optimizer.state:  # a fresh optimizer (resume): create the state to load into
-            optimizer.state[param] = {"step": torch.zeros((), dtype=torch.float32),
-                                      "exp_avg": torch.zeros_like(param), "exp_avg_sq": torch.zeros_like(param)}
-        saved = optimizer.state[param]
-    return {"exp_avg": views.of(param, saved["exp_avg"], host=on_host),
-            "exp_avg_sq": views.of(param, saved["exp_avg_sq"], host=on_host), "step": saved["step"]}
+def _moments(param, optimizer: Optimizer, views: GlobalViews) -> dict:
+    saved = optimizer.moments(param)
+    return {"exp_avg": views.of(param, saved["exp_avg"], host=optimizer.on_host),
+            "exp_avg_sq": views.of(param, saved["exp_avg_sq"], host=optimizer.on_host), "step": saved["step"]}
 
 
 def checkpoint_dir(config: Config, run_dir: Path) -> Path:
@@ -102,21 +100,21 @@ def complete_checkpoints(directory: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name.removeprefix("step_")))
 
 
-def save(directory: Path, step: int, model, optimizer, host, views: GlobalViews, data_state: dict,
+def save(directory: Path, step: int, model, optimizer: Optimizer, views: GlobalViews, data_state: dict,
          config: Config, keep: int, tokenizer: AnyTokenizer) -> Path:
     """Write checkpoint `step_<step>` atomically (collective over all ranks) and prune to the newest `keep`.
 
     A file-system failure (read-only, full, permissions) is one line naming `checkpoint.dir`; the
     complete checkpoints before it are untouched."""
     try:
-        return _save(directory, step, model, optimizer, host, views, data_state, config, keep, tokenizer)
+        return _save(directory, step, model, optimizer, views, data_state, config, keep, tokenizer)
     except (OSError, CheckpointException) as err:  # DCP's own exception is a BaseException
         raise ConfigError("checkpoint.dir", f"{directory} cannot be written ({_last_line(err)}); the checkpoints "
                           f"before step {step} are intact: free space or fix permissions, then resume with "
                           "--checkpoint.resume=latest") from None
 
 
-def _save(directory: Path, step: int, model, optimizer, host, views: GlobalViews, data_state: dict,
+def _save(directory: Path, step: int, model, optimizer: Optimizer, views: GlobalViews, data_state: dict,
           config: Config, keep: int, tokenizer: AnyTokenizer) -> Path:
     final = directory / f"step_{step}"
     partial = directory / f"step_{step}{PARTIAL}"
@@ -127,7 +125,7 @@ def _save(directory: Path, step: int, model, optimizer, host, views: GlobalViews
         partial.mkdir(parents=True)
     _barrier()
     with _quiet_if_single_process():
-        dcp.save(_state(model, optimizer, host, views, with_optimizer=True), checkpoint_id=partial,
+        dcp.save(_state(model, optimizer, views, with_optimizer=True), checkpoint_id=partial,
                  no_dist=not dist.is_initialized())
     if main:
         meta = {"step": step, "data": data_state, "config": asdict(config), "has_optimizer": True,
@@ -254,15 +252,17 @@ def _label(record: dict) -> str:
     return "byte" if record["kind"] == "byte" else f"{record['name']} (sha256 {record['fingerprint'][:12]})"
 
 
-def load(path: Path, model, optimizer, host, views: GlobalViews, with_optimizer: bool = True,
+def load(path: Path, model, optimizer: Optimizer | None, views: GlobalViews, with_optimizer: bool = True,
          meta: dict | None = None) -> dict:
     """Load checkpoint `path` into the model (and the optimizer, if asked and the checkpoint has its
-    state) in place; returns its meta (`meta`: the one the caller has read already)."""
+    state) in place; returns its meta (`meta`: the one the caller has read already). Without an
+    optimizer (`mop convert`), the weights only."""
     meta = meta or read_meta(path)
     if meta.get("hf_weights"):
-        _load_hf_weights(path, meta, model, host, views)
+        _load_hf_weights(path, meta, model, optimizer, views)
         return meta
-    state = _state(model, optimizer, host, views, with_optimizer=with_optimizer and meta["has_optimizer"])
+    with_optimizer = with_optimizer and optimizer is not None and meta["has_optimizer"]
+    state = _state(model, optimizer, views, with_optimizer=with_optimizer)
     if not (path / DCP_METADATA).is_file():  # else DCP logs two tracebacks of its fallbacks before failing
         raise damaged(path, FileNotFoundError(f"no {DCP_METADATA}, the index of its shards"))
     try:
@@ -271,12 +271,12 @@ def load(path: Path, model, optimizer, host, views: GlobalViews, with_optimizer:
     except (Exception, CheckpointException) as err:  # DCP's own exception is a BaseException
         raise damaged(path, err) from None
     torch.set_rng_state(state["rng"]["cpu"])
-    if host is not None:
-        host.working_from_masters()
+    if optimizer is not None:
+        optimizer.weights_written()
     return meta
 
 
-def _load_hf_weights(path: Path, meta: dict, model, host, views: GlobalViews) -> None:
+def _load_hf_weights(path: Path, meta: dict, model, optimizer: Optimizer | None, views: GlobalViews) -> None:
     """A Hugging Face import's weights (see `save_hf_import`): each rank reads its own rows, into
     the host masters when there is a host optimizer (then copied to the working weights)."""
     source = Path(meta["hf_weights"])
@@ -287,4 +287,4 @@ def _load_hf_weights(path: Path, meta: dict, model, host, views: GlobalViews) ->
         if weights.fingerprint() != meta["hf_fingerprint"]:
             raise ConfigError("checkpoint.resume", f"{source} has changed since it was imported into {path}; "
                               "import it again with mop convert from-hf")
-        write_weights(model, views, weights.rows, host)
+        write_weights(model, views, weights.rows, optimizer)

@@ -108,7 +108,7 @@ def load_model(path: Path, meta: dict | None = None) -> MoETransformer:
     (`meta`: its mop.json, when already read)."""
     meta = meta or checkpoint.read_meta(path)
     model = empty_model(ModelConfig(**meta["config"]["model"]), torch.float32)
-    checkpoint.load(path, model, None, None, checkpoint.GlobalViews(model, None), with_optimizer=False, meta=meta)
+    checkpoint.load(path, model, None, checkpoint.GlobalViews(model, None), meta=meta)
     return model
 
 

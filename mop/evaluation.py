@@ -27,7 +27,7 @@ import torch
 
 from mop.config import Config
 from mop.data import Data, DataError, PackedDataset, SequenceStream, count_targets, load_token_stream, to_device
-from mop.parallel.llep import drain_records
+from mop.metrics import drained_metrics
 from mop.runtime import sum_over_ranks
 
 
@@ -75,14 +75,13 @@ def evaluate(run) -> float:
     runtime = run.runtime
     batches = run.rank_batches(run.held_out.indices, run.held_out.dataset)
     ce_sum = torch.zeros((), dtype=torch.float64, device=runtime.device)
-    if run.feed is not None:
-        run.feed.before_forward()  # the blocks wait for their own updates in their forward pre-hooks
+    run.optimizer.before_forward()  # host: the blocks wait for their own updates in their forward pre-hooks
     with torch.no_grad(), run.autocast():
         for batch in batches:
             batch = to_device(batch, runtime.device)
             terms = run.model.loss_terms(batch["input_ids"], batch["labels"], batch["position_ids"],
                                          batch["document_ids"])
             ce_sum += terms.ce_sum.double()
-    drain_records(run.model)
+    drained_metrics(run.model)  # the held-out forwards are no training step's routing
     ce, count = sum_over_ranks([ce_sum.item(), count_targets(batches)], runtime)
     return ce / count

@@ -2,6 +2,12 @@
 
 Only rank 0 writes. Every value logged is already identical on all ranks (reduced by the trainer)
 or explicitly per-rank (named so), so one writer loses nothing.
+
+Techniques report their own metrics through one seam: a module with `drain_metrics()` returns
+what it measured since the last call as `{name: (reduction, value)}`, the reduction "max" (the
+worst case) or "sum" (a total; a value every rank of a group measures alike is reported by one of
+them). `technique_metrics` merges the modules' reports and reduces them over the ranks; the
+trainer only logs the result.
 """
 
 from __future__ import annotations
@@ -11,6 +17,37 @@ import resource
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+
+_REDUCTIONS = {"max": (max, dist.ReduceOp.MAX), "sum": (lambda a, b: a + b, dist.ReduceOp.SUM)}
+
+
+def drained_metrics(model: torch.nn.Module) -> dict[str, tuple[str, float]]:
+    """Every reporting module's metrics since the last call, merged by their reductions (see above)."""
+    merged: dict[str, tuple[str, float]] = {}
+    for module in model.modules():
+        drain = getattr(module, "drain_metrics", None)
+        for name, (reduction, value) in (drain() if drain is not None else {}).items():
+            if name in merged:
+                value = _REDUCTIONS[reduction][0](merged[name][1], value)
+            merged[name] = (reduction, float(value))
+    return merged
+
+
+def technique_metrics(model: torch.nn.Module, group: dist.ProcessGroup | None, device: torch.device) -> dict:
+    """The step's technique metrics, reduced over the ranks of `group` (None: one process). Every
+    rank holds the same reporting modules, so every rank issues the same collectives."""
+    merged = drained_metrics(model)
+    values = {name: value for name, (_, value) in merged.items()}
+    if group is None:
+        return values
+    for reduction, (_, op) in _REDUCTIONS.items():
+        names = sorted(name for name, (r, _) in merged.items() if r == reduction)
+        if names:
+            reduced = torch.tensor([values[name] for name in names], dtype=torch.float64, device=device)
+            dist.all_reduce(reduced, op=op, group=group)  # NCCL reduces device tensors only
+            values.update(zip(names, reduced.tolist()))
+    return values
 
 
 def reset_peak_memory(device: torch.device, offload_store=None) -> None:

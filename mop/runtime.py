@@ -32,6 +32,11 @@ class Runtime:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def world_group(self):
+        """The process group of every rank (None: one process)."""
+        return self.layout.world_group if self.layout is not None else None
+
 
 def under_torchrun() -> bool:
     """True when this process was started by torchrun / torch elastic (it sets these variables)."""

@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import time
 from contextlib import closing, nullcontext
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from mop import checkpoint
 from mop.build import TrainingRun, build_run
@@ -36,98 +34,13 @@ from mop.data import count_targets, to_device
 from mop.evaluation import evaluate
 from mop.faults import Stopped, StopRequest, collective_timeout, quiet_exit_code
 from mop.flops import attended_keys, peak_flops
-from mop.metrics import MetricsLogger, peak_memory_bytes, plot_run, reset_peak_memory
+from mop.metrics import MetricsLogger, peak_memory_bytes, plot_run, reset_peak_memory, technique_metrics
 from mop.models.transformer import MoETransformer
-from mop.optim.host_adamw import HostAdamW
-from mop.optim.pipeline import GradientFeed
+from mop.optim.optimizer import Optimizer
 from mop.optim.schedule import learning_rate
-from mop.parallel.llep import drain_records
-from mop.parallel.mesh import DistLayout
-from mop.parallel.ulysses import reduce_router_stats
-from mop.parallel.vocab import replicated_parameters
 from mop.progress import StepProgress
 from mop.run_dir import shared_run_dir
 from mop.runtime import Runtime, per_rank, setup_runtime, sum_over_ranks
-
-
-def clip_gradients(model: torch.nn.Module, max_norm: float, runtime: Runtime) -> float:
-    """The global gradient norm; gradients are scaled by max_norm / norm when it exceeds max_norm.
-
-    Under the `mop` layout every gradient element lives on exactly one rank (dense weights sharded
-    over the world, each expert partition over its replica group) except the vocabulary shard,
-    replicated on several ranks (`replicated_parameters`); the squared norm is the sum over ranks of the local
-    squared norms, each divided by its replication. Same formula as torch's `clip_grad_norm_`.
-    """
-    params = [p for p in model.parameters() if p.grad is not None]
-    local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
-    # A parameter replicated on several ranks (the vocabulary shard) counts once.
-    copies = replicated_parameters(model)
-    weights = [1.0 / copies.get(id(p), 1) for p in params]
-    squared = sum(w * n.float().square() for w, n in zip(weights, torch._foreach_norm(local)))
-    norm = global_norm(squared, runtime)
-    if max_norm > 0:
-        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        torch._foreach_mul_(local, scale.to(local[0].device, local[0].dtype))
-    return norm.item()
-
-
-def global_norm(local_squared: torch.Tensor, runtime: Runtime) -> torch.Tensor:
-    """The square root of the sum over ranks of each rank's squared gradient norm."""
-    if runtime.layout is not None:
-        # Host gradients (FSDP2's CPU offload, the host optimizer) give a host value; NCCL reduces device tensors only.
-        local_squared = local_squared.to(runtime.device)
-        dist.all_reduce(local_squared, group=runtime.layout.world_group)
-    return local_squared.sqrt()
-
-
-def apply_update(model: torch.nn.Module, optimizer, max_norm: float, runtime: Runtime) -> tuple[float, bool]:
-    """Clip, then step unless the global gradient norm is not finite (the update is skipped, state untouched)."""
-    grad_norm = clip_gradients(model, max_norm, runtime)
-    skipped = not math.isfinite(grad_norm)
-    if not skipped:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return grad_norm, skipped
-
-
-def host_update(model: torch.nn.Module, host: HostAdamW, feed: GradientFeed, max_norm: float, runtime: Runtime):
-    """Validate the host optimizer's speculative updates against the global norm (see HostAdamW).
-
-    The norm comes from the host gradients (the device ones were released at hand-over).
-    `optimizer_exposed_s` is the optimizer time on this step's critical path: waiting for the
-    last host gradients' norms, `finish` (deciding and queueing the updates), and the time this
-    step's forward waited for the previous step's updates.
-    """
-    start = time.perf_counter()
-    local_squared = host.local_squared_norm()
-    exposed = time.perf_counter() - start
-    grad_norm = global_norm(local_squared, runtime).item()  # the host applies the clip coefficient
-    start = time.perf_counter()
-    redone = host.finish(grad_norm, max_norm)
-    exposed += time.perf_counter() - start + feed.take_wait_s()
-    model.zero_grad(set_to_none=True)
-    skipped = not math.isfinite(grad_norm)
-    return grad_norm, skipped, {"rollback": redone and not skipped, "optimizer_exposed_s": exposed,
-                                "gradients_handed_over_in_backward": feed.early}
-
-
-def expert_metrics(model: torch.nn.Module, runtime: Runtime, expert_ranks: int) -> dict:
-    """The step's expert-parallel routing summary over all expert groups (worst case / totals)."""
-    if expert_ranks == 1:
-        return {}
-    records = drain_records(model)
-    device = runtime.device  # NCCL reduces device tensors only
-    worst = torch.tensor([max((r[k] for r in records), default=0.0) for k in _WORST_KEYS], dtype=torch.float64,
-                         device=device)
-    total = torch.tensor([sum(r[k] for r in records) for k in _SUM_KEYS], dtype=torch.float64, device=device)
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=runtime.layout.world_group)
-    dist.all_reduce(total, group=runtime.layout.world_group)
-    # Every rank of an expert group records the same plan: divide the sums by the group size.
-    return {**dict(zip(_WORST_KEYS, worst.tolist())), **dict(zip(_SUM_KEYS, (total / expert_ranks).tolist()))}
-
-
-_WORST_KEYS = ("expert_load_imbalance", "rank_load_imbalance_before", "rank_load_imbalance_after")
-_SUM_KEYS = ("tokens_moved", "weight_bytes_moved", "llep_active")  # llep_active: layer passes that spilled
 
 
 def step_memory(runtime: Runtime, offload_store) -> dict:
@@ -150,42 +63,35 @@ def worst_rank_state(run: TrainingRun) -> dict:
     return {**state, **{k: v if k.startswith("device_bytes_per_param") else int(v) for k, v in zip(keys, worst)}}
 
 
-def micro_batch_objective(model: MoETransformer, batch: dict, global_targets: int, global_batch: int,
-                          layout: DistLayout | None):
-    """Loss terms of one micro-batch and its share of the step objective.
-
-    Under sequence parallelism the D ranks of a group each hold a slice of the same sequences: each
-    reduces the router sums over the group and contributes 1/D of the per-sequence aux loss.
-    """
+def micro_batch_objective(model: MoETransformer, batch: dict, global_targets: int, global_batch: int):
+    """Loss terms of one micro-batch and its share of the step objective (`MoETransformer.objective`)."""
     terms = model.loss_terms(batch["input_ids"], batch["labels"], batch["position_ids"], batch["document_ids"])
-    copies = layout.layout.sequence if layout is not None else 1
-    if copies > 1 and terms.router is not None:
-        terms.router = reduce_router_stats(terms.router, layout.sequence_group)
-    return terms, model.objective(terms, global_targets, global_batch * copies)
+    return terms, model.objective(terms, global_targets, global_batch)
 
 
 def forward_backward(model: MoETransformer, batches: list[dict], global_targets: int, global_batch: int,
-                     runtime: Runtime, autocast=nullcontext(), feed: GradientFeed | None = None) -> tuple[float, float]:
+                     runtime: Runtime, autocast=nullcontext(), optimizer: Optimizer | None = None) -> tuple[float, float]:
     """Forward and backward of this rank's micro-batches, accumulating gradients; returns this
     rank's (ce, aux) shares of the step loss.
 
-    With a gradient feed (host optimizer), the forward waits only for the parameters whose update
-    is not finished yet, and every backward hands each gradient to the optimizer (which
-    accumulates them on the host) as soon as it is reduced; the last one's are final.
+    The optimizer (None: gradients are left on the parameters) is told the phases of the step
+    (`mop.optim.optimizer`): the host optimizer's forward waits only for the parameters whose
+    update is not finished yet, and every backward hands each gradient over as soon as it is
+    reduced; the last one's are final.
     """
     # Summed on the device: one host read per step, not per micro-batch.
     ce_total = aux_total = torch.zeros((), dtype=torch.float64, device=runtime.device)
-    if feed is not None:
-        feed.before_forward()
+    if optimizer is not None:
+        optimizer.before_forward()
     for index, batch in enumerate(batches):
         batch = to_device(batch, runtime.device)
         with autocast:
-            terms, loss = micro_batch_objective(model, batch, global_targets, global_batch, runtime.layout)
-        if feed is not None:
-            feed.arm(last=index == len(batches) - 1)
+            terms, loss = micro_batch_objective(model, batch, global_targets, global_batch)
+        if optimizer is not None:
+            optimizer.before_backward(last=index == len(batches) - 1)
         loss.backward()
-        if feed is not None:
-            feed.flush()
+        if optimizer is not None:
+            optimizer.after_backward()
         ce_part = terms.ce_sum.detach().double() / max(global_targets, 1)
         ce_total = ce_total + ce_part
         aux_total = aux_total + (loss.detach().double() - ce_part)
@@ -202,7 +108,7 @@ def train_step(run: TrainingRun, batches: list[dict]) -> dict:
     tokens = sum(b["input_ids"].numel() for b in batches)
     global_targets, keys, tokens = sum_over_ranks([local_targets, keys, tokens], runtime)
     shares = forward_backward(run.model, batches, int(global_targets), run.config.train.global_batch, runtime,
-                              run.autocast(), run.feed)
+                              run.autocast(), run.optimizer)
     ce_loss, aux_loss = sum_over_ranks(list(shares), runtime)
     # Every rank of a sequence group holds distinct tokens, so the sums count each token once.
     model_flops = run.spec.flops_per_token(keys / tokens) * tokens
@@ -212,12 +118,7 @@ def train_step(run: TrainingRun, batches: list[dict]) -> dict:
 
 def update(run: TrainingRun) -> dict:
     """The step's update after its backward: the global norm, clipping, the optimizer step (or its skip)."""
-    clip = run.config.train.grad_clip
-    if run.host is None:
-        grad_norm, skipped = apply_update(run.model, run.optimizer, clip, run.runtime)
-        return {"grad_norm": grad_norm, "skipped": skipped}
-    grad_norm, skipped, rollback = host_update(run.model, run.host, run.feed, clip, run.runtime)
-    return {"grad_norm": grad_norm, "skipped": skipped, **rollback}
+    return run.optimizer.step(run.config.train.grad_clip)
 
 
 class NothingToTrain(Exception):
@@ -265,14 +166,6 @@ def utilisation(model_flops: float, seconds: float, runtime: Runtime) -> dict:
     per_rank = model_flops / seconds / runtime.world
     peak = peak_flops(runtime.device)
     return {"model_tflops_per_s_per_rank": per_rank / 1e12, **({"mfu": per_rank / peak} if peak else {})}
-
-
-def set_learning_rate(run: TrainingRun, lr: float) -> None:
-    """The next step's learning rate, for torch AdamW's groups or the host optimizer."""
-    for group in run.optimizer.param_groups:
-        group["lr"] = lr
-    if run.host is not None:
-        run.host.begin_step(lr)
 
 
 def train(config: Config) -> list[dict]:
@@ -333,8 +226,7 @@ def _steps(run: TrainingRun, run_dir: Path, stop: StopRequest) -> list[dict]:
         progress.close()
         if logger is not None:
             logger.close()
-    if run.host is not None:
-        run.host.synchronize()  # the last step's updates, before the model is returned or read
+    run.optimizer.synchronize()  # the last step's updates, before the model is returned or read
     if logger is not None:
         summarise(run, run_dir, records, skips, state_memory, first_step)
     if stopped is not None:
@@ -351,7 +243,7 @@ def _loop(run: TrainingRun, run_dir: Path, stop: StopRequest, steps: range, reco
         reset_peak_memory(runtime.device, run.offload_store)
         start = time.perf_counter()
         lr = learning_rate(config, step)
-        set_learning_rate(run, lr)
+        run.optimizer.begin_step(lr)
         losses = train_step(run, run.next_batches())
         outcome = update(run)
         elapsed = time.perf_counter() - start
@@ -359,7 +251,7 @@ def _loop(run: TrainingRun, run_dir: Path, stop: StopRequest, steps: range, reco
                   "tokens_per_s": tokens_per_step / elapsed, "step_time_s": elapsed,
                   **utilisation(losses["model_flops"], elapsed, runtime),
                   **step_memory(runtime, run.offload_store), **state_memory,
-                  **expert_metrics(run.model, runtime, config.parallel.expert)}
+                  **technique_metrics(run.model, runtime.world_group, runtime.device)}
         record.update(skips.count(step, outcome["skipped"]))
         done = step + 1
         if run.held_out is not None and (done % config.eval.every == 0 or done == config.train.steps):
@@ -371,7 +263,7 @@ def _loop(run: TrainingRun, run_dir: Path, stop: StopRequest, steps: range, reco
         if logger is not None:
             logger.log(record)
         skips.check(checkpoint.checkpoint_dir(config, run_dir))
-        signum = stop.agreed(runtime.layout.world_group if runtime.layout else None, runtime.device)
+        signum = stop.agreed(runtime.world_group, runtime.device)
         if signum is not None and done < config.train.steps:
             return Stopped(signum, done, config.train.steps, save(run, run_dir, done), run_dir)
         # A skipped step changed nothing: no checkpoint rotates out a good one for it.
@@ -403,8 +295,8 @@ def summarise(run: TrainingRun, run_dir: Path, records: list[dict], skips: Skipp
 def save(run: TrainingRun, run_dir: Path, done: int) -> Path:
     """Checkpoint `step_<done>` of the run (collective over all ranks)."""
     config = run.config
-    return checkpoint.save(checkpoint.checkpoint_dir(config, run_dir), done, run.model, run.optimizer, run.host,
-                           run.views, run.data.stream.state_dict(), config, config.checkpoint.keep, run.data.tokenizer)
+    return checkpoint.save(checkpoint.checkpoint_dir(config, run_dir), done, run.model, run.optimizer, run.views,
+                           run.data.stream.state_dict(), config, config.checkpoint.keep, run.data.tokenizer)
 
 
 def resume(run: TrainingRun, run_dir: Path) -> int:
@@ -418,7 +310,7 @@ def resume(run: TrainingRun, run_dir: Path) -> int:
     meta = checkpoint.read_meta(path)
     checkpoint.check_compatible(meta, config, path)
     checkpoint.check_tokenizer(meta, run.data.tokenizer, config, path)
-    checkpoint.load(path, run.model, run.optimizer, run.host, run.views, meta=meta)
+    checkpoint.load(path, run.model, run.optimizer, run.views, meta=meta)
     if meta["data"] is not None:
         run.data.stream.load_state_dict(meta["data"])
     return meta["step"]

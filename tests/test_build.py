@@ -73,8 +73,8 @@ def _save_initial_weights(rank, world, base):
         run = build_run(config, _runtime(rank, world, config))
         dcp.save({name: run.views.of(p) for p, name in ((p, run.views.names[id(p)]) for p in run.model.parameters())},
                  checkpoint_id=f"{base}/{index}")
-        if run.host is not None:
-            masters = {run.views.names[id(p)]: run.views.of(p, run.host.state_of(p)["master"], host=True)
+        if run.optimizer.on_host:
+            masters = {run.views.names[id(p)]: run.views.of(p, run.optimizer.master(p), host=True)
                        for p in run.model.parameters()}
             dcp.save(masters, checkpoint_id=f"{base}/{index}-masters")
 
@@ -102,23 +102,23 @@ def _host_round_trip(rank, world, base):
             "--train.steps=2", f"--log.run_dir={base}/run"]
     config = validate(load_config(None, args), world)
     run = build_run(config, _runtime(rank, world, config))
-    from mop.train import set_learning_rate, train_step, update
+    from mop.train import train_step, update
     for step in range(2):
-        set_learning_rate(run, 1e-3)
+        run.optimizer.begin_step(1e-3)
         train_step(run, run.next_batches())
         update(run)
-    run.host.synchronize()
+    run.optimizer.synchronize()
     params = list(run.model.parameters())
-    host_tensors = [t for p in params for k, t in run.host.state_of(p).items() if k != "step"]
+    host_tensors = [t for p in params for k, t in run.optimizer.moments(p).items() if k != "step"]
     # What a checkpoint holds of each: all but the vocabulary shard's padding rows.
-    real_rows = [run.views.local(p, t) for p in params for k, t in run.host.state_of(p).items() if k != "step"]
+    real_rows = [run.views.local(p, t) for p in params for k, t in run.optimizer.moments(p).items() if k != "step"]
     # Saving presents every host tensor on a CPU mesh, without a copy.
-    state = checkpoint._state(run.model, run.optimizer, run.host, run.views, with_optimizer=True)
+    state = checkpoint._state(run.model, run.optimizer, run.views, with_optimizer=True)
     presented = [*state["model"].values(), *(s[k] for s in state["optim"].values() for k in ("exp_avg", "exp_avg_sq"))]
     on_cpu_mesh = all(t.device_mesh.device_type == "cpu" for t in presented if isinstance(t, DTensor))
     shared = {t.to_local().data_ptr() if isinstance(t, DTensor) else t.data_ptr() for t in presented}
     no_copy = shared <= {t.data_ptr() for t in host_tensors}
-    saved = checkpoint.save(Path(base) / "ckpt", 2, run.model, run.optimizer, run.host, run.views, {}, config, 1,
+    saved = checkpoint.save(Path(base) / "ckpt", 2, run.model, run.optimizer, run.views, {}, config, 1,
                             run.data.tokenizer)
     expected = [t.clone() for t in real_rows]
     pointers = [t.data_ptr() for t in host_tensors]
@@ -126,11 +126,11 @@ def _host_round_trip(rank, world, base):
         tensor.fill_(7.0)  # overwritten by the load
     for param in params:
         (param.to_local() if isinstance(param, DTensor) else param).detach().fill_(3.0)
-    checkpoint.load(saved, run.model, run.optimizer, run.host, run.views)
+    checkpoint.load(saved, run.model, run.optimizer, run.views)
     in_place = [t.data_ptr() for t in host_tensors] == pointers
     restored = all(torch.equal(t, e) for t, e in zip(real_rows, expected))
     # The bf16 working weights are the loaded masters rounded.
-    working = all(torch.equal(run.views.local(p), run.views.local(p, run.host.state_of(p)["master"]).to(p.dtype))
+    working = all(torch.equal(run.views.local(p), run.views.local(p, run.optimizer.master(p)).to(p.dtype))
                   for p in params)
     return on_cpu_mesh, no_copy, in_place, restored, working
 
@@ -169,12 +169,12 @@ def _load_hf_import(rank, world, imported, base):
     args = [*SMALL, "--parallel.strategy=mop", "--parallel.nproc=2", "--optim.offload=true", "--train.dtype=bfloat16"]
     config = validate(load_config(f"{imported}/model.toml", args), world)
     run = build_run(config, _runtime(rank, world, config))
-    checkpoint.load(Path(imported), run.model, run.optimizer, run.host, run.views)
+    checkpoint.load(Path(imported), run.model, run.optimizer, run.views)
     views, params = run.views, list(run.model.parameters())
-    masters = {views.names[id(p)]: views.of(p, run.host.state_of(p)["master"], host=True) for p in params}
+    masters = {views.names[id(p)]: views.of(p, run.optimizer.master(p), host=True) for p in params}
     dcp.save(masters, checkpoint_id=f"{base}/masters")
     own_rows_only = all(requested[views.names[id(p)]] == views.local(p).shape[0] for p in params)
-    working = all(torch.equal(views.local(p), views.local(p, run.host.state_of(p)["master"]).to(p.dtype))
+    working = all(torch.equal(views.local(p), views.local(p, run.optimizer.master(p)).to(p.dtype))
                   for p in params)
     return own_rows_only, working
 
@@ -203,4 +203,4 @@ def test_a_hugging_face_import_is_read_shard_by_shard(tmp_path):
     save_hf(build_model(dataclasses.replace(cfg, experts=8), seed=3), tmp_path / "hf", dtype=torch.float32)
     model = build_model(cfg, seed=0)
     with pytest.raises(ConfigError, match="has changed since it was imported"):
-        checkpoint.load(tmp_path / "imported", model, None, None, GlobalViews(model, None))
+        checkpoint.load(tmp_path / "imported", model, None, GlobalViews(model, None))

@@ -20,6 +20,7 @@ from mop.metrics import read_metrics
 from mop.models.config import ModelConfig
 from mop.models.hf import load_hf
 from mop.models.transformer import build_model
+from mop.optim.optimizer import DeviceAdamW
 from test_train import TINY, losses
 
 # A run of 8 steps saving every 4; resumed runs continue from its step_4 or from their own.
@@ -82,7 +83,7 @@ def test_resume_across_layouts_and_world_sizes(tmp_path, straight):
 def _tiny_model_and_optimizer():
     model = build_model(ModelConfig(vocab_size=32, hidden=16, layers=1, heads=2, kv_heads=1, head_dim=8, experts=2,
                                     expert_intermediate=8), seed=0)
-    return model, torch.optim.AdamW(model.parameters())
+    return model, DeviceAdamW(torch.optim.AdamW(model.parameters()), model, None, torch.device("cpu"), {})
 
 
 def test_a_crash_mid_save_keeps_the_previous_checkpoint_and_old_ones_are_pruned(tmp_path, monkeypatch):
@@ -90,7 +91,7 @@ def test_a_crash_mid_save_keeps_the_previous_checkpoint_and_old_ones_are_pruned(
     views = checkpoint.GlobalViews(model, None)
 
     def save(step):
-        return checkpoint.save(tmp_path, step, model, optimizer, None, views, {"position": 0}, Config(), 2,
+        return checkpoint.save(tmp_path, step, model, optimizer, views, {"position": 0}, Config(), 2,
                                ByteTokenizer())
 
     for step in (1, 2, 3):
@@ -113,7 +114,7 @@ def test_a_crash_mid_save_keeps_the_previous_checkpoint_and_old_ones_are_pruned(
     with torch.no_grad():
         for p in fresh.parameters():
             p.zero_()
-    checkpoint.load(tmp_path / "step_3", fresh, fresh_optimizer, None, checkpoint.GlobalViews(fresh, None))
+    checkpoint.load(tmp_path / "step_3", fresh, fresh_optimizer, checkpoint.GlobalViews(fresh, None))
     for a, b in zip(model.parameters(), fresh.parameters()):
         assert torch.equal(a, b)
     save(5)  # also removes the leftover partial directory

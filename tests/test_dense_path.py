@@ -51,7 +51,7 @@ def reference_gradients(config: Config):
     apply_memory_options(model, config, torch.device("cpu"))
     batch = global_batch(config.data.seq_len)
     targets = int((batch["labels"] != IGNORE_INDEX).sum())
-    _, loss = micro_batch_objective(model, batch, targets, GLOBAL_BATCH, None)
+    _, loss = micro_batch_objective(model, batch, targets, GLOBAL_BATCH)
     loss.backward()
     return loss.item(), {canonical_name(name): p.grad for name, p in model.named_parameters()}
 
@@ -66,7 +66,7 @@ def mop_gradients(rank, world, config: Config):
     total = torch.zeros(())
     for row in rows:  # micro-batches of one sequence, gradients accumulate
         micro = sequence_shard({k: v[row:row + 1] for k, v in batch.items()}, rank % p.sequence, p.sequence)
-        _, loss = micro_batch_objective(model, micro, targets, GLOBAL_BATCH, layout)
+        _, loss = micro_batch_objective(model, micro, targets, GLOBAL_BATCH)
         loss.backward()
         total += loss.detach()
     torch.distributed.all_reduce(total)

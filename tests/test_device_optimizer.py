@@ -15,7 +15,7 @@ from mop.config import load_config, validate
 from mop.parallel import DistLayout, Layout
 from mop.runtime import Runtime
 from mop.testing import run_distributed
-from mop.train import apply_update, forward_backward
+from mop.train import forward_backward
 from test_train import TINY
 
 LAYOUT = ["--parallel.strategy=mop", "--parallel.nproc=2", "--parallel.sequence=2", "--parallel.expert=2",
@@ -31,11 +31,12 @@ def _one_step(rank, world, run_dir, foreach: bool):
     config = validate(load_config(None, [*TINY, *LAYOUT, f"--log.run_dir={run_dir}"]), world)
     runtime = Runtime(rank, world, torch.device("cpu"), DistLayout(Layout(world, 2, 2, 2), torch.device("cpu")))
     run = build_run(config, runtime)
-    kinds = [sorted({_kind(p) for p in group["params"]}) for group in run.optimizer.param_groups]
-    for group in run.optimizer.param_groups:
+    groups = run.optimizer.adamw.param_groups
+    kinds = [sorted({_kind(p) for p in group["params"]}) for group in groups]
+    for group in groups:
         group["foreach"] = foreach
     forward_backward(run.model, run.next_batches(), 100, config.train.global_batch, runtime, run.autocast())
-    apply_update(run.model, run.optimizer, config.train.grad_clip, runtime)
+    run.optimizer.step(config.train.grad_clip)
     local = {name: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
              for name, p in run.model.named_parameters()}
     return kinds, local

@@ -124,8 +124,7 @@ def _fsdp_host_steps(rank, world, steps):
     from mop.optim.pipeline import GradientFeed
     from mop.parallel import DistLayout, Layout
     from mop.parallel.fsdp import shard_dense
-    from mop.runtime import Runtime
-    from mop.train import global_norm
+    from mop.optim.optimizer import global_norm
 
     layout = DistLayout(Layout(world), torch.device("cpu"))
     model, reference = build_model(SMALL, seed=4), build_model(SMALL, seed=4)
@@ -133,7 +132,6 @@ def _fsdp_host_steps(rank, world, steps):
     host = SlowSettling(groups_by_dim(model), betas=(0.9, 0.95))
     torch_opt = torch.optim.AdamW(groups_by_dim(reference), lr=1e-2, betas=(0.9, 0.95))
     feed = GradientFeed(model, host)
-    runtime = Runtime(rank, world, torch.device("cpu"), layout)
     first_block = list(model.layers[0].parameters())
     pending_at_hand_over = []  # per delivery: how many of block 0's gradients did not exist yet
     handed_over = {}  # the gradients the feed delivered (and released from the parameters)
@@ -173,7 +171,7 @@ def _fsdp_host_steps(rank, world, steps):
         for param, ref in zip(model.parameters(), reference.parameters()):
             ref.grad = handed_over.pop(id(param)).full_tensor()
         max_norm = 0.05 if step == CLIPPED_STEP else 100.0
-        host.finish(global_norm(host.local_squared_norm(), runtime).item(), max_norm)
+        host.finish(global_norm(host.local_squared_norm(), layout.world_group, layout.device).item(), max_norm)
         clipped.append(host.last_clipped)
         torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm)
         torch_opt.step()

@@ -100,9 +100,9 @@ def syncs_of_one_step(config, runtime) -> dict:
                 syncs.counting = False
 
         monkeypatch.setattr(torch.Tensor, "backward", counted_backward)
-        forward_backward(run.model, batches, targets, config.train.global_batch, runtime, run.autocast(), run.feed)
-    if run.host is not None:
-        run.host.synchronize()
+        forward_backward(run.model, batches, targets, config.train.global_batch, runtime, run.autocast(),
+                         run.optimizer)
+    run.optimizer.synchronize()
     passes = len(batches) * (config.model.layers - config.model.dense_layers)
     return {"reads_per_moe_layer": len(syncs.reads) / passes, "reads": sorted(set(syncs.reads)),
             "data_dependent": sorted(set(syncs.data_dependent))}

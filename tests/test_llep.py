@@ -15,7 +15,7 @@ from mop.models.moe import Experts
 from mop.models.transformer import init_weights
 from mop.parallel import DistLayout, Layout
 from mop.parallel.experts import shard_experts
-from mop.parallel.llep import BalanceOptions, drain_records
+from mop.parallel.llep import BalanceOptions
 from mop.parallel.llep_chunked import chunk_segments
 from mop.parallel.llep_routing import _segments, build_routing, routing_from_segments, source_segments
 from mop.parallel.llep_plan import plan_ep, plan_llep
@@ -75,7 +75,7 @@ def expert_rank(layout, rank, world, top_k, kind, mode, chunks=1):
     (out * upstream[rank].to(device)).sum().backward()
     partition = layout.layout.expert_partition(rank)
     grads = {name: p.grad.full_tensor() for name, p in module.named_parameters()}
-    return to_cpu((out.detach(), x.grad, w.grad, partition, grads, drain_records(holder)))
+    return to_cpu((out.detach(), x.grad, w.grad, partition, grads, list(module.records)))
 
 
 CASES = [(world, ep, top_k, kind, mode, chunks) for world, ep in [(2, 2), (4, 2), (4, 4)] for top_k in (1, 2, 4)

@@ -198,27 +198,26 @@ def test_the_probe_gives_each_rows_product_and_the_experts_backward_without_the_
 
 
 def test_a_non_finite_gradient_skips_the_update_and_leaves_the_state():
-    from mop.config import Config
+    from mop.config import load_config
     from mop.build import build_optimizer
     from mop.runtime import Runtime
-    from mop.train import apply_update
 
     model = build_model(TINY, seed=0)
-    optimizer = build_optimizer(model, Config())
-    runtime = Runtime(0, 1, torch.device("cpu"), None)
+    config = load_config(None, ["--optim.offload=false"])  # torch AdamW on the device
+    optimizer = build_optimizer(model, config, Runtime(0, 1, torch.device("cpu"), None))
     ids, labels = _batch(9)
     model(ids, labels).backward()
-    norm, skipped = apply_update(model, optimizer, 1.0, runtime)
-    assert not skipped and norm > 0
+    record = optimizer.step(1.0)
+    assert not record["skipped"] and record["grad_norm"] > 0
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    state = {k: {n: v.clone() for n, v in s.items()} for k, s in optimizer.state.items()}
+    state = {k: {n: v.clone() for n, v in s.items()} for k, s in optimizer.adamw.state.items()}
     model(ids, labels).backward()
     model.layers[0].attention.q_proj.weight.grad[0, 0] = float("inf")
-    norm, skipped = apply_update(model, optimizer, 1.0, runtime)
-    assert skipped and norm == float("inf")
+    record = optimizer.step(1.0)
+    assert record["skipped"] and record["grad_norm"] == float("inf")
     for name, param in model.named_parameters():
         assert torch.equal(param, before[name]), name
         assert param.grad is None
     for key, saved in state.items():
         for name, value in saved.items():
-            assert torch.equal(optimizer.state[key][name], value)
+            assert torch.equal(optimizer.adamw.state[key][name], value)

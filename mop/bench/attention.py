@@ -112,7 +112,7 @@ def model_rank(rank, world, cfg: ModelConfig, seq_len: int, checkpointing: bool,
     targets = int((full["labels"] != IGNORE_INDEX).sum())
 
     def step():
-        _, loss = micro_batch_objective(model, batch, targets, 1, layout)
+        _, loss = micro_batch_objective(model, batch, targets, 1)
         loss.backward()
 
     result = measure_step(step, repeats, exclude=(lambda: store.live_bytes) if store else (lambda: 0))

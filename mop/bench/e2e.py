@@ -108,7 +108,7 @@ from mop.config import ConfigError, load_config
 from mop.parallel import DistLayout, Layout
 from mop.runtime import Runtime
 from mop.testing import run_distributed
-from mop.train import set_learning_rate, train_step, update
+from mop.train import train_step, update
 
 GIB = 2**30
 WORLD = 2
@@ -276,12 +276,8 @@ class Trainer:
         self.optimizer_on_device = not (config.optim.offload or p.fsdp_cpu_offload)
         self.batches = rank_batches(self.run, documents)
 
-    @property
-    def host(self):
-        return self.run.host
-
     def backward(self) -> None:
-        set_learning_rate(self.run, self.run.config.optim.lr)  # constant: every step does the same work
+        self.run.optimizer.begin_step(self.run.config.optim.lr)  # constant: every step does the same work
         train_step(self.run, self.batches)
 
     def update(self) -> None:
@@ -296,7 +292,7 @@ class Trainer:
         and the gradients the host optimizer holds as handed over (a GPU copies them to the host)."""
         return ((self.offload_store.live_bytes if self.offload_store else 0)
                 + (self.host_gradients.live_bytes if self.host_gradients else 0)
-                + (self.host.lent_gradient_bytes() if self.host else 0))
+                + self.run.optimizer.held_gradient_bytes())
 
     def persistent_state(self) -> dict:
         """Bytes of the state that outlives a step, by category, on the device and on the host
@@ -344,8 +340,7 @@ def measure_rank(rank: int, world: int, settings: list[str], documents: str, bud
         for _ in range(steps):
             start = time.perf_counter()
             trainer.step()
-            if trainer.host is not None:
-                trainer.host.synchronize()  # the step's deferred updates count too
+            trainer.run.optimizer.synchronize()  # the host optimizer's deferred updates count too
             times.append(time.perf_counter() - start)
         result["seconds"] = statistics.median(times)
     return result

@@ -9,11 +9,12 @@ norm is known, overlapped with the next forward) and speculative, with clipping 
 triggers, on every other step (each clipped step follows a speculated one: a rollback) and on
 every step. The rank computes with one intra-op thread, so the optimizer's worker thread has the
 machine's other core to itself: the situation of a GPU machine, where the device runs the
-backward and the host cores are idle. Exposed optimizer time is what the step waits for the
-optimizer: `optimizer.step()` for torch; for the host optimizer `HostAdamW.finish` plus the time
-the step's forward waited for the previous step's updates (`GradientFeed.take_wait_s`). The norm and
-clipping, which every variant computes after the backward, are reported apart. "hidden" is the
-share of the after-backward optimizer time that the pipelined variant removed. Device memory saved
+backward and the host cores are idle. Every variant is driven through the trainer's optimizer
+interface (`mop.optim.optimizer`). Exposed optimizer time is what the step waits for the
+optimizer, as the trainer records it: the whole `step()` for torch (norm, clipping, update); for
+the host optimizer the wait for the host gradients' norms, `HostAdamW.finish`, and the time the
+step's forward waited for the previous step's updates (`GradientFeed.take_wait_s`). "hidden" is
+the share of the after-backward optimizer time that the pipelined variant removed. Device memory saved
 is the AdamW state torch would keep on the device (moments, 8 bytes per parameter) that now lives
 on the host.
 """
@@ -31,7 +32,7 @@ from mop.bench.report import MIB, table, write_json
 from mop.models.config import ModelConfig
 from mop.models.transformer import build_model
 from mop.optim.host_adamw import HostAdamW
-from mop.optim.pipeline import GradientFeed
+from mop.optim.optimizer import DeviceAdamW, HostOptimizer, parameter_groups
 from mop.testing import run_distributed
 
 
@@ -92,16 +93,14 @@ def update_throughput(args) -> list[dict]:
 
 
 def training_rank(rank: int, world: int, steps: int) -> list[dict]:
-    """Part 2 on one FSDP2 rank (so gradients are handed over from FSDP2's post-backward hooks)."""
+    """Part 2 on one FSDP2 rank (so gradients are handed over from FSDP2's post-backward hooks),
+    each variant driven through the trainer's optimizer interface (`mop.optim.optimizer`)."""
     from mop.parallel import DistLayout, Layout
     from mop.parallel.fsdp import shard_dense
-    from mop.runtime import Runtime
-    from mop.train import clip_gradients, global_norm
 
     cfg = ModelConfig(hidden=256, layers=8, heads=4, kv_heads=2, head_dim=64, experts=8, expert_intermediate=512)
     ids = torch.randint(0, cfg.vocab_size, (4, 257), generator=torch.Generator().manual_seed(1))
     layout = DistLayout(Layout(world), torch.device("cpu"))
-    runtime = Runtime(rank, world, torch.device("cpu"), layout)
     rows = []
     never, always = (lambda step: 1e9), (lambda step: 1e-3)
     for name, kind, max_norm in [("after backward", "torch", never), ("host, after norm", "host", never),
@@ -110,44 +109,34 @@ def training_rank(rank: int, world: int, steps: int) -> list[dict]:
                                  ("host, speculative, clipped every step", "spec", always)]:
         model = build_model(cfg, seed=0)
         shard_dense(model, layout)
-        params = list(model.parameters())
+        groups = parameter_groups(model, 0.0)
         if kind == "torch":
-            opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+            optimizer = DeviceAdamW(torch.optim.AdamW(groups, lr=1e-4, fused=True), model, layout.world_group,
+                                    layout.device, {})
         else:
-            host = HostAdamW([{"params": params, "weight_decay": 0.0}], speculative=kind == "spec")
-            feed = GradientFeed(model, host)
-        exposed, norm_s, total, rollbacks, waits = 0.0, 0.0, 0.0, 0, 0.0
+            optimizer = HostOptimizer(HostAdamW(groups, speculative=kind == "spec"), model, layout.world_group,
+                                      layout.device)
+        exposed, total, rollbacks, waits = 0.0, 0.0, 0, 0.0
         for step in range(steps + 1):
             start = time.perf_counter()
-            if kind != "torch":
-                host.begin_step(1e-4)
-                feed.before_forward()
-                feed.arm(last=True)
+            optimizer.begin_step(1e-4)
+            optimizer.before_forward()
+            optimizer.before_backward(last=True)
             model(ids[:, :-1], ids[:, 1:]).backward()
-            if kind != "torch":
-                feed.flush()
+            optimizer.after_backward()
             after_backward = time.perf_counter()
-            if kind == "torch":
-                norm = clip_gradients(model, max_norm(step), runtime)
-            else:  # the host gradients' norm (the device ones were released at hand-over)
-                norm = global_norm(host.local_squared_norm(), runtime).item()
-            after_norm = time.perf_counter()
-            if kind == "torch":
-                opt.step()
-            else:
-                rollbacks += host.finish(norm, max_norm(step)) and step > 0
-            model.zero_grad(set_to_none=True)
-            waited = feed.take_wait_s() if kind != "torch" else 0.0  # this step's forward, for the last update
+            record = optimizer.step(max_norm(step))
+            stepped = time.perf_counter() - after_backward
+            rollbacks += record.get("rollback", False) and step > 0
             if step > 0:  # the first step warms up
-                exposed += time.perf_counter() - after_norm + waited
-                waits += waited
-                norm_s += after_norm - after_backward
+                exposed += record.get("optimizer_exposed_s", stepped)
+                waits += record.get("optimizer_forward_wait_s", 0.0)
                 total += time.perf_counter() - start
-        if kind != "torch":
-            host.synchronize()
-        count = sum(p.numel() for p in params)
+        optimizer.synchronize()
+        optimizer.close()
+        count = sum(p.numel() for group in groups for p in group["params"])
         rows.append({"variant": name, "step_s": total / steps, "exposed_s": exposed / steps,
-                     "norm_and_clip_s": norm_s / steps, "forward_wait_s": waits / steps, "rollback_rate": rollbacks / steps,
+                     "forward_wait_s": waits / steps, "rollback_rate": rollbacks / steps,
                      "device_state_bytes_saved": 0 if kind == "torch" else 8 * count})
     for row in rows:
         row["hidden_vs_after_backward"] = 1 - row["exposed_s"] / rows[0]["exposed_s"]
@@ -168,9 +157,9 @@ def report(args, results: dict) -> None:
                 [[r["variant"], r["seconds"], r["params_per_s"], r["vs_torch"]] for r in results["update"]]))
     print()
     print(table("training step (8-block MoE, 1 FSDP2 rank, 1 compute thread)",
-                ["variant", "step s", "norm+clip s", "exposed optimizer s", "of it forward waits", "hidden",
+                ["variant", "step s", "exposed optimizer s", "of it forward waits", "hidden",
                  "rollback rate", "device state saved MiB"],
-                [[r["variant"], r["step_s"], r["norm_and_clip_s"], r["exposed_s"], r["forward_wait_s"],
+                [[r["variant"], r["step_s"], r["exposed_s"], r["forward_wait_s"],
                   r["hidden_vs_after_backward"], r["rollback_rate"],
                   r["device_state_bytes_saved"] / MIB] for r in results["training"]]))
     path = write_json(args.out, "optimizer", {k: str(v) for k, v in vars(args).items() if k != "func"}, results)

@@ -6,8 +6,9 @@ The first `dense_layers` blocks use a dense SwiGLU MLP, the rest an MoE layer; t
 the family's (`mop.models.families`).
 
 No collectives live here. A parallel layout changes what each module computes on by swapping
-four seams: `MoETransformer.documents` (the micro-batch's document spans, once per forward),
-`Attention.core` (sequence mixing), `Experts` (the routed FFN) and `LMHead` (the vocabulary
+five seams: `MoETransformer.documents` (the micro-batch's document spans, once per forward),
+`Attention.core` (sequence mixing), `Experts` (the routed FFN), `MoETransformer.router_sums`
+(the per-sequence router sums the load-balancing loss reads) and `LMHead` (the vocabulary
 projection and loss); everything else runs on the rank's own tokens unchanged.
 
 Losses are returned as sums with their counts (`LossTerms`), never as per-rank means: a step's
@@ -65,6 +66,17 @@ class Block(nn.Module):
         return h + out, stats
 
 
+class RouterSums(nn.Module):
+    """The model's seam for a forward's router sums: here those of the rank's own tokens, each
+    sequence held once (`copies`). Sequence parallelism swaps it for one that sums each sequence's
+    slices over its group, whose D ranks then each hold the sequence's sums (`copies` = D)."""
+
+    copies = 1
+
+    def forward(self, stats: RouterStats) -> RouterStats:
+        return stats
+
+
 class LMHead(nn.Module):
     """Output projection `[V, H]` and the summed cross-entropy over a rank's own tokens."""
 
@@ -103,6 +115,7 @@ class MoETransformer(nn.Module):
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden)
         self.documents = DocumentBoundaries()
+        self.router_sums = RouterSums()
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.layers))
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.lm_head = LMHead(cfg)
@@ -131,14 +144,17 @@ class MoETransformer(nn.Module):
         """Summed losses; `labels [B, S]` are the already-shifted next-token targets (IGNORE_INDEX skips)."""
         h, router = self.hidden_states(input_ids, position_ids, document_ids)
         ce_sum = self.lm_head.loss_sum(h, labels)
+        router = self.router_sums(router) if router is not None else None
         targets = int((labels != IGNORE_INDEX).sum())
         return LossTerms(ce_sum, targets, router, input_ids.shape[0])
 
     def objective(self, terms: LossTerms, global_targets: int, global_sequences: int) -> torch.Tensor:
-        """This forward pass's share of the step loss normalised by the step's global counts."""
+        """This forward pass's share of the step loss normalised by the step's global counts (a
+        sequence whose router sums `copies` ranks hold contributes 1/copies on each)."""
         loss = terms.ce_sum / max(global_targets, 1)
         if terms.router is not None and self.cfg.aux_loss_coef:
-            loss = loss + self.cfg.aux_loss_coef * load_balancing_loss(terms.router) / global_sequences
+            sequences = global_sequences * self.router_sums.copies
+            loss = loss + self.cfg.aux_loss_coef * load_balancing_loss(terms.router) / sequences
         return loss
 
     def forward(self, input_ids, labels=None, position_ids=None, document_ids=None):

@@ -49,6 +49,10 @@ from mop.parallel.llep_routing import (Exchange, Routing, build_routing, expert_
 from mop.parallel.mesh import DistLayout
 
 
+WORST_METRICS = ("expert_load_imbalance", "rank_load_imbalance_before", "rank_load_imbalance_after")
+TOTAL_METRICS = ("tokens_moved", "weight_bytes_moved", "llep_active")  # llep_active: layer passes that spilled
+
+
 @dataclass(frozen=True)
 class BalanceOptions:
     """How tokens are placed over the expert group (the `parallel.llep_*` settings)."""
@@ -175,6 +179,15 @@ class ExpertParallel(KeepsForwardOutputs, nn.Module):
         receive = [(expert, owner) for expert, owner, helper in transfers if helper == self.rank]
         return Exchange(send_splits, recv_splits, self.group, self.p2p_group, ship, receive)
 
+    def drain_metrics(self) -> dict[str, tuple[str, float]]:
+        """The routing summary of the forwards since the last call (`mop.metrics`): the worst
+        imbalances, and the totals moved, reported by the group's first rank only (every rank of
+        an expert group plans alike)."""
+        records, self.records = self.records, []
+        reports = self.rank == 0
+        return {**{key: ("max", max((r[key] for r in records), default=0.0)) for key in WORST_METRICS},
+                **{key: ("sum", sum(r[key] for r in records) if reports else 0.0) for key in TOTAL_METRICS}}
+
     def _record(self, plan: Plan, loads: list[int], x: torch.Tensor) -> None:
         native = plan_ep(loads, self.ranks).rank_loads()
         after = plan.rank_loads()
@@ -195,13 +208,3 @@ def apply_expert_parallel(model, layout: DistLayout, options: BalanceOptions) ->
     for block in model.layers:
         if block.is_moe:
             block.mlp.experts = ExpertParallel(block.mlp.experts, layout, options)
-
-
-def drain_records(model) -> list[dict]:
-    """The per-forward routing records of every expert-parallel layer since the last call."""
-    records = []
-    for module in model.modules():
-        if isinstance(module, ExpertParallel):
-            records += module.records
-            module.records = []
-    return records

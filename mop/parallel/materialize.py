@@ -52,15 +52,15 @@ def initial_values(seed: int, std: float) -> RowSource:
     return partial(initial_rows, seed=seed, std=std)
 
 
-def write_weights(model: MoETransformer, views: GlobalViews, rows: RowSource, host=None) -> None:
-    """Every parameter's local rows from `rows`: into the host optimizer's fp32 masters when there
-    is one (`host`, a HostAdamW), which are then copied to the working weights (a bf16 working
-    weight is its master rounded), else into the parameters themselves."""
+def write_weights(model: MoETransformer, views: GlobalViews, rows: RowSource, optimizer=None) -> None:
+    """Every parameter's local rows from `rows`: into the optimizer's masters (`mop.optim.optimizer`;
+    the host optimizer's fp32 masters, then copied to the working weights: a bf16 working weight is
+    its master rounded), else into the parameters themselves."""
     for param in model.parameters():
-        master = host.state_of(param)["master"] if host is not None else None
+        master = optimizer.master(param) if optimizer is not None else None
         write_rows(param, views.local(param, master), views, rows)
-    if host is not None:
-        host.working_from_masters()
+    if optimizer is not None:
+        optimizer.weights_written()
 
 
 @torch.no_grad()

@@ -229,11 +229,20 @@ def apply_sequence_parallel(model: MoETransformer, group: dist.ProcessGroup, hea
     """Swap every block's attention core for the Ulysses core over `group`."""
     heads = model_spec(model.cfg).attention
     model.documents = SequenceDocumentBoundaries(group)
+    model.router_sums = SequenceRouterSums(group)
     for block in model.layers:
         block.attention.core = UlyssesAttention(group, heads.heads, heads.kv_heads, head_chunks)
 
 
-def reduce_router_stats(stats: RouterStats, group: dist.ProcessGroup) -> RouterStats:
-    """Sum each sequence's router statistics over the ranks holding its slices (with gradient)."""
-    return RouterStats(all_reduce_sum(stats.assignments, group), all_reduce_sum(stats.prob_sum, group),
-                       all_reduce_sum(stats.rows, group))
+class SequenceRouterSums(nn.Module):
+    """`MoETransformer.router_sums` for a sequence group: each sequence's router sums summed over
+    the ranks holding its slices (with gradient); each of the D ranks then holds them (`copies`)."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        super().__init__()
+        self.group = group
+        self.copies = dist.get_world_size(group)
+
+    def forward(self, stats: RouterStats) -> RouterStats:
+        return RouterStats(all_reduce_sum(stats.assignments, self.group), all_reduce_sum(stats.prob_sum, self.group),
+                           all_reduce_sum(stats.rows, self.group))
