@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from mop.parallel import DistLayout, Layout, LayoutError
 from mop.testing import DistributedError, run_distributed
+from layout_groups import LayoutGroups
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
@@ -150,14 +151,15 @@ def layout_groups(rank, world, *, layouts):
     for d, ep, p in layouts:
         lay = Layout(world, sequence=d, expert=ep, vocab=p)
         dl = DistLayout(lay, torch.device("cpu"))
+        g = LayoutGroups(lay)
         expected = {
             "world_group": list(range(world)),
-            "sequence_group": lay.sequence_group_of(rank),
-            "expert_group": lay.expert_group_of(rank),
-            "expert_p2p_group": lay.expert_group_of(rank),
-            "expert_replica_group": lay.expert_replica_group_of(rank),
-            "vocab_group": lay.vocab_group_of(rank),
-            "vocab_replica_group": lay.vocab_replica_group_of(rank),
+            "sequence_group": g.of("sequence", rank),
+            "expert_group": g.of("expert", rank),
+            "expert_p2p_group": g.of("expert", rank),
+            "expert_replica_group": g.of("expert_replica", rank),
+            "vocab_group": g.of("vocab", rank),
+            "vocab_replica_group": g.of("vocab_replica", rank),
         }
         for name, ranks in expected.items():
             group = getattr(dl, name)
@@ -169,7 +171,7 @@ def layout_groups(rank, world, *, layouts):
         # The p2p group is its own communicator, and LLEP's weight ring runs on it. Not at Ep=1:
         # gloo cannot send to self ("Pair is not connected"); LLEP copies locally instead.
         assert dl.expert_p2p_group is not dl.expert_group
-        block = lay.expert_group_of(rank)
+        block = g.of("expert", rank)
         if len(block) > 1:
             got = _ring(rank, world, torch.tensor([rank + 0.5]), dl.expert_p2p_group, block)
             assert got.item() == block[(block.index(rank) - 1) % len(block)] + 0.5
@@ -183,7 +185,7 @@ def layout_groups(rank, world, *, layouts):
         assert dl.sequence_mesh.mesh_dim_names == ("data", "sequence")
         assert dl.expert_mesh.mesh_dim_names == ("expert_replica", "expert")
         assert dl.vocab_mesh.mesh_dim_names == ("vocab_replica", "vocab")
-        assert dl.expert_replica_mesh.mesh.tolist() == lay.expert_replica_group_of(rank)
+        assert dl.expert_replica_mesh.mesh.tolist() == g.of("expert_replica", rank)
         assert dl.world_mesh.mesh.tolist() == list(range(world))
 
     try:

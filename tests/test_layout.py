@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mop.parallel import Layout, LayoutError, TorchrunEnv, backend_for, device_for, set_rank_threads
+from layout_groups import LayoutGroups
 
 WORLDS = [1, 2, 3, 4, 6, 8, 12, 16, 64]
 
@@ -20,47 +21,38 @@ def divisors(n):
 def check_layout(lay: Layout) -> None:
     """Every invariant of the module docstring, for one layout."""
     w = lay.world
-    seqs, experts, expert_reps = lay.sequence_groups(), lay.expert_groups(), lay.expert_replica_groups()
-    vocabs, vocab_reps = lay.vocab_groups(), lay.vocab_replica_groups()
+    g = LayoutGroups(lay)
     families = {
-        "sequence": (seqs, lay.sequence, "block"),
-        "expert": (experts, lay.expert, "block"),
-        "expert_replica": (expert_reps, lay.expert, "replica"),
-        "vocab": (vocabs, lay.vocab, "block"),
-        "vocab_replica": (vocab_reps, lay.vocab, "replica"),
+        "sequence": (g.sequence, lay.sequence, "block"),
+        "expert": (g.expert, lay.expert, "block"),
+        "expert_replica": (g.expert_replica, lay.expert, "replica"),
+        "vocab": (g.vocab, lay.vocab, "block"),
+        "vocab_replica": (g.vocab_replica, lay.vocab, "replica"),
     }
     for name, (groups, n, kind) in families.items():
         # A partition: every rank exactly once.
-        assert sorted(r for g in groups for r in g) == list(range(w)), name
-        for i, g in enumerate(groups):
+        assert sorted(r for group in groups for r in group) == list(range(w)), name
+        for i, group in enumerate(groups):
             if kind == "block":
-                assert g == list(range(i * n, (i + 1) * n)), name  # contiguous, in order
+                assert group == list(range(i * n, (i + 1) * n)), name  # contiguous, in order
             else:
-                assert g == list(range(i, w, n)), name  # strided by n, partition i
+                assert group == list(range(i, w, n)), name  # strided by n, partition i
         assert len(groups) == (w // n if kind == "block" else n), name
-
-    assert lay.data_parallel == len(seqs)
-    assert lay.expert_replicas == len(expert_reps[0]) == w // lay.expert
-    assert lay.vocab_replicas == len(vocab_reps[0]) == w // lay.vocab
+    assert lay.expert_groups() == g.expert
+    assert lay.vocab_replicas == len(g.vocab_replica[0]) == w // lay.vocab
 
     for r in range(w):
-        seq = lay.sequence_group_of(r)
-        assert seq == seqs[lay.data_index(r)]
-        assert seq.index(r) == lay.sequence_index(r)
-
-        eg, er = lay.expert_group_of(r), lay.expert_replica_group_of(r)
-        assert eg == experts[lay.expert_group_index(r)]
+        eg, er = g.of("expert", r), g.of("expert_replica", r)
         assert eg.index(r) == lay.expert_partition(r)
-        assert er == expert_reps[lay.expert_partition(r)]
-        assert er.index(r) == lay.expert_group_index(r)  # the FSDP shard index of the partition
+        assert er == g.expert_replica[lay.expert_partition(r)]
+        assert er.index(r) == g.index("expert", r)  # the FSDP shard index of the partition
         assert all(lay.expert_partition(q) == lay.expert_partition(r) for q in er)
         assert set(eg) & set(er) == {r}  # block x replica is a grid: they meet only at r
 
-        vg, vr = lay.vocab_group_of(r), lay.vocab_replica_group_of(r)
-        assert vg == vocabs[lay.vocab_group_index(r)]
+        vg, vr = g.of("vocab", r), g.of("vocab_replica", r)
         assert vg.index(r) == lay.vocab_shard(r)
-        assert vr == vocab_reps[lay.vocab_shard(r)]
-        assert vr.index(r) == lay.vocab_group_index(r)
+        assert vr == g.vocab_replica[lay.vocab_shard(r)]
+        assert vr.index(r) == g.index("vocab", r)
         assert set(vg) & set(vr) == {r}
 
 
@@ -78,29 +70,30 @@ def test_random_layouts(wdep):
 
 def test_design_example_w8():
     lay = Layout(world=8, sequence=4, expert=8, vocab=2)
-    assert lay.sequence_groups() == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert lay.data_parallel == 2
-    assert [lay.data_index(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
-    assert lay.expert_groups() == [list(range(8))]
-    assert lay.expert_replica_groups() == [[r] for r in range(8)]
+    g = LayoutGroups(lay)
+    assert g.sequence == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [g.index("sequence", r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]  # the data-parallel replica
+    assert lay.expert_groups() == g.expert == [list(range(8))]
+    assert g.expert_replica == [[r] for r in range(8)]
     assert [lay.expert_partition(r) for r in range(8)] == list(range(8))
-    assert lay.vocab_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert lay.vocab_replica_groups() == [[0, 2, 4, 6], [1, 3, 5, 7]]
-    assert lay.vocab_replica_group_of(5) == [1, 3, 5, 7]
+    assert g.vocab == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert g.vocab_replica == [[0, 2, 4, 6], [1, 3, 5, 7]] and lay.vocab_replicas == 4
+    assert g.of("vocab_replica", 5) == [1, 3, 5, 7] and lay.vocab_shard(5) == 1
 
 
 def test_expert_replicas_shard_one_partition():
     lay = Layout(world=8, expert=2)
-    assert lay.expert_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert lay.expert_replica_groups() == [[0, 2, 4, 6], [1, 3, 5, 7]]
-    assert lay.expert_replica_group_of(6) == [0, 2, 4, 6] and lay.expert_group_index(6) == 3
+    g = LayoutGroups(lay)
+    assert lay.expert_groups() == g.expert == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert g.expert_replica == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert g.of("expert_replica", 6) == [0, 2, 4, 6] and g.index("expert", 6) == 3 and lay.expert_partition(6) == 0
 
 
 def test_defaults_are_pure_data_parallel():
     lay = Layout(4)
     assert (lay.sequence, lay.expert, lay.vocab) == (1, 1, 1)
-    assert lay.sequence_groups() == [[0], [1], [2], [3]]
-    assert lay.expert_replica_groups() == [[0, 1, 2, 3]]
+    assert LayoutGroups(lay).sequence == [[0], [1], [2], [3]]
+    assert LayoutGroups(lay).expert_replica == [[0, 1, 2, 3]]
 
 
 def test_non_divisor_message():
@@ -141,7 +134,7 @@ def test_layout_error_is_value_error_and_layout_is_frozen():
 @pytest.mark.parametrize("rank", [-1, 4, 1.0])
 def test_rank_out_of_range(rank):
     with pytest.raises(ValueError, match="outside the world of 4"):
-        Layout(4, 2).sequence_group_of(rank)
+        Layout(4, 2).expert_partition(rank)
 
 
 def test_backend_for_device():

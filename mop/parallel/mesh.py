@@ -56,14 +56,6 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _blocks(world: int, n: int) -> list[list[int]]:
-    return [list(range(start, start + n)) for start in range(0, world, n)]
-
-
-def _replicas(world: int, n: int) -> list[list[int]]:
-    return [list(range(i, world, n)) for i in range(n)]
-
-
 def _block_of(n: int, rank: int) -> list[int]:
     start = rank - rank % n
     return list(range(start, start + n))
@@ -99,86 +91,25 @@ class Layout:
                     f"choose a divisor of {self.world}: {choices}"
                 )
 
-    # Group families: each a partition of range(world), members ascending.
-
-    def sequence_groups(self) -> list[list[int]]:
-        """Ulysses groups: blocks of D ranks that share one sequence."""
-        return _blocks(self.world, self.sequence)
+    # Groups are blocks of n consecutive ranks (sequence, expert, vocabulary) and the strided
+    # replicas across them (expert replicas, vocabulary replicas); `DistLayout` builds them.
 
     def expert_groups(self) -> list[list[int]]:
         """LLEP groups: blocks of Ep ranks that exchange tokens and expert weights."""
-        return _blocks(self.world, self.expert)
-
-    def expert_replica_groups(self) -> list[list[int]]:
-        """Group p: the W/Ep ranks that hold expert partition p and FSDP-shard it."""
-        return _replicas(self.world, self.expert)
-
-    def vocab_groups(self) -> list[list[int]]:
-        """Ring-loss groups: blocks of P ranks that together hold every vocabulary row."""
-        return _blocks(self.world, self.vocab)
-
-    def vocab_replica_groups(self) -> list[list[int]]:
-        """Group j: the W/P ranks holding vocabulary shard j, which all-reduce its gradient."""
-        return _replicas(self.world, self.vocab)
-
-    # Sizes.
-
-    @property
-    def data_parallel(self) -> int:
-        """Number of sequence groups, i.e. of sequences processed side by side: W // D."""
-        return self.world // self.sequence
-
-    @property
-    def expert_replicas(self) -> int:
-        """Ranks sharing (FSDP-sharding) one expert partition: W // Ep."""
-        return self.world // self.expert
+        return [list(range(start, start + self.expert)) for start in range(0, self.world, self.expert)]
 
     @property
     def vocab_replicas(self) -> int:
         """Ranks holding the same vocabulary shard: W // P."""
         return self.world // self.vocab
 
-    # Per-rank helpers. A rank's index inside its block group is its position (the *_index /
-    # partition / shard below); its index inside its replica group is its block index.
-
-    def data_index(self, rank: int) -> int:
-        """Which sequence group (data-parallel replica) the rank is in."""
-        return self._check(rank) // self.sequence
-
-    def sequence_index(self, rank: int) -> int:
-        """Which chunk of its group's sequence the rank holds."""
-        return self._check(rank) % self.sequence
-
-    def expert_group_index(self, rank: int) -> int:
-        """Which expert group; also the rank's FSDP shard index within its expert-replica group."""
-        return self._check(rank) // self.expert
-
     def expert_partition(self, rank: int) -> int:
-        """Which expert partition the rank owns (a shard of it)."""
+        """Which expert partition the rank owns (a shard of it): its position in its expert group."""
         return self._check(rank) % self.expert
 
-    def vocab_group_index(self, rank: int) -> int:
-        """Which vocabulary group; also the rank's index within its vocab-replica group."""
-        return self._check(rank) // self.vocab
-
     def vocab_shard(self, rank: int) -> int:
-        """Which block of V/P vocabulary rows the rank holds."""
+        """Which block of V/P vocabulary rows the rank holds: its position in its vocabulary group."""
         return self._check(rank) % self.vocab
-
-    def sequence_group_of(self, rank: int) -> list[int]:
-        return _block_of(self.sequence, self._check(rank))
-
-    def expert_group_of(self, rank: int) -> list[int]:
-        return _block_of(self.expert, self._check(rank))
-
-    def expert_replica_group_of(self, rank: int) -> list[int]:
-        return _replica_of(self.world, self.expert, self._check(rank))
-
-    def vocab_group_of(self, rank: int) -> list[int]:
-        return _block_of(self.vocab, self._check(rank))
-
-    def vocab_replica_group_of(self, rank: int) -> list[int]:
-        return _replica_of(self.world, self.vocab, self._check(rank))
 
     def _check(self, rank: int) -> int:
         if not _is_int(rank) or not 0 <= rank < self.world:
