@@ -73,6 +73,14 @@ def step_micro_batches(config: Config, world: int) -> int:
     return config.train.global_batch // groups // config.train.micro_batch
 
 
+def check_settings(config: Config, world: int) -> None:
+    """A step's sequences split evenly over the data groups, then into micro-batches (`rank_batches`)."""
+    t, groups = config.train, world // config.parallel.sequence
+    if t.global_batch % (groups * t.micro_batch):
+        raise ConfigError("train.global_batch", f"{t.global_batch} must be a multiple of data groups ({groups}) x "
+                          f"train.micro_batch ({t.micro_batch}); e.g. {groups * t.micro_batch}")
+
+
 def build_optimizer(model: torch.nn.Module, config: Config, runtime: Runtime) -> Optimizer:
     """torch AdamW on the device or, with `optim.offload`, the host optimizer (`mop.optim.optimizer`)."""
     o = config.optim

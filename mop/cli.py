@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 import typing
 
@@ -17,6 +16,7 @@ from mop.bench import BENCHMARKS
 from mop.bench import load as load_benchmark
 from mop.config import Config, field_docs, load_config, sections
 from mop.launch import RUN_ENDED, USER_ERRORS, failed_launch, launch, say_run_ended
+from mop.resolve import resolve
 from mop.runtime import under_torchrun
 from mop.train import train
 
@@ -75,9 +75,12 @@ def build_parser(benchmark: str | None = None) -> argparse.ArgumentParser:
 
 
 def run_train(config_path: str | None, overrides: list[str]) -> None:
-    # Under torchrun the layout is checked against its world (several nodes), not parallel.nproc.
-    config = load_config(config_path, overrides, world=int(os.environ["WORLD_SIZE"]) if under_torchrun() else None)
-    if under_torchrun() or config.parallel.strategy == "reference":
+    config = load_config(config_path, overrides)
+    if under_torchrun():  # resolved for the world torchrun started, once the ranks have joined
+        train(config)
+        return
+    config = resolve(config)
+    if config.parallel.strategy == "reference":
         train(config)
     else:
         launch(config)

@@ -4,10 +4,12 @@ Every field carries its docstring (the string literal under it); `mop train --he
 The dataclass defaults are the embedded default run (the tiny debug model on the shipped corpus);
 `configs/debug.toml` spells the same values out.
 
-Loading is strict: an unknown section or key (with a did-you-mean), a value of the wrong type,
-an out-of-range value or an impossible combination raises `ConfigError` (an impossible rank
-layout: `LayoutError`), whose one-line message names the key and the fix; the command line turns
-it into exit code 2.
+Loading is strict: an unknown section or key (with a did-you-mean) or a value of the wrong type
+raises `ConfigError`, whose one-line message names the key and the fix; the command line turns it
+into exit code 2. The loaded settings are raw: `mop.resolve.resolve` decides the automatic ones
+for the world and the device, runs the range and cross-field checks (each technique its own) and
+returns the one frozen config a run uses. This module depends on no other part of mop but the
+model's shape (`mop.models.config`).
 """
 
 from __future__ import annotations
@@ -16,17 +18,14 @@ import ast
 import dataclasses
 import difflib
 import inspect
-import math
 import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
 
 from mop.models.config import ModelConfig
-from mop.parallel.mesh import Layout
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -42,7 +41,7 @@ class ConfigError(ValueError):
         self.key = key
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelConfig:
     strategy: Literal["reference", "mop", "fsdp2"] = "mop"
     """"reference": one process, no sharding (the ground truth); "mop": the mixture of parallelisms;
@@ -91,7 +90,7 @@ class ParallelConfig:
     apart longer (a very slow checkpoint save on a shared file system)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataConfig:
     source: str = "builtin"
     """"builtin" (the shipped corpus) or a path to a .txt/.jsonl/.parquet/.bin file or a directory of them."""
@@ -110,7 +109,7 @@ class DataConfig:
     else a conventional end-of-text token it defines)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
     steps: int = 400
     """Optimizer steps to run."""
@@ -137,7 +136,7 @@ class TrainConfig:
     """With full activation checkpointing: keep the saved block inputs in host memory until the backward."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class OptimConfig:
     lr: float = 3e-3
     """Peak learning rate of AdamW."""
@@ -163,7 +162,7 @@ class OptimConfig:
     the copies (what `mop plan` picks when host memory is the limit)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class CheckpointConfig:
     every: int = 0
     """Save a checkpoint every this many steps (0: only the final one, see `final`)."""
@@ -189,7 +188,7 @@ class CheckpointConfig:
     so only for a deliberate change of vocabulary. A resumed run's data stream must still match."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class EvalConfig:
     every: int = 0
     """Evaluate the loss on held-out sequences every this many steps and after the last step (0: never).
@@ -205,7 +204,7 @@ class EvalConfig:
     of the data-parallel groups x train.micro_batch."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class LogConfig:
     run_dir: str = ""
     """Where metrics.jsonl, TensorBoard events and plots go; empty means runs/<UTC timestamp>."""
@@ -221,7 +220,7 @@ class LogConfig:
     """Steps between the plain progress lines written when stderr is not a terminal."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     """Architecture of the MoE transformer."""
@@ -277,7 +276,7 @@ def _coerce(key: str, value: Any, kind) -> Any:
 
 
 def apply(config: Config, values: dict[str, Any]) -> Config:
-    """Set `{section: {key: value}}` onto `config`, type-checked; unknown names raise."""
+    """A copy of `config` with `{section: {key: value}}` set, type-checked; unknown names raise."""
     known = sections()
     for section, entries in values.items():
         if section not in known:
@@ -286,11 +285,13 @@ def apply(config: Config, values: dict[str, Any]) -> Config:
             raise ConfigError(section, "is a section: set its keys, e.g. --train.steps=10")
         target = getattr(config, section)
         hints = typing.get_type_hints(type(target))
+        changes = {}
         for key, value in entries.items():
             name = f"{section}.{key}"
             if key not in hints:
                 raise ConfigError(name, f"unknown key; {_did_you_mean(key, hints)}")
-            setattr(target, key, _coerce(name, value, hints[key]))
+            changes[key] = _coerce(name, value, hints[key])
+        config = dataclasses.replace(config, **{section: dataclasses.replace(target, **changes)})
     return config
 
 
@@ -338,168 +339,45 @@ def load_model_config(path: str | Path) -> ModelConfig:
     return model
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = (), world: int | None = None) -> Config:
-    """Defaults, then the TOML file, then the command-line overrides; validated for `world` ranks
-    (torchrun's world size when it started the process; None: parallel.nproc, the ranks mop launches)."""
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Defaults, then the TOML file, then the command-line overrides, type-checked: the raw settings.
+    What depends on the world, the device or a technique is decided and checked once, where those
+    are known (`mop.resolve.resolve`)."""
     config = Config()
     if path is not None:
-        apply(config, read_toml(path))
+        config = apply(config, read_toml(path))
     for arg in overrides:
         section, key, text = parse_override(arg)
-        apply(config, {section: {key: _override_value(config, section, key, text)}})
-    validate(config, world)
-    # Returned unresolved: the automatic settings are decided again for the world size the run
-    # actually gets (under torchrun it is only known then).
+        config = apply(config, {section: {key: _override_value(config, section, key, text)}})
     return config
 
 
-def visible_gpus(device: str) -> int:
-    """The GPUs a local launch gives one rank each under `train.device = device`: 0 on the CPU."""
-    if device == "cpu" or not torch.cuda.is_available():
-        return 0
-    return torch.cuda.device_count()
+def check_fields(config: Config) -> None:
+    """Each resolved setting's own range: counts >= 1, rates and coefficients >= 0 (the model's
+    shape: `ModelConfig.validate`; the cross-field checks belong to the parts that use them)."""
+    positive(config, ["parallel.nproc", "parallel.attention_head_chunks", "parallel.llep_min_chunk",
+                      "train.max_skipped_steps", "log.progress_every", "parallel.timeout_s", "checkpoint.stop_grace_s",
+                      "eval.sequences", "parallel.llep_chunks", "data.seq_len", "train.steps", "train.global_batch",
+                      "train.micro_batch", "checkpoint.keep"])
+    at_least_zero(config, ["train.seed", "train.grad_clip", "optim.lr", "optim.warmup_steps", "optim.weight_decay",
+                           "optim.eps", "checkpoint.every", "eval.every"])
 
 
-def resolve(config: Config, world: int | None = None, local_world: int | None = None) -> Config:
-    """A copy with every automatic setting (0, "auto") decided for the strategy and the world size
-    (`world`: the real one once known; else parallel.nproc). Explicit settings are kept as given.
-
-    Automatic degrees divide `local_world`, the ranks of one node (default: the world): groups are
-    blocks of consecutive ranks and torchrun numbers a node's ranks consecutively, so every group
-    (Ulysses, experts, vocabulary ring) stays on the node's fast links."""
-    p, m = config.parallel, config.model
-    mop = p.strategy == "mop"
-    nproc = p.nproc or (1 if p.strategy == "reference" else visible_gpus(config.train.device) or 2)
-    world = world or nproc
-    node = math.gcd(world, local_world or world)
-
-    def largest(fits) -> int:
-        return max(n for n in range(1, node + 1) if node % n == 0 and fits(n)) if mop else 1
-
-    parallel = dataclasses.replace(
-        p, nproc=nproc,
-        sequence=p.sequence or largest(lambda n: m.heads % n == 0 and config.data.seq_len % n == 0
-                                       and (m.heads // n) % max(p.attention_head_chunks, 1) == 0),
-        expert=p.expert or largest(lambda n: m.experts % n == 0),
-        vocab=p.vocab or largest(lambda n: not m.tie_embeddings),
-        expert_balance=p.expert_balance if p.expert_balance != "auto" else ("llep" if mop else "ep"))
-    optim = dataclasses.replace(config.optim, offload=mop if config.optim.offload == "auto" else config.optim.offload)
-    return dataclasses.replace(config, parallel=parallel, optim=optim)
-
-
-def validate(config: Config, world: int | None = None, local_world: int | None = None) -> Config:
-    """Range and cross-field checks of the resolved config (see `resolve`), which is returned;
-    `world` is the real world size once known (else parallel.nproc), `local_world` a node's ranks."""
-    for key, message in config.model.validate():
-        raise ConfigError(f"model.{key}", message)
-    config = resolve(config, world, local_world)  # a negative degree stays, and the Layout names it
-    p, t, d = config.parallel, config.train, config.data
-    if world is None:  # mop launches the ranks itself, one per GPU
-        _check_local_gpus(p.nproc, t.device)
-    world = world or p.nproc
-    _positive(config, ["parallel.nproc", "parallel.attention_head_chunks", "parallel.llep_min_chunk", "train.max_skipped_steps", "log.progress_every",
-                       "parallel.timeout_s", "checkpoint.stop_grace_s", "eval.sequences",
-                       "parallel.llep_chunks", "data.seq_len",
-                       "train.steps", "train.global_batch", "train.micro_batch", "checkpoint.keep"])
-    _at_least_zero(config, ["train.seed", "train.grad_clip", "optim.lr", "optim.warmup_steps", "optim.weight_decay",
-                            "optim.eps", "checkpoint.every", "eval.every"])
-    if not 0 <= config.optim.min_lr_ratio <= 1:
-        raise ConfigError("optim.min_lr_ratio", f"must be in [0, 1], got {config.optim.min_lr_ratio}")
-    for key in ("beta1", "beta2"):
-        if not 0 <= getattr(config.optim, key) < 1:
-            raise ConfigError(f"optim.{key}", f"must be in [0, 1), got {getattr(config.optim, key)}")
-    if p.strategy == "reference" and world != 1:
-        raise ConfigError("parallel.strategy", f"'reference' runs one process but the world size is {world}; "
-                          "use --parallel.strategy=mop or --parallel.nproc=1")
-    Layout(world, p.sequence, p.expert, p.vocab)  # raises LayoutError naming the setting
-    if d.seq_len % p.sequence:
-        raise ConfigError("data.seq_len", f"{d.seq_len} is not divisible by parallel.sequence={p.sequence}")
-    heads = config.model.heads
-    if heads % p.sequence:
-        raise ConfigError("parallel.sequence", f"{p.sequence} does not divide model.heads={heads}; Ulysses gives "
-                          "each rank of a sequence group whole heads")
-    if (heads // p.sequence) % p.attention_head_chunks:
-        raise ConfigError("parallel.attention_head_chunks", f"{p.attention_head_chunks} does not divide the "
-                          f"{heads // p.sequence} heads per rank (model.heads / parallel.sequence)")
-    if p.vocab_token_block < 0:
-        raise ConfigError("parallel.vocab_token_block", f"must be >= 0 (0: automatic), got {p.vocab_token_block}")
-    for key in ("llep_gate", "llep_alpha"):
-        if getattr(p, key) <= 0:
-            raise ConfigError(f"parallel.{key}", f"must be > 0, got {getattr(p, key)}")
-    if t.offload_activations and t.activation_checkpointing == "none":
-        raise ConfigError("train.offload_activations", "offloads the checkpointed block inputs; also set "
-                          "--train.activation_checkpointing=full")
-    if config.model.experts % p.expert:
-        raise ConfigError("parallel.expert", f"{p.expert} does not divide model.experts={config.model.experts}")
-    if config.model.tie_embeddings and p.vocab > 1:
-        raise ConfigError("model.tie_embeddings", "tied embeddings need parallel.vocab=1; untie them or set "
-                          "--parallel.vocab=1")
-    _check_strategy_settings(config)
-    if not config.optim.speculative and not config.optim.offload:
-        raise ConfigError("optim.speculative", "applies to the host optimizer only; set --optim.offload=true or "
-                          "drop --optim.speculative=false")
-    groups = world // p.sequence
-    if t.global_batch % (groups * t.micro_batch):
-        raise ConfigError("train.global_batch", f"{t.global_batch} must be a multiple of data groups ({groups}) x "
-                          f"train.micro_batch ({t.micro_batch}); e.g. {groups * t.micro_batch}")
-    _check_eval(config.eval, groups * t.micro_batch)
-    return config
-
-
-def _check_local_gpus(nproc: int, device: str) -> None:
-    gpus = visible_gpus(device)
-    if gpus and nproc > gpus:
-        raise ConfigError("parallel.nproc", f"{nproc} local ranks but {gpus} visible GPU(s), and each rank needs its "
-                          f"own GPU; use --parallel.nproc={gpus} or fewer (0: one per GPU), or --train.device=cpu")
-
-
-def _check_eval(e: EvalConfig, unit: int) -> None:
-    if not 0 < e.fraction < 1:
-        raise ConfigError("eval.fraction", f"must be in (0, 1), got {e.fraction}")
-    if e.every and e.sequences % unit:
-        raise ConfigError("eval.sequences", f"{e.sequences} must be a multiple of data groups x train.micro_batch "
-                          f"({unit}); e.g. {max(1, e.sequences // unit) * unit}")
-
-
-# Settings that switch on one of mop's own techniques, with their off value and why the fsdp2
-# baseline (torch's pieces only) refuses them instead of silently ignoring them.
-_MOP_ONLY = {
-    "parallel.vocab": (1, "the fsdp2 baseline computes the full logits"),
-    "parallel.expert_balance": ("ep", "LLEP is mop's; the fsdp2 baseline runs standard expert parallelism"),
-    "parallel.llep_chunks": (1, "chunked expert parallelism is mop's; the fsdp2 baseline runs standard EP"),
-    "parallel.attention_head_chunks": (1, "head-chunked attention is mop's; the fsdp2 baseline runs plain Ulysses"),
-    "optim.offload": (False, "the host optimizer is mop's (the fsdp2 baseline offloads with "
-                             "--parallel.fsdp_cpu_offload=true)"),
-}
-
-
-def _check_strategy_settings(config: Config) -> None:
-    """Each strategy's own settings only where they apply (see `_MOP_ONLY`)."""
-    if config.parallel.strategy != "fsdp2":
-        if config.parallel.fsdp_cpu_offload:
-            raise ConfigError("parallel.fsdp_cpu_offload", "is the fsdp2 baseline's offload; set "
-                              "--parallel.strategy=fsdp2 (mop offloads with --optim.offload=true)")
-        return
-    for key, (off, reason) in _MOP_ONLY.items():
-        if _lookup(config, key) != off:
-            raise ConfigError(key, f"{reason}; set --{key}={str(off).lower()} or use --parallel.strategy=mop")
-
-
-def _lookup(config: Config, dotted: str):
+def lookup(config: Config, dotted: str):
     section, key = dotted.split(".")
     return getattr(getattr(config, section), key)
 
 
-def _positive(config: Config, keys: list[str]) -> None:
+def positive(config: Config, keys: list[str]) -> None:
     for key in keys:
-        if _lookup(config, key) < 1:
-            raise ConfigError(key, f"must be >= 1, got {_lookup(config, key)}")
+        if lookup(config, key) < 1:
+            raise ConfigError(key, f"must be >= 1, got {lookup(config, key)}")
 
 
-def _at_least_zero(config: Config, keys: list[str]) -> None:
+def at_least_zero(config: Config, keys: list[str]) -> None:
     for key in keys:
-        if _lookup(config, key) < 0:
-            raise ConfigError(key, f"must be >= 0, got {_lookup(config, key)}")
+        if lookup(config, key) < 0:
+            raise ConfigError(key, f"must be >= 0, got {lookup(config, key)}")
 
 
 def to_dict(config: Config) -> dict[str, dict[str, Any]]:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mop.config import Config
+from mop.config import Config, ConfigError
 from mop.data import Data, DataError, PackedDataset, SequenceStream, count_targets, load_token_stream, to_device
 from mop.metrics import drained_metrics
 from mop.runtime import sum_over_ranks
@@ -85,3 +85,14 @@ def evaluate(run) -> float:
     drained_metrics(run.model)  # the held-out forwards are no training step's routing
     ce, count = sum_over_ranks([ce_sum.item(), count_targets(batches)], runtime)
     return ce / count
+
+
+def check_settings(config: Config, world: int) -> None:
+    """The held-out share, and evaluation batches that split over the data groups like training's."""
+    e, t = config.eval, config.train
+    unit = world // config.parallel.sequence * t.micro_batch
+    if not 0 < e.fraction < 1:
+        raise ConfigError("eval.fraction", f"must be in (0, 1), got {e.fraction}")
+    if e.every and e.sequences % unit:
+        raise ConfigError("eval.sequences", f"{e.sequences} must be a multiple of data groups x train.micro_batch "
+                          f"({unit}); e.g. {max(1, e.sequences // unit) * unit}")

@@ -17,11 +17,12 @@ import uuid
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-from mop.config import Config, ConfigError, resolve
+from mop.config import Config, ConfigError
 from mop.data import DataError
 from mop.faults import CollectiveTimeout, Stopped, launch_failure, recorded_error, secondary
 from mop.models.hf import HFConversionError
 from mop.parallel.mesh import LayoutError
+from mop.resolve import ResolvedConfig
 from mop.run_dir import resolve_run_dir
 from mop.train import NothingToTrain, train
 
@@ -30,12 +31,13 @@ ONE_LINE_ERRORS = (*USER_ERRORS, CollectiveTimeout)  # what a rank records for t
 RUN_ENDED = (NothingToTrain, Stopped)  # not errors: rank 0 says why, and the exit code is theirs
 
 
-def launch(config: Config) -> list[dict]:
-    """Start `parallel.nproc` local ranks with torch's elastic launcher; rank 0's records come back."""
+def launch(config: ResolvedConfig) -> list[dict]:
+    """Start `parallel.nproc` local ranks with torch's elastic launcher; rank 0's records come back.
+    Each rank is given `config` as resolved here (for this world), and uses it as it is."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     launch_config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=resolve(config).parallel.nproc, run_id=f"mop-{uuid.uuid4().hex[:8]}",
+        min_nodes=1, max_nodes=1, nproc_per_node=config.parallel.nproc, run_id=f"mop-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1, start_method="spawn",
         **stop_grace(config, LaunchConfig))
     if not config.log.run_dir:

@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from mop.config import Config, ConfigError, validate, visible_gpus
+from mop.config import Config, ConfigError
 from mop.parallel.mesh import DistLayout, Layout, TorchrunEnv, device_for, init_distributed, set_rank_threads
+
+if TYPE_CHECKING:
+    from mop.resolve import ResolvedConfig
 
 
 @dataclass
@@ -51,24 +55,24 @@ def pick_device(config: Config, local_rank: int) -> torch.device:
     return device_for(local_rank)
 
 
-def setup_runtime(config: Config) -> tuple[Config, Runtime]:
+def setup_runtime(config: Config) -> tuple[ResolvedConfig, Runtime]:
     """Join the ranks (under torchrun) and build the layout; returns the config resolved for this
-    world size (`mop.config.resolve`) and where this process sits."""
+    world (`mop.resolve`: a config resolved for it already, as mop's launcher passes its ranks,
+    is used as it is) and where this process sits."""
+    from mop.resolve import ResolvedConfig, check_ranks_fit_gpus, resolve  # it imports the parts that import this
+
     if not under_torchrun():
-        config = validate(config, world=1)
+        config = config if isinstance(config, ResolvedConfig) and config.world == 1 else resolve(config, world=1)
         return config, Runtime(0, 1, pick_device(config, 0), None)
     env = TorchrunEnv.from_environ()
-    validate(config, world=env.world_size)  # a bad setting stops every rank before it joins
-    gpus = visible_gpus(config.train.device)
-    if gpus and env.local_world_size > gpus:
-        raise ConfigError("parallel.nproc", f"{env.local_world_size} ranks on this node but {gpus} visible GPU(s), "
-                          f"and each rank needs its own GPU; start at most {gpus} (torchrun --nproc_per_node={gpus})")
+    check_ranks_fit_gpus(env.local_world_size, config.train.device, "torchrun --nproc_per_node")
     device = pick_device(config, env.local_rank)
     if device.type == "cpu":
         set_rank_threads(env.local_world_size)
     timeout = timedelta(seconds=config.parallel.timeout_s)
     init_distributed(device, timeout)
-    config = validate(config, world=env.world_size, local_world=smallest_node(env.local_world_size, device))
+    if not (isinstance(config, ResolvedConfig) and config.world == env.world_size):
+        config = resolve(config, world=env.world_size, local_world=smallest_node(env.local_world_size, device))
     p = config.parallel
     layout = DistLayout(Layout(env.world_size, p.sequence, p.expert, p.vocab), device, timeout)
     return config, Runtime(env.rank, env.world_size, device, layout)

@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from mop.config import Config, load_config, validate
+from mop.config import Config, load_config
+from mop.resolve import resolve
 from mop.data import group_slice, sequence_shard
 from mop.models.transformer import IGNORE_INDEX, build_model, document_positions
 from mop.parallel import DistLayout, Layout
@@ -28,7 +29,7 @@ GLOBAL_BATCH = 4
 
 def make_config(world, *extra) -> Config:
     """The dense path alone: the other techniques explicitly off, `extra` switches what is tested on."""
-    return validate(load_config(None, [*MODEL, "--parallel.strategy=mop", f"--parallel.nproc={world}",
+    return resolve(load_config(None, [*MODEL, "--parallel.strategy=mop", f"--parallel.nproc={world}",
                                        "--parallel.sequence=1", "--parallel.expert=1", "--parallel.vocab=1",
                                        "--optim.offload=false", f"--train.global_batch={GLOBAL_BATCH}",
                                        "--train.micro_batch=1", *extra]), world)

@@ -11,7 +11,8 @@ import torch
 from torch.testing import assert_close
 
 from mop.build import build_run
-from mop.config import load_config, validate
+from mop.config import load_config
+from mop.resolve import resolve
 from mop.parallel import DistLayout, Layout
 from mop.runtime import Runtime
 from mop.testing import run_distributed
@@ -28,7 +29,7 @@ def _kind(p) -> str:
 
 
 def _one_step(rank, world, run_dir, foreach: bool):
-    config = validate(load_config(None, [*TINY, *LAYOUT, f"--log.run_dir={run_dir}"]), world)
+    config = resolve(load_config(None, [*TINY, *LAYOUT, f"--log.run_dir={run_dir}"]), world)
     runtime = Runtime(rank, world, torch.device("cpu"), DistLayout(Layout(world, 2, 2, 2), torch.device("cpu")))
     run = build_run(config, runtime)
     groups = run.optimizer.adamw.param_groups

@@ -17,7 +17,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mop.build import build_run
-from mop.config import load_config, validate
+from mop.config import load_config
+from mop.resolve import resolve
 from mop.parallel import DistLayout, Layout
 from mop.runtime import Runtime
 from mop.testing import run_distributed
@@ -116,7 +117,7 @@ VARIANTS = {"llep": [], "chunked-llep+ac+offload": ["--parallel.llep_chunks=2", 
 
 
 def _mop_syncs(rank, world, run_dir, extra):
-    config = validate(load_config(None, [*TINY, *MOP, *extra, f"--log.run_dir={run_dir}"]), world)
+    config = resolve(load_config(None, [*TINY, *MOP, *extra, f"--log.run_dir={run_dir}"]), world)
     layout = DistLayout(Layout(world, 2, 2, 2), torch.device("cpu"))
     return syncs_of_one_step(config, Runtime(rank, world, torch.device("cpu"), layout))
 
@@ -127,7 +128,7 @@ def check(result: dict) -> None:
 
 
 def test_reference_reads_the_device_once_per_moe_layer(tmp_path):
-    config = validate(load_config(None, [*TINY, f"--log.run_dir={tmp_path}"]), 1)
+    config = resolve(load_config(None, [*TINY, f"--log.run_dir={tmp_path}"]), 1)
     result = syncs_of_one_step(config, Runtime(0, 1, torch.device("cpu"), None))
     check(result)
     assert result["reads"] == ["tolist"]  # the expert counts, for the grouped GEMM's groups

@@ -12,7 +12,8 @@ import itertools
 import pytest
 import torch
 
-from mop.config import load_config, validate
+from mop.config import load_config
+from mop.resolve import resolve
 from mop.parallel import DistLayout, Layout
 from mop.testing import run_distributed
 from mop.runtime import Runtime
@@ -50,7 +51,7 @@ def _train_layouts(rank, world, base_dir, layouts, extra):
     results = {}
     for index, (sequence, expert, vocab) in layouts:
         args = [*FOUR, *layout_args(index, sequence, expert, vocab), *extra, f"--log.run_dir={base_dir}/{index}"]
-        config = validate(load_config(None, args), world)
+        config = resolve(load_config(None, args), world)
         layout = DistLayout(Layout(world, sequence, expert, vocab), torch.device("cpu"))
         results[(sequence, expert, vocab)] = curves(_train(config, Runtime(rank, world, torch.device("cpu"), layout)))
     return results

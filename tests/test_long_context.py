@@ -9,7 +9,8 @@ from torch.testing import assert_close
 import mop.models.attention
 import mop.parallel.llep_chunked
 from mop.bench.memory import PeakMemory
-from mop.config import load_config, validate
+from mop.config import load_config
+from mop.resolve import resolve
 from mop.data import build_data
 from mop.models.attention import Attention
 from mop.models.config import ModelConfig
@@ -87,7 +88,7 @@ def packed_batch(seq: int) -> dict:
 
 def _count_passes(rank, world, extra):
     """One micro-batch's forward and backward, counting the attention kernel and expert-chunk calls."""
-    config = validate(load_config(None, [*MODEL, *CHUNKED, *extra]), world)
+    config = resolve(load_config(None, [*MODEL, *CHUNKED, *extra]), world)
     counts = {"attention": 0, "expert chunks": 0}
 
     def counted(name, fn):

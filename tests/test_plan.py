@@ -23,7 +23,8 @@ import torch
 
 from mop.bench.e2e import Trainer, step_memory
 from mop.cli import main
-from mop.config import load_config, validate
+from mop.config import load_config
+from mop.resolve import resolve
 from mop.plan import CONFIGS, load_model, parse_tokens, presets
 from mop.plan.cluster import make_cluster
 from mop.plan.memory import estimate, parameter_counts
@@ -84,7 +85,7 @@ CASES = [
 
 
 def _config(world: int, settings: list[str]):
-    return validate(load_config(None, [*COMMON, f"--parallel.nproc={world}", *settings]), world)
+    return resolve(load_config(None, [*COMMON, f"--parallel.nproc={world}", *settings]), world)
 
 
 def _measure_all(rank: int, world: int, cases: list[list[str]]) -> list[dict]:
@@ -140,8 +141,8 @@ def test_the_planners_choice_is_accepted_by_mop_train(preset):
     assert chosen is not None and chosen.config.parallel.strategy == "mop"
     assert chosen.memory.peak_device_bytes <= cluster.budget_bytes
     # as `torchrun --nnodes 2 --nproc-per-node 8 -m mop.cli train <preset> <settings>` loads it
-    config = load_config(CONFIGS / f"{preset}.toml", train_settings(chosen), world=cluster.world)
-    resolved = validate(config, world=cluster.world, local_world=cluster.gpus_per_node)
+    config = load_config(CONFIGS / f"{preset}.toml", train_settings(chosen))
+    resolved = resolve(config, world=cluster.world, local_world=cluster.gpus_per_node)
     assert resolved.parallel == chosen.config.parallel
     assert estimate(resolved, cluster.world, 8).peak_device_bytes == chosen.memory.peak_device_bytes
 

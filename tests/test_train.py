@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from mop.cli import main
-from mop.config import ConfigError, load_config, validate
+from mop.config import ConfigError, load_config
+from mop.resolve import resolve
 from mop.metrics import read_metrics
 from mop.models.config import ModelConfig
 from mop.models.transformer import build_model
@@ -272,7 +273,7 @@ def test_a_run_ended_by_an_error_has_ended_its_worker_threads(tmp_path):
     """The host optimizer's threads end with the run, however it ends (here: non-finite steps), even
     while the error's traceback still holds the run: a rank then exits with its one line and code 2,
     not with a thread still inside torch. Every step's record is kept."""
-    config = validate(load_config(None, [*TINY, "--optim.offload=true", "--train.steps=6", "--optim.lr=1e30",
+    config = resolve(load_config(None, [*TINY, "--optim.offload=true", "--train.steps=6", "--optim.lr=1e30",
                                          "--optim.warmup_steps=0", "--train.max_skipped_steps=2",
                                          f"--log.run_dir={tmp_path}"]), 1)
     with pytest.raises(ConfigError, match="train.max_skipped_steps") as stopped:

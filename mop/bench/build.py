@@ -23,10 +23,11 @@ import torch
 from mop.bench.memory import ResidentGrowth
 from mop.bench.report import table, write_json
 from mop.build import build_model_shards
-from mop.config import load_config, validate
+from mop.config import load_config
 from mop.models.transformer import MoETransformer, build_model
 from mop.parallel import DistLayout, Layout
 from mop.parallel.parallelize import parallelize
+from mop.resolve import resolve
 from mop.runtime import Runtime
 from mop.testing import run_distributed
 
@@ -41,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _measure(rank: int, world: int, config_path: str, settings: list[str], path: str) -> dict:
-    config = validate(load_config(config_path, settings), world)
+    config = resolve(load_config(config_path, settings), world)
     p = config.parallel
     layout = DistLayout(Layout(world, p.sequence, p.expert, p.vocab), torch.device("cpu"))
     with ResidentGrowth() as growth:

@@ -37,7 +37,8 @@ from pathlib import Path
 import torch
 
 from mop.bench.report import table, write_json
-from mop.config import ConfigError, load_config, resolve
+from mop.config import ConfigError, load_config
+from mop.resolve import resolve
 
 PRESET = Path(__file__).resolve().parents[2] / "configs" / "long-context.toml"
 GB = 1e9

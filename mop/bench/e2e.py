@@ -106,6 +106,7 @@ from mop.bench.report import MIB, table, write_json
 from mop.build import TrainingRun, build_run
 from mop.config import ConfigError, load_config
 from mop.parallel import DistLayout, Layout
+from mop.resolve import resolve
 from mop.runtime import Runtime
 from mop.testing import run_distributed
 from mop.train import train_step, update
@@ -330,7 +331,7 @@ def step_memory(trainer: Trainer) -> dict:
 
 def measure_rank(rank: int, world: int, settings: list[str], documents: str, budget_bytes: int, steps: int) -> dict:
     """A warm-up step, a memory step, then `steps` timed steps if the worst rank fits the budget."""
-    trainer = Trainer(load_config(None, settings), rank, documents)
+    trainer = Trainer(resolve(load_config(None, settings), world), rank, documents)
     result = step_memory(trainer)
     worst = torch.tensor(result["device"])
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
@@ -436,7 +437,7 @@ def configurations(args) -> list[Variant]:
               *(fsdp2_variant(name) for name in fsdp2_names(args.fsdp2_configs))]
     for variant in chosen:
         try:
-            load_config(None, [*base_settings(args), f"--data.seq_len={args.min_context}", *variant.settings])
+            resolve(load_config(None, [*base_settings(args), f"--data.seq_len={args.min_context}", *variant.settings]))
         except ConfigError as err:
             kind, name = variant.name.split(" ", 1)
             raise ConfigError(f"--{kind}-configs", f"{name!r} makes an invalid config ({err})") from None

@@ -49,10 +49,11 @@ import torch
 
 from mop.bench.context import mop_train
 from mop.bench.report import table, write_json
-from mop.config import ConfigError, load_config, load_model_config, resolve
+from mop.config import ConfigError, load_config, load_model_config
 from mop.plan import parse_tokens
 from mop.plan.cluster import GIB, Cluster, make_cluster
 from mop.plan.search import Candidate, describe, evaluate
+from mop.resolve import resolve
 
 ROOT = Path(__file__).resolve().parents[2]
 HOST_SHARE = 0.8  # of the host memory, for the plan
@@ -119,7 +120,7 @@ def settings(args, world: int, layers: int, offload: str) -> list[str]:
 def candidate(args, cluster: Cluster, context: int, layers: int, offload: str) -> Candidate:
     """The run's config as `mop train` resolves it on the cluster, with its predicted memory."""
     overrides = [f"--data.seq_len={context}", *settings(args, cluster.world, layers, offload)]
-    config = resolve(load_config(args.config, overrides, world=cluster.world), cluster.world, cluster.world)
+    config = resolve(load_config(args.config, overrides), cluster.world, cluster.world)
     return evaluate(config, cluster)
 
 

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from mop.config import Config, ConfigError
 from mop.optim.host_adamw import HostAdamW
 from mop.optim.pipeline import GradientFeed
 
@@ -230,3 +231,13 @@ class HostOptimizer(Optimizer):
                 tensors.append(shard.master)
             total += sum(t.nbytes for t in tensors)
         return total
+
+
+def check_settings(config: Config, world: int) -> None:
+    """AdamW's decays, and the host optimizer's own switch only with the host optimizer."""
+    for key in ("beta1", "beta2"):
+        if not 0 <= getattr(config.optim, key) < 1:
+            raise ConfigError(f"optim.{key}", f"must be in [0, 1), got {getattr(config.optim, key)}")
+    if not config.optim.speculative and not config.optim.offload:
+        raise ConfigError("optim.speculative", "applies to the host optimizer only; set --optim.offload=true or "
+                          "drop --optim.speculative=false")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from mop.config import Config
+from mop.config import Config, ConfigError
 
 
 def lr_factor(step: int, warmup: int, steps: int, min_ratio: float) -> float:
@@ -18,3 +18,8 @@ def lr_factor(step: int, warmup: int, steps: int, min_ratio: float) -> float:
 def learning_rate(config: Config, step: int) -> float:
     o = config.optim
     return o.lr * lr_factor(step, o.warmup_steps, config.train.steps, o.min_lr_ratio)
+
+
+def check_settings(config: Config, world: int) -> None:
+    if not 0 <= config.optim.min_lr_ratio <= 1:
+        raise ConfigError("optim.min_lr_ratio", f"must be in [0, 1], got {config.optim.min_lr_ratio}")

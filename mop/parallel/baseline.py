@@ -37,7 +37,7 @@ config errors under this strategy (`mop.config`), never silently ignored.
 
 from __future__ import annotations
 
-from mop.config import Config
+from mop.config import Config, ConfigError, lookup
 from mop.models.transformer import MoETransformer
 from mop.parallel.experts import shard_experts
 from mop.parallel.fsdp import shard_dense
@@ -56,3 +56,27 @@ def parallelize_fsdp2(model: MoETransformer, layout: DistLayout, config: Config)
     apply_memory_options(model, config, layout.device)
     shard_dense(model, layout, dtype, offload=offload)
     return model
+
+
+# Settings that switch on one of mop's own techniques, with their off value and why the fsdp2
+# baseline (torch's pieces only) refuses them instead of silently ignoring them.
+_MOP_ONLY = {
+    "parallel.vocab": (1, "the fsdp2 baseline computes the full logits"),
+    "parallel.expert_balance": ("ep", "LLEP is mop's; the fsdp2 baseline runs standard expert parallelism"),
+    "parallel.llep_chunks": (1, "chunked expert parallelism is mop's; the fsdp2 baseline runs standard EP"),
+    "parallel.attention_head_chunks": (1, "head-chunked attention is mop's; the fsdp2 baseline runs plain Ulysses"),
+    "optim.offload": (False, "the host optimizer is mop's (the fsdp2 baseline offloads with "
+                             "--parallel.fsdp_cpu_offload=true)"),
+}
+
+
+def check_settings(config: Config, world: int) -> None:
+    """Each strategy's own settings only where they apply (see `_MOP_ONLY`)."""
+    if config.parallel.strategy != "fsdp2":
+        if config.parallel.fsdp_cpu_offload:
+            raise ConfigError("parallel.fsdp_cpu_offload", "is the fsdp2 baseline's offload; set "
+                              "--parallel.strategy=fsdp2 (mop offloads with --optim.offload=true)")
+        return
+    for key, (off, reason) in _MOP_ONLY.items():
+        if lookup(config, key) != off:
+            raise ConfigError(key, f"{reason}; set --{key}={str(off).lower()} or use --parallel.strategy=mop")

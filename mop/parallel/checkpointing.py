@@ -59,6 +59,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPO
 from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import checkpoint
 
+from mop.config import Config, ConfigError
 from mop.models.transformer import MoETransformer
 
 
@@ -200,3 +201,11 @@ def apply_activation_checkpointing(model: MoETransformer, offload: bool, pin_mem
         model.layers[index] = checkpoint_wrapper(block, checkpoint_fn=partial(checkpoint_block, offload=store))
     model.activation_offload = store
     return store
+
+
+def check_settings(config: Config, world: int) -> None:
+    """Activation offload keeps the checkpointed block inputs: it needs block checkpointing."""
+    t = config.train
+    if t.offload_activations and t.activation_checkpointing == "none":
+        raise ConfigError("train.offload_activations", "offloads the checkpointed block inputs; also set "
+                          "--train.activation_checkpointing=full")

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mop.config import Config, ConfigError
 from mop.models.moe import Experts, device_ints, expert_order
 from mop.parallel.checkpointing import KeepsForwardOutputs
 from mop.parallel.comms import all_gather_rows, all_to_all
@@ -208,3 +209,13 @@ def apply_expert_parallel(model, layout: DistLayout, options: BalanceOptions) ->
     for block in model.layers:
         if block.is_moe:
             block.mlp.experts = ExpertParallel(block.mlp.experts, layout, options)
+
+
+def check_settings(config: Config, world: int) -> None:
+    """Expert parallelism's own settings: whole experts per partition, positive LLEP thresholds."""
+    p = config.parallel
+    for key in ("llep_gate", "llep_alpha"):
+        if getattr(p, key) <= 0:
+            raise ConfigError(f"parallel.{key}", f"must be > 0, got {getattr(p, key)}")
+    if config.model.experts % p.expert:
+        raise ConfigError("parallel.expert", f"{p.expert} does not divide model.experts={config.model.experts}")

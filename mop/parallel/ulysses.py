@@ -55,6 +55,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mop.models.attention import AttentionCore
+from mop.config import Config, ConfigError
 from mop.models.documents import Documents
 from mop.models.families import model_spec
 from mop.models.moe import RouterStats
@@ -246,3 +247,17 @@ class SequenceRouterSums(nn.Module):
     def forward(self, stats: RouterStats) -> RouterStats:
         return RouterStats(all_reduce_sum(stats.assignments, self.group), all_reduce_sum(stats.prob_sum, self.group),
                            all_reduce_sum(stats.rows, self.group))
+
+
+def check_settings(config: Config, world: int) -> None:
+    """Ulysses' own settings: whole query heads per rank of a sequence group, in whole chunks, and
+    sequences that split evenly over it."""
+    p, heads = config.parallel, model_spec(config.model).attention.heads
+    if config.data.seq_len % p.sequence:
+        raise ConfigError("data.seq_len", f"{config.data.seq_len} is not divisible by parallel.sequence={p.sequence}")
+    if heads % p.sequence:
+        raise ConfigError("parallel.sequence", f"{p.sequence} does not divide model.heads={heads}; Ulysses gives "
+                          "each rank of a sequence group whole heads")
+    if (heads // p.sequence) % p.attention_head_chunks:
+        raise ConfigError("parallel.attention_head_chunks", f"{p.attention_head_chunks} does not divide the "
+                          f"{heads // p.sequence} heads per rank (model.heads / parallel.sequence)")

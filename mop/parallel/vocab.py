@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from mop.config import Config, ConfigError
 from mop.models.layers import compute_dtype_of
 from mop.models.transformer import IGNORE_INDEX, LMHead
 from mop.parallel.mesh import DistLayout
@@ -195,3 +196,13 @@ def replicated_parameters(model: nn.Module) -> dict[int, int]:
 
 def apply_vocab_parallel(model, layout: DistLayout, token_block: int) -> None:
     model.lm_head = VocabParallelHead(model.lm_head, layout, token_block, model.cfg.z_loss_coef)
+
+
+def check_settings(config: Config, world: int) -> None:
+    """The vocabulary ring's own settings: a tile size >= 0, and an output projection of its own."""
+    if config.parallel.vocab_token_block < 0:
+        raise ConfigError("parallel.vocab_token_block",
+                          f"must be >= 0 (0: automatic), got {config.parallel.vocab_token_block}")
+    if config.model.tie_embeddings and config.parallel.vocab > 1:
+        raise ConfigError("model.tie_embeddings", "tied embeddings need parallel.vocab=1; untie them or set "
+                          "--parallel.vocab=1")

@@ -24,16 +24,16 @@ them apart), and of those the one with the smallest device peak (the most headro
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from dataclasses import dataclass
 
-from mop.config import Config, ConfigError, validate
+from mop.config import Config, ConfigError, apply
 from mop.models.config import ModelConfig
 from mop.parallel.mesh import LayoutError
 from mop.plan.cluster import GIB, Cluster
 from mop.plan.memory import MemoryEstimate, estimate
 from mop.plan.speed import StepTime, step_time
+from mop.resolve import resolve
 
 CHUNKS = (1, 2, 4, 8)
 SPEED_RESOLUTION = 0.02
@@ -83,11 +83,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def base_config(model: ModelConfig, context: int) -> Config:
-    config = Config(model=model)
-    config.data.seq_len = context
-    config.train.dtype = "bfloat16"
-    config.train.device = "cuda"
-    return config
+    return apply(Config(model=model), {"data": {"seq_len": context}, "train": {"dtype": "bfloat16", "device": "cuda"}})
 
 
 def _settle(config: Config, cluster: Cluster, global_batch: int, micro_batch: int, tp: int = 1) -> Config | None:
@@ -100,10 +96,9 @@ def _settle(config: Config, cluster: Cluster, global_batch: int, micro_batch: in
     sequences = global_batch or groups * micro_batch
     if sequences % (groups * micro_batch):
         return None
-    config.train.micro_batch = micro_batch
-    config.train.global_batch = sequences * tp
+    config = apply(config, {"train": {"micro_batch": micro_batch, "global_batch": sequences * tp}})
     try:
-        return validate(config, world=cluster.world, local_world=cluster.gpus_per_node)
+        return resolve(config, world=cluster.world, local_world=cluster.gpus_per_node)
     except (ConfigError, LayoutError):
         return None
 
@@ -119,12 +114,11 @@ def mop_configs(model: ModelConfig, cluster: Cluster, context: int, global_batch
                 CHUNKS, MEMORY_OPTIONS.values(), OPTIMIZERS.values(), batches):
             if ep == 1 and llep_chunks > 1:
                 continue
-            config = base_config(model, context)
-            config.parallel = dataclasses.replace(
-                config.parallel, strategy="mop", nproc=node, sequence=d, expert=ep, vocab=vocab,
-                expert_balance="llep", attention_head_chunks=head_chunks, llep_chunks=llep_chunks)
-            config.train.activation_checkpointing, config.train.offload_activations = memory
-            config.optim.offload, config.optim.speculative = optimizer
+            config = apply(base_config(model, context), {
+                "parallel": dict(strategy="mop", nproc=node, sequence=d, expert=ep, vocab=vocab, expert_balance="llep",
+                                 attention_head_chunks=head_chunks, llep_chunks=llep_chunks),
+                "train": dict(activation_checkpointing=memory[0], offload_activations=memory[1]),
+                "optim": dict(offload=optimizer[0], speculative=optimizer[1])})
             settled = _settle(config, cluster, global_batch, micro)
             if settled is not None:
                 yield settled, 1
@@ -139,11 +133,11 @@ def fsdp2_configs(model: ModelConfig, cluster: Cluster, context: int, global_bat
             (False, True), BASELINE_MEMORY_OPTIONS.values()):
         if world % (cp * tp) or world % (ep * tp) or (model.heads // tp) % cp:
             continue
-        config = base_config(model, context)
-        config.parallel = dataclasses.replace(config.parallel, strategy="fsdp2", nproc=node, sequence=cp, expert=ep,
-                                              vocab=1, expert_balance="ep", fsdp_cpu_offload=offload)
-        config.train.activation_checkpointing, config.train.offload_activations = memory
-        config.optim.offload = False
+        config = apply(base_config(model, context), {
+            "parallel": dict(strategy="fsdp2", nproc=node, sequence=cp, expert=ep, vocab=1, expert_balance="ep",
+                             fsdp_cpu_offload=offload),
+            "train": dict(activation_checkpointing=memory[0], offload_activations=memory[1]),
+            "optim": dict(offload=False)})
         settled = _settle(config, cluster, global_batch, 1, tp)
         if settled is not None:
             yield settled, tp

@@ -1,0 +1,103 @@
+"""Raw settings in, one frozen resolved config out, built once where the world and device are known.
+
+`resolve(config, world, local_world)`:
+1. the model's shape is checked (`ModelConfig.validate`), then every automatic setting is
+   decided: `parallel.nproc` (one rank per visible GPU on CUDA, 2 on the CPU, 1 for the
+   reference strategy), the degrees D, Ep and P (under "mop" the largest that fit the model and
+   divide one node's ranks, so every group stays on a node's fast links; 1 otherwise),
+   `parallel.expert_balance` and `optim.offload`;
+2. each setting's own range (`mop.config.check_fields`), the launch (ranks against GPUs, the
+   reference strategy's one process), the layout (`mop.parallel.mesh.Layout`), and each part's
+   own cross-field checks in its own module (`CHECKS`);
+3. the result is a `ResolvedConfig`: the frozen settings plus the world and node size they were
+   resolved for. A run uses it as it is (`mop.runtime.setup_runtime` resolves only a raw config)
+   and writes it to the run directory as `config.json`.
+Every problem raises `ConfigError` (an impossible layout: `LayoutError`) naming the setting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from mop import build, evaluation
+from mop.config import Config, ConfigError, check_fields
+from mop.optim import optimizer, schedule
+from mop.parallel import baseline, checkpointing, llep, ulysses, vocab
+from mop.parallel.mesh import Layout
+
+# Each part's own cross-field checks, `check_settings(config, world)`, in this order.
+CHECKS = (checkpointing, vocab, llep, ulysses, baseline, optimizer, schedule, build, evaluation)
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedConfig(Config):
+    """Settings with every automatic value decided and every check passed, for `world` ranks."""
+
+    world: int = 0
+    """The ranks the settings were resolved for."""
+    local_world: int = 0
+    """The ranks of the smallest node, which the automatic degrees divide."""
+
+
+def visible_gpus(device: str) -> int:
+    """The GPUs a local launch gives one rank each under `train.device = device`: 0 on the CPU."""
+    if device == "cpu" or not torch.cuda.is_available():
+        return 0
+    return torch.cuda.device_count()
+
+
+def check_ranks_fit_gpus(ranks: int, device: str, setting: str) -> None:
+    """Each local rank needs its own GPU; `setting` is the one that sets `ranks` (mop's launcher:
+    --parallel.nproc; torchrun: --nproc_per_node)."""
+    gpus = visible_gpus(device)
+    if gpus and ranks > gpus:
+        raise ConfigError("parallel.nproc", f"{ranks} ranks on this node but {gpus} visible GPU(s), and each rank "
+                          f"needs its own GPU; start at most {gpus} ({setting}={gpus}), or use --train.device=cpu")
+
+
+def resolve(config: Config, world: int | None = None, local_world: int | None = None) -> ResolvedConfig:
+    """`config` resolved (module docstring) for `world` ranks (None: the ranks mop's launcher starts,
+    `parallel.nproc`, all on this node), whose smallest node runs `local_world` (default: all)."""
+    for key, message in config.model.validate():
+        raise ConfigError(f"model.{key}", message)
+    launched = world is None
+    config = _decide(config, world, local_world)
+    check_fields(config)
+    p = config.parallel
+    if launched:  # mop launches the ranks itself, one per GPU
+        check_ranks_fit_gpus(p.nproc, config.train.device, "--parallel.nproc")  # 0: one per GPU
+    if p.strategy == "reference" and config.world != 1:
+        raise ConfigError("parallel.strategy", f"'reference' runs one process but the world size is {config.world}; "
+                          "use --parallel.strategy=mop or --parallel.nproc=1")
+    Layout(config.world, p.sequence, p.expert, p.vocab)  # raises LayoutError naming the setting
+    for part in CHECKS:
+        part.check_settings(config, config.world)
+    return config
+
+
+def _decide(config: Config, world: int | None, local_world: int | None) -> ResolvedConfig:
+    """Every automatic value (0, "auto") decided; explicit settings kept as given (a negative degree
+    stays, and the layout names it)."""
+    p, m = config.parallel, config.model
+    mop = p.strategy == "mop"
+    nproc = p.nproc or (1 if p.strategy == "reference" else visible_gpus(config.train.device) or 2)
+    world = world or nproc
+    node = math.gcd(world, local_world or world)
+    heads = m.heads
+
+    def largest(fits) -> int:
+        return max(n for n in range(1, node + 1) if node % n == 0 and fits(n)) if mop else 1
+
+    parallel = dataclasses.replace(
+        p, nproc=nproc,
+        sequence=p.sequence or largest(lambda n: heads % n == 0 and config.data.seq_len % n == 0
+                                       and (heads // n) % max(p.attention_head_chunks, 1) == 0),
+        expert=p.expert or largest(lambda n: m.experts % n == 0),
+        vocab=p.vocab or largest(lambda n: not m.tie_embeddings),
+        expert_balance=p.expert_balance if p.expert_balance != "auto" else ("llep" if mop else "ep"))
+    optim = dataclasses.replace(config.optim, offload=mop if config.optim.offload == "auto" else config.optim.offload)
+    sections = {f.name: getattr(config, f.name) for f in dataclasses.fields(Config)}
+    return ResolvedConfig(**{**sections, "parallel": parallel, "optim": optim}, world=world, local_world=node)
