@@ -56,7 +56,8 @@ from mop.parallel.baseline import parallelize_fsdp2
 from mop.parallel.materialize import initial_values, materialize, write_weights
 from mop.parallel.parallelize import apply_memory_options, compute_dtype, parallelize
 from mop.parallel.views import GlobalViews
-from mop.parallel.vocab import replicated_parameters
+from mop.parallel.checkpointing import canonical_name
+from mop.parallel.placement import placements
 from mop.runtime import Runtime
 
 
@@ -85,7 +86,9 @@ def build_optimizer(model: torch.nn.Module, config: Config, runtime: Runtime) ->
     """torch AdamW on the device or, with `optim.offload`, the host optimizer (`mop.optim.optimizer`)."""
     o = config.optim
     groups = parameter_groups(model, o.weight_decay)
-    replicas = replicated_parameters(model)
+    record = placements(config.model, runtime.world, config.parallel.expert, config.parallel.vocab)
+    copies = {id(p): record[canonical_name(name)].replicas for name, p in model.named_parameters()}
+    replicas = {key: count for key, count in copies.items() if count > 1}  # a global norm counts them once
     if o.offload:
         host = HostAdamW(groups, betas=(o.beta1, o.beta2), eps=o.eps, speculative=o.speculative, replicas=replicas)
         return HostOptimizer(host, model, runtime.world_group, runtime.device)

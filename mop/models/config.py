@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 _TYPES = {"int": int, "float": (int, float), "bool": bool, "str": str}  # the field types, as annotations spell them
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     family: str = "qwen3_moe"
     """The model family (`mop.models.families`): its attention, its spec and its HF `model_type`."""

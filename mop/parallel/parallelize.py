@@ -40,13 +40,14 @@ import torch
 
 from mop.config import Config
 from mop.models.transformer import MoETransformer
-from mop.parallel.checkpointing import apply_activation_checkpointing
+from mop.parallel.checkpointing import apply_activation_checkpointing, canonical_name
 from mop.parallel.experts import shard_experts
 from mop.parallel.fsdp import shard_dense
 from mop.parallel.llep import BalanceOptions
 from mop.parallel.mesh import DistLayout
+from mop.parallel.placement import placements
 from mop.parallel.ulysses import apply_sequence_parallel
-from mop.parallel.vocab import VocabParallelHead, apply_vocab_parallel
+from mop.parallel.vocab import apply_vocab_parallel
 
 def compute_dtype(config: Config) -> torch.dtype:
     return torch.bfloat16 if config.train.dtype == "bfloat16" else torch.float32
@@ -68,6 +69,8 @@ def parallelize(model: MoETransformer, layout: DistLayout, config: Config) -> Mo
     if layout.layout.vocab > 1:
         apply_vocab_parallel(model, layout, p.vocab_token_block)
     apply_memory_options(model, config, layout.device)
-    vocab_shard = {model.lm_head.weight} if isinstance(model.lm_head, VocabParallelHead) else set()
-    shard_dense(model, layout, compute_dtype(config), ignored=vocab_shard)
+    shape = layout.layout
+    record = placements(config.model, shape.world, shape.expert, shape.vocab)
+    outside = {p for name, p in model.named_parameters() if not record[canonical_name(name)].fsdp_group}
+    shard_dense(model, layout, compute_dtype(config), ignored=outside)  # the ring's shard stays out of FSDP2
     return model

@@ -1,7 +1,8 @@
 """Global views: how each rank's local parameter tensors appear as parts of the unwrapped model's tensors.
 
 Every parameter of a parallelised model is a block of rows (dim 0) of one global tensor, named
-by the parameter's name in the unwrapped model (`canonical_name`):
+by the parameter's name in the unwrapped model (`canonical_name`), placed as the run's placement
+record says (`mop.parallel.placement`):
 - an FSDP2-sharded weight is a DTensor over the world (`Shard(0)`);
 - an expert partition (FSDP2 over the expert-replica group) is presented on a 2-D mesh
   `[expert, expert_replica]` (the expert mesh transposed, built without process groups) as
@@ -31,9 +32,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from mop.parallel.checkpointing import canonical_name
-from mop.parallel.llep import ExpertParallel
 from mop.parallel.mesh import DistLayout
-from mop.parallel.vocab import VocabParallelHead
+from mop.parallel.placement import placements
 
 
 @dataclass(frozen=True)
@@ -53,25 +53,27 @@ class GlobalViews:
         self.names = {id(p): canonical_name(n) for n, p in model.named_parameters()}
         self._place: dict[int, _Placement] = {}
         self._cpu_meshes: dict[int, DeviceMesh] = {}
-        expert_params = {id(p) for m in model.modules() if isinstance(m, ExpertParallel) for p in m.parameters()}
-        head = getattr(model, "lm_head", None)
+        shape = layout.layout if layout is not None else None
+        record = placements(model.cfg, shape.world, shape.expert, shape.vocab) if shape is not None else {}
         expert_mesh = None
         for param in model.parameters():
-            if id(param) in expert_params:
+            place = record.get(self.names[id(param)])
+            if shape is not None and place is None:
+                raise RuntimeError(f"{self.names[id(param)]} has no placement; mop.parallel.placement must list it")
+            if place is not None and place.fsdp_group == "expert_replica":
                 if expert_mesh is None:  # metadata only: no process groups are created
                     expert_mesh = _mesh_without_groups(layout.device.type, layout.expert_mesh.mesh.t(),
                                                        ("expert", "expert_replica"))
-                experts = param.shape[0] * layout.layout.expert  # a partition holds E/Ep experts
-                place = _Placement(expert_mesh, (Shard(0), Shard(0)), torch.Size((experts, *param.shape[1:])))
-            elif isinstance(head, VocabParallelHead) and param is head.weight:
-                ring = head.ring
-                place = _Placement(layout.vocab_mesh, (Replicate(), Shard(0)), torch.Size((ring.vocab, param.shape[1])),
-                                   rows=ring.valid_columns(ring.rank, param.shape[0]))
+                view = _Placement(expert_mesh, (Shard(0), Shard(0)), torch.Size(place.shape))
+            elif place is not None and not place.fsdp_group and place.partitions > 1:  # the ring's row shard
+                rows, first = param.shape[0], shape.vocab_shard(layout.rank) * param.shape[0]
+                view = _Placement(layout.vocab_mesh, (Replicate(), Shard(0)), torch.Size(place.shape),
+                                  rows=max(0, min(rows, place.shape[0] - first)))
             elif isinstance(param, DTensor):
-                place = _Placement(param.device_mesh, tuple(param.placements), param.shape)
+                view = _Placement(param.device_mesh, tuple(param.placements), param.shape)
             else:
-                place = _Placement(None, (), param.shape)
-            self._place[id(param)] = place
+                view = _Placement(None, (), param.shape)
+            self._place[id(param)] = view
 
     def global_shape(self, param: torch.Tensor) -> torch.Size:
         return self._place[id(param)].shape

@@ -174,8 +174,6 @@ class VocabParallelHead(nn.Module):
         rows = math.ceil(vocab / size)
         padded = F.pad(head.weight.detach(), (0, 0, 0, rows * size - vocab))
         self.weight = nn.Parameter(padded[shard * rows:(shard + 1) * rows].clone())
-        # Read by the global gradient norm (`replicated_parameters`): this shard exists on this many ranks.
-        self.replicas = layout.layout.vocab_replicas
         replicas = layout.vocab_replica_group if layout.layout.vocab_replicas > 1 else None
         self.ring = Ring(layout.vocab_group, replicas, shard, size, vocab, token_block or default_token_block(rows),
                          z_loss)
@@ -186,12 +184,6 @@ class VocabParallelHead(nn.Module):
 
     def loss_sum(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return _RingCrossEntropy.apply(h.reshape(-1, h.shape[-1]), self.weight, labels.reshape(-1), self.ring)
-
-
-def replicated_parameters(model: nn.Module) -> dict[int, int]:
-    """Parameters held identically on several ranks, by id, with their number of copies: the
-    vocabulary shards (a global gradient norm counts each once)."""
-    return {id(m.weight): m.replicas for m in model.modules() if isinstance(m, VocabParallelHead)}
 
 
 def apply_vocab_parallel(model, layout: DistLayout, token_block: int) -> None:

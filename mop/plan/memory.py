@@ -1,11 +1,11 @@
 """Per-rank device memory and per-node host memory of one training step, from the config alone.
 
 The model is the trainer's own rules, read from the same code, not a separate spreadsheet:
-- parameter shapes: the `MoETransformer` built on the meta device (no memory, any size);
-- who holds which rows: `mop.parallel.mesh.Layout` groups and FSDP2's dim-0 sharding (a rank holds
-  `ceil(rows / ranks)` rows of a sharded tensor: FSDP2 pads dim 0 to a multiple of the ranks);
-  expert partitions of E/Ep experts sharded over their W/Ep replicas (`mop.parallel.experts`);
-  the vocabulary shard `ceil(V/P)` rows, kept out of FSDP2 (`mop.parallel.vocab`);
+- parameter shapes and who holds which rows: the run's placement record (`mop.parallel.placement`,
+  from the `MoETransformer` built on the meta device): FSDP2's dim-0 sharding (a rank holds
+  `ceil(rows / ranks)` rows of a sharded tensor: FSDP2 pads dim 0 to a multiple of the ranks),
+  expert partitions of E/Ep experts sharded over their W/Ep replicas, the vocabulary shard
+  `ceil(V/P)` rows kept out of FSDP2;
 - dtypes: `mop.build.storage_dtype` for the stored weights, the compute dtype for gathered
   weights and activations (FSDP2's `param_dtype`), fp32 for gradients as FSDP2 reduces them;
 - the activations each option keeps (`mop.plan.activations`).
@@ -33,16 +33,14 @@ integer routing tables.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
 
-import torch
-
 from mop.build import step_micro_batches, storage_dtype
 from mop.config import Config
 from mop.models.config import ModelConfig
+from mop.parallel.placement import placements
 from mop.plan.activations import (FP32, Shapes, add, block_kept, block_saved, experts_backward_peak,
                                   experts_forward_peak, experts_saved, loss_working_set, mlp_saved, norm,
                                   router_saved, rows, shapes)
@@ -65,47 +63,32 @@ class ParameterCounts:
         return self.dense + self.experts + self.vocab
 
 
-def _shard(rows: int, ranks: int) -> int:
-    """Rows of dim 0 one rank holds when FSDP2 shards `rows` over `ranks` (padded to a multiple)."""
-    return -(-rows // ranks)
-
-
-@functools.lru_cache(maxsize=16)
-def _parameter_shapes(model: tuple) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    """(name, shape) of every parameter of the model built on the meta device (no memory, any size)."""
-    from mop.models.transformer import MoETransformer
-
-    with torch.device("meta"):
-        full = MoETransformer(ModelConfig(*model))
-    return tuple((name, tuple(param.shape)) for name, param in full.named_parameters())
-
-
 def parameter_counts(model: ModelConfig, world: int, expert: int, vocab: int, tp: int = 1) -> ParameterCounts:
-    return _parameter_counts(dataclasses.astuple(model), world, expert, vocab, tp)
+    return _parameter_counts(model, world, expert, vocab, tp)
 
 
 @functools.lru_cache(maxsize=4096)
-def _parameter_counts(model: tuple, world: int, expert: int, vocab: int, tp: int) -> ParameterCounts:
-    """Every parameter of the model assigned to its shard as the strategies place it. `tp` > 1: the
+def _parameter_counts(model: ModelConfig, world: int, expert: int, vocab: int, tp: int) -> ParameterCounts:
+    """Every parameter's shard as the run places it (`mop.parallel.placement`). `tp` > 1: the
     planner's tensor-parallel baseline, which splits every matrix over tp ranks and FSDP-shards
     over the world / tp."""
     dense = experts = head = total = 0
     units: dict[str, int] = {}
-    fsdp = world // tp
-    for name, shape in _parameter_shapes(model):
-        rows, row, numel = shape[0], math.prod(shape[1:]), math.prod(shape)
-        split = tp if len(shape) > 1 else 1
+    for name, place in placements(model, world // tp, expert, vocab).items():
+        numel = math.prod(place.shape)
+        split = tp if len(place.shape) > 1 else 1
+        local = place.local_rows * place.row_elements // split
         total += numel
         unit = ".".join(name.split(".")[:2]) if name.startswith("layers.") else "root"
-        if ".experts." in name:  # [E, ...]: E/Ep experts per partition, sharded over W/Ep replicas
-            per_partition = rows // expert
-            units[f"{unit}.experts"] = units.get(f"{unit}.experts", 0) + per_partition * row // split
-            experts += _shard(per_partition, max(1, fsdp // expert)) * row // split
-        elif name == "lm_head.weight" and vocab > 1:
-            head += _shard(rows, vocab) * row
+        if place.category == "expert":  # the gathered unit is one partition (E/Ep experts)
+            gathered = f"{unit}.experts"
+            units[gathered] = units.get(gathered, 0) + place.shape[0] // place.partitions * place.row_elements // split
+            experts += local
+        elif not place.fsdp_group:  # the vocabulary ring's row shard, never gathered
+            head += local
         else:
             units[unit] = units.get(unit, 0) + numel // split
-            dense += _shard(rows, fsdp) * row // split
+            dense += local
     blocks = [v for k, v in units.items() if not k.endswith("experts") and k != "root"]
     partitions = [v for k, v in units.items() if k.endswith(".experts")]
     return ParameterCounts(dense, experts, head, total, max(partitions, default=0), max(blocks))
