@@ -10,15 +10,15 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
 from mop import checkpoint
-from mop.bench.memory import ResidentGrowth
 from mop.build import build_model_shards, build_run
 from mop.config import ConfigError, load_config
-from mop.resolve import resolve
 from mop.models.transformer import build_model
 from mop.parallel import DistLayout, Layout
 from mop.parallel.views import GlobalViews
+from mop.resolve import resolve
 from mop.runtime import Runtime
 from mop.testing import run_distributed
+from mop.testing.memory import ResidentGrowth
 from test_train import TINY_RUN
 
 # About 1.08 GiB of fp32 parameters: 2 MoE layers of 16 experts (2 x 100M), embedding and head (2 x 33.5M).

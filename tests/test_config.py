@@ -10,8 +10,8 @@ import pytest
 
 from mop.cli import main
 from mop.config import Config, ConfigError, field_docs, load_config, sections
-from mop.resolve import resolve
 from mop.parallel import LayoutError
+from mop.resolve import resolve
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -12,12 +12,12 @@ import torch
 from torch.testing import assert_close
 
 from mop.config import Config, load_config
-from mop.resolve import resolve
 from mop.data import group_slice, sequence_shard
 from mop.models.transformer import IGNORE_INDEX, build_model, document_positions
 from mop.parallel import DistLayout, Layout
 from mop.parallel.checkpointing import canonical_name
 from mop.parallel.parallelize import apply_memory_options, parallelize
+from mop.resolve import resolve
 from mop.testing import run_distributed
 from mop.train import micro_batch_objective
 

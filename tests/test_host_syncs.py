@@ -18,8 +18,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mop.build import build_run
 from mop.config import load_config
-from mop.resolve import resolve
 from mop.parallel import DistLayout, Layout
+from mop.resolve import resolve
 from mop.runtime import Runtime
 from mop.testing import run_distributed
 from mop.train import forward_backward

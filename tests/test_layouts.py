@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from mop.config import load_config
-from mop.resolve import resolve
 from mop.parallel import DistLayout, Layout
-from mop.testing import run_distributed
+from mop.resolve import resolve
 from mop.runtime import Runtime
+from mop.testing import run_distributed
 from mop.train import _train
 from test_train import TINY, run
 

@@ -8,9 +8,7 @@ from torch.testing import assert_close
 
 import mop.models.attention
 import mop.parallel.llep_chunked
-from mop.bench.memory import PeakMemory
 from mop.config import load_config
-from mop.resolve import resolve
 from mop.data import build_data
 from mop.models.attention import Attention
 from mop.models.config import ModelConfig
@@ -19,8 +17,10 @@ from mop.models.transformer import IGNORE_INDEX, build_model, document_positions
 from mop.parallel import DistLayout, Layout
 from mop.parallel.checkpointing import canonical_name
 from mop.parallel.parallelize import parallelize
-from mop.testing import run_distributed
+from mop.resolve import resolve
 from mop.runtime import Runtime
+from mop.testing import run_distributed
+from mop.testing.memory import PeakMemory
 from mop.train import forward_backward
 from test_train import losses, run
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from mop.bench.memory import PeakMemory
+from mop.testing.memory import PeakMemory
 from mop.models.config import ModelConfig
 from mop.models.transformer import build_model
 from mop.parallel.checkpointing import apply_activation_checkpointing

@@ -5,7 +5,7 @@ Validation against measurement: small configurations on 2 and 4 CPU ranks, cover
 memory model has (D, Ep, P, head chunks, LLEP chunks, activation checkpointing and offload, the host
 optimizer or torch AdamW, micro-batches, contexts, the fsdp2 baseline with and without CP and CPU
 offload, dense layers and a shared expert). Each is trained for a warm-up step and a memory step by
-`mop bench e2e`'s own `Trainer` and measured by its `step_memory` (the persistent state read from
+`mop.testing.step`'s `Trainer` (what `mop bench e2e` runs) and measured by its `step_memory` (the persistent state read from
 the tensors plus the step's transient peak from `PeakMemory`, less what lives in host memory on a
 GPU machine), worst rank; `mop.plan.memory.estimate` predicts it from the config alone. The
 predicted peak must be within 10% of the measured one, and the parameter shards' bytes equal.
@@ -21,15 +21,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from mop.bench.e2e import Trainer, step_memory
 from mop.cli import main
 from mop.config import load_config
-from mop.resolve import resolve
 from mop.plan import CONFIGS, load_model, parse_tokens, presets
 from mop.plan.cluster import make_cluster
 from mop.plan.memory import estimate, parameter_counts
 from mop.plan.search import plan
+from mop.resolve import resolve
 from mop.testing import run_distributed
+from mop.testing.step import Trainer, step_memory
 
 MIB = 2**20
 MODEL = ["--model.vocab_size=8192", "--model.hidden=128", "--model.layers=2", "--model.heads=4", "--model.kv_heads=2",

@@ -15,11 +15,11 @@ import torch
 
 from mop.cli import main
 from mop.config import ConfigError, load_config
-from mop.resolve import resolve
 from mop.metrics import read_metrics
 from mop.models.config import ModelConfig
 from mop.models.transformer import build_model
 from mop.progress import StepProgress
+from mop.resolve import resolve
 from mop.runtime import Runtime
 from mop.testing import cuda_ranks_available
 from mop.train import _train

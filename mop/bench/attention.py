@@ -11,7 +11,7 @@ Part 2, the whole model (embedding, blocks, loss), forward + backward, at one se
 Data: the first sequence of the shipped corpus packed as `mop train` packs it, with its document
 boundaries (`--documents single`: the same tokens as one document). Memory is the peak of the
 tensors created during forward + backward on each rank (parameters, inputs and pre-allocated
-gradients excluded; see `mop.bench.memory`), reported per rank (the max
+gradients excluded; see `mop.testing.memory`), reported per rank (the max
 over ranks). With offload, the host copies are reported separately and not counted in the
 per-rank peak: on a GPU they live in host memory. Time is the mean wall time of forward +
 backward after one warm-up, max over ranks. Ranks get one intra-op thread each, so D=1 and D=2
@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 
-from mop.bench.memory import measure_step, preallocate_grads
 from mop.bench.report import MIB, table, write_json
 from mop.data import build_data, sequence_shard
 from mop.models.config import ModelConfig
@@ -36,6 +35,7 @@ from mop.parallel import DistLayout, Layout
 from mop.parallel.checkpointing import apply_activation_checkpointing
 from mop.parallel.ulysses import UlyssesAttention, apply_sequence_parallel
 from mop.testing import run_distributed
+from mop.testing.memory import measure_step, preallocate_grads
 from mop.train import micro_batch_objective
 
 

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import torch
 
-from mop.bench.memory import ResidentGrowth
 from mop.bench.report import table, write_json
 from mop.build import build_model_shards
 from mop.config import load_config
@@ -30,6 +29,7 @@ from mop.parallel.parallelize import parallelize
 from mop.resolve import resolve
 from mop.runtime import Runtime
 from mop.testing import run_distributed
+from mop.testing.memory import ResidentGrowth
 
 GB = 1e9
 

@@ -12,7 +12,7 @@ device) is sized alike, with at most as many blocks. A context where one block d
 not run.
 
 What runs (one rank per GPU) within `--budget` seconds (480: the defaults fit 8 minutes on one
-H100, under a remote runner's 10-minute limit): the CUDA tier, `pytest -m cuda -rs`, in at most
+H100, under a remote runner's 10-minute limit): the CUDA tier, `./mop.sh test -m cuda -rs`, in at most
 40% of it (the tests skipped for needing more GPUs are listed); then `mop train CONFIG`, `--steps`
 (3) bf16 steps with what the preset turns on (Ulysses, LLEP, the vocabulary ring, activation
 checkpointing with offload, the host optimizer) at the longest planned context, the next if it
@@ -40,7 +40,6 @@ import re
 import resource
 import signal
 import subprocess
-import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -59,6 +58,7 @@ ROOT = Path(__file__).resolve().parents[2]
 HOST_SHARE = 0.8  # of the host memory, for the plan
 TIER_SHARE = 0.4  # of the budget, for the CUDA tier
 RUNS = {"host_optimizer": "true", "torch_adamw": "false"}  # name -> optim.offload
+TESTED = re.compile(r"^(test suite|fast tests) on torch ")  # mop.sh test's own lines
 SKIPPED = re.compile(r"^SKIPPED \[(\d+)\] ([^:]+:\d+): (.*)$")  # pytest -rs: count, file:line, reason
 
 
@@ -173,13 +173,15 @@ def _measured(function, *args) -> dict:
 
 
 def cuda_tier(timeout: float, gpus: int) -> dict:
-    """`pytest -m cuda`: its summary line, and the skipped tests that need more than `gpus` GPUs."""
-    command = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-rs", "-p", "no:cacheprovider"]
+    """The README's test command on the CUDA tier (`./mop.sh test -m cuda`): pytest's summary line,
+    and the skipped tests that need more than `gpus` GPUs."""
+    command = [str(ROOT / "mop.sh"), "test", "-m", "cuda", "-q", "-rs", "-p", "no:cacheprovider"]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     except subprocess.TimeoutExpired:
         return {"returncode": None, "summary": f"took more than {timeout:.0f} s", "needs_more_gpus": []}
-    lines = done.stdout.strip().splitlines()
+    # mop.sh ends with a line per environment it tested; pytest's summary is the line before them.
+    lines = [line for line in done.stdout.strip().splitlines() if not TESTED.match(line)]
     skipped = [m.groups() for m in map(SKIPPED.match, lines) if m]
     return {"returncode": done.returncode, "summary": (lines or [done.stderr[-500:]])[-1],
             "needs_more_gpus": [f"{where} ({count} test(s)): {reason}" for count, where, reason in skipped
@@ -241,7 +243,7 @@ def report(args, results: dict) -> None:
     print(table("plan (mop.plan.memory)", ["context", "run", "layers", "params B", "device GiB/GPU", "host GiB",
                                            "layout"], rows))
     if tier := results.get("cuda_tier"):
-        print(f"CUDA tier (pytest -m cuda): {tier['summary']}")
+        print(f"CUDA tier (./mop.sh test -m cuda): {tier['summary']}")
         for line in tier["needs_more_gpus"]:
             print(f"  skipped, more than {gpus} GPU(s): {line}")
     if not args.dry_run and "host_optimizer" not in results:

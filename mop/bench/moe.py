@@ -13,7 +13,7 @@ re-runs the gate and up projections in its backward where LLEP keeps their outpu
 checkpointed block LLEP re-runs its whole forward in the block's recomputation and chunked LLEP
 does not (it returns its kept output), so there chunked LLEP computes fewer expert FLOPs (11
 GEMMs' worth per row against 12). Reported per scenario and mode: time (mean after a warm-up,
-the slowest rank, which is what a step waits for), the hot rank's transient peak memory (`mop.bench.memory`: every tensor created during forward +
+the slowest rank, which is what a step waits for), the hot rank's transient peak memory (`mop.testing.memory`: every tensor created during forward +
 backward, weights and inputs excluded), and the max/mean token load over ranks after the plan.
 Ratios are against EP in the same scenario of the same run.
 
@@ -32,7 +32,6 @@ from pathlib import Path
 
 import torch
 
-from mop.bench.memory import measure_step, preallocate_grads
 from mop.bench.report import MIB, table, write_json
 from mop.models.config import ModelConfig
 from mop.models.moe import Experts
@@ -41,6 +40,7 @@ from mop.parallel import DistLayout, Layout
 from mop.parallel.checkpointing import checkpoint_block
 from mop.parallel.llep import BalanceOptions, ExpertParallel
 from mop.testing import run_distributed
+from mop.testing.memory import measure_step, preallocate_grads
 
 MODES = ("bare", "checkpointed")
 SCENARIOS = [("balanced", 0.0, 0)] + [(f"{int(p * 100)}% -> {n}", p, n) for n in (1, 4, 16) for p in (0.3, 0.5, 0.8, 0.95)]

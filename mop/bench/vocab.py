@@ -6,7 +6,7 @@
 - ring: mop's vocabulary-parallel ring loss, the weight's rows sharded over P ranks.
 
 Every rank runs its own N tokens (W ranks, one intra-op thread each). Memory per rank = the
-weight it holds + the transient peak of forward + backward (`mop.bench.memory`: the weight's
+weight it holds + the transient peak of forward + backward (`mop.testing.memory`: the weight's
 gradient, the logit tiles, the ring's incoming shard and gradient buffers). Communication per rank
 is counted from the algorithm: the ring sends (P-1) weight shards forward and (P-1) shards plus P
 fp32 gradient buffers backward; full and chunked need the whole weight's gradient reduced across
@@ -25,13 +25,13 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from mop.bench.memory import measure_step
 from mop.bench.report import MIB, table, write_json
 from mop.models.config import ModelConfig
 from mop.models.transformer import IGNORE_INDEX, LMHead
 from mop.parallel import DistLayout, Layout
 from mop.parallel.vocab import VocabParallelHead, default_token_block
 from mop.testing import run_distributed
+from mop.testing.memory import measure_step
 
 GIB = 2**30
 
