@@ -17,6 +17,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import functools
 import inspect
 import sys
 import typing
@@ -252,8 +253,15 @@ def field_docs(cls) -> dict[str, str]:
     return docs
 
 
+@functools.cache
 def sections() -> dict[str, type]:
-    return {f.name: typing.get_type_hints(Config)[f.name] for f in dataclasses.fields(Config)}
+    return {f.name: hints(Config)[f.name] for f in dataclasses.fields(Config)}
+
+
+@functools.cache
+def hints(cls: type) -> dict[str, Any]:
+    """The field types of a config dataclass (evaluated once: the planner applies thousands of configs)."""
+    return typing.get_type_hints(cls)
 
 
 def _did_you_mean(name: str, options) -> str:
@@ -284,13 +292,13 @@ def apply(config: Config, values: dict[str, Any]) -> Config:
         if not isinstance(entries, dict):
             raise ConfigError(section, "is a section: set its keys, e.g. --train.steps=10")
         target = getattr(config, section)
-        hints = typing.get_type_hints(type(target))
+        types = hints(type(target))
         changes = {}
         for key, value in entries.items():
             name = f"{section}.{key}"
-            if key not in hints:
-                raise ConfigError(name, f"unknown key; {_did_you_mean(key, hints)}")
-            changes[key] = _coerce(name, value, hints[key])
+            if key not in types:
+                raise ConfigError(name, f"unknown key; {_did_you_mean(key, types)}")
+            changes[key] = _coerce(name, value, types[key])
         config = dataclasses.replace(config, **{section: dataclasses.replace(target, **changes)})
     return config
 
