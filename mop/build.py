@@ -170,19 +170,19 @@ class TrainingRun:
         params = [p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters()]
         count = max(1, sum(p.numel() for p in params))
         weights = sum(p.nbytes for p in params)
-        offloaded = self.optimizer.on_host
-        host_optimizer = self.optimizer.state_bytes() if offloaded else 0
+        offloaded, optimizer_bytes = self.optimizer.on_host, self.optimizer.state_bytes()
+        host_optimizer = optimizer_bytes if offloaded else 0
         on_host = self.config.parallel.fsdp_cpu_offload  # the fsdp2 baseline's CPU offload
         # torch AdamW's gradients live until the update, in the parameter's dtype; the host
         # optimizer's are released at hand-over.
         gradients = 0 if offloaded else weights
-        moments = 0 if offloaded else self.optimizer.state_bytes()
+        moments = 0 if offloaded else optimizer_bytes
         device = {"weights": 0 if on_host else weights, "gradients": 0 if on_host else gradients,
                   "optimizer": 0 if on_host else moments}
         host = {"weights": weights if on_host else 0, "gradients": gradients if on_host else 0,
                 "optimizer": host_optimizer + (moments if on_host else 0)}
         return {"mem_param_shards_bytes": weights, "mem_grad_shards_bytes": gradients,
-                "mem_optimizer_state_bytes": host_optimizer or moments, "mem_optimizer_on_host": offloaded,
+                "mem_optimizer_state_bytes": optimizer_bytes, "mem_optimizer_on_host": offloaded,
                 **{f"device_{k}_bytes": v for k, v in device.items()}, **{f"host_{k}_bytes": v for k, v in host.items()},
                 **{f"device_bytes_per_param_{k}": v / count for k, v in device.items()}}
 

@@ -50,9 +50,18 @@ class Placement:
     """How its gradient is reduced (module docstring)."""
 
     @property
+    def part_rows(self) -> int:
+        """Rows of one part, ceil(rows / partitions) (the last part is padded)."""
+        return -(-self.shape[0] // self.partitions)
+
+    @property
     def local_rows(self) -> int:
         """The most rows one rank holds (FSDP2 pads a shard to ceil(rows / ranks))."""
-        return -(-(-(-self.shape[0] // self.partitions)) // self.fsdp_ranks)
+        return -(-self.part_rows // self.fsdp_ranks)
+
+    def real_rows(self, part: int) -> int:
+        """Rows of part `part` inside the global tensor (the padding cut off)."""
+        return rows_in_part(self.shape[0], self.part_rows, part)
 
     @property
     def row_elements(self) -> int:
@@ -83,6 +92,12 @@ def _placements(model: ModelConfig, world: int, expert: int, vocab: int) -> tupl
 
 
 VOCABULARY = ("embed.weight", "lm_head.weight")
+
+
+def rows_in_part(total: int, part_rows: int, part: int) -> int:
+    """Of `total` rows cut into parts of `part_rows`, those part `part` really holds (a part of pure
+    padding holds none)."""
+    return max(0, min(part_rows, total - part * part_rows))
 
 
 def _reduce_scatter(ranks: int, group: str) -> str:

@@ -66,9 +66,8 @@ class GlobalViews:
                                                        ("expert", "expert_replica"))
                 view = _Placement(expert_mesh, (Shard(0), Shard(0)), torch.Size(place.shape))
             elif place is not None and not place.fsdp_group and place.partitions > 1:  # the ring's row shard
-                rows, first = param.shape[0], shape.vocab_shard(layout.rank) * param.shape[0]
                 view = _Placement(layout.vocab_mesh, (Replicate(), Shard(0)), torch.Size(place.shape),
-                                  rows=max(0, min(rows, place.shape[0] - first)))
+                                  rows=place.real_rows(shape.vocab_shard(layout.rank)))
             elif isinstance(param, DTensor):
                 view = _Placement(param.device_mesh, tuple(param.placements), param.shape)
             else:

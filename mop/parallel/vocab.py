@@ -37,6 +37,7 @@ from mop.config import Config, ConfigError
 from mop.models.layers import compute_dtype_of
 from mop.models.transformer import IGNORE_INDEX, LMHead
 from mop.parallel.mesh import DistLayout
+from mop.parallel.placement import rows_in_part
 
 TILE_BYTES = 64 * 2**20  # default budget of one fp32 logit tile
 
@@ -53,7 +54,7 @@ class Ring:
 
     def valid_columns(self, shard: int, rows: int) -> int:
         """Columns of shard `shard` inside the true vocabulary (a shard of pure padding has none)."""
-        return max(0, min(rows, self.vocab - shard * rows))
+        return rows_in_part(self.vocab, rows, shard)
 
     def shift(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list]:
         """Start sending `tensors` to rank-1 and receiving their successors from rank+1."""
