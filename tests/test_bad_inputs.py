@@ -268,6 +268,11 @@ def launched(id: str, argv: Callable[[Scene], list[str]], *names: str) -> Case:
     return Case(id, argv, names, fresh_process=True)
 
 
+def fast_loop_param(bad: Case):
+    """A pytest param of `bad`; a launch takes about 10 s, so launched cases are left out of the fast loop."""
+    return pytest.param(bad, id=bad.id, marks=pytest.mark.slow if bad.fresh_process else ())
+
+
 CONFIG = [
     case("unknown-key", lambda s: s.train("--train.stpes=3"), "train.stpes", "did you mean 'steps'"),
     case("unknown-section", lambda s: s.train("--trian.steps=3"), "trian", "did you mean 'train'"),
@@ -516,7 +521,7 @@ def run_in_a_fresh_process(argv: list[str]) -> tuple[int, str]:
     return done.returncode, done.stderr
 
 
-@pytest.mark.parametrize("bad", CASES, ids=[c.id for c in CASES])
+@pytest.mark.parametrize("bad", [fast_loop_param(c) for c in CASES])
 def test_bad_input_is_one_line_naming_it_with_exit_code_2(bad: Case, tmp_path, request, capfd):
     argv = bad.argv(Scene(tmp_path, request))
     code, err = run_in_a_fresh_process(argv) if bad.fresh_process else run_in_process(argv, capfd)

@@ -5,14 +5,14 @@ memory, as they do at the benchmark's size; the budget is set between plain fsdp
 first two contexts, measured first.
 """
 
-import argparse
 import json
 import statistics
 
 import pytest
 
-from mop.bench import e2e
 from mop.cli import main
+
+GIB = 2**30
 
 TINY = ["--vocab=2048", "--hidden=16", "--layers=2", "--heads=2", "--kv-heads=1", "--head-dim=8", "--experts=4",
         "--intermediate=16", "--head-chunks=1", "--llep-chunks=2", "--token-block=16", "--min-context=64",
@@ -20,20 +20,19 @@ TINY = ["--vocab=2048", "--hidden=16", "--layers=2", "--heads=2", "--kv-heads=1"
         "--steps=1", "--rounds=2"]
 
 
-def arguments(tmp_path, budget_gib: float) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    e2e.add_arguments(parser)
-    return parser.parse_args([*TINY, f"--budget-gib={budget_gib}", f"--out={tmp_path / 'e2e.json'}"])
+def bench(out, *argv: str) -> dict:
+    """What `mop bench e2e` writes to its JSON."""
+    assert main(["bench", "e2e", *TINY, *argv, f"--out={out}"]) == 0
+    return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_sweep_marks_oom_stops_the_configuration_and_writes_json_and_png(tmp_path):
-    probe = arguments(tmp_path, budget_gib=1.0)
-    plain = [e2e.measure(probe, e2e.fsdp2_variant("plain"), context)["device"] for context in (64, 128)]
-    assert plain[1] > plain[0]  # full logits: memory grows with the context
-    args = arguments(tmp_path, budget_gib=(plain[0] + plain[1]) / 2 / e2e.GIB)
-
-    results = e2e.run(args)
-    e2e.report(args, results)
+    probe = bench(tmp_path / "probe.json", "--budget-gib=1", "--max-context=128", "--mop-configs=plain")
+    plain = [r["device"] for r in probe["points"] if r["config"] == "fsdp2 plain"]
+    assert len(plain) == 2 and plain[1] > plain[0]  # full logits: memory grows with the context
+    out = tmp_path / "e2e.json"
+    results = bench(out, f"--budget-gib={(plain[0] + plain[1]) / 2 / GIB}")
 
     rows = {(r["config"], r["context"]): r for r in results["points"]}
     assert rows["fsdp2 plain", 64]["fits"] and not rows["fsdp2 plain", 128]["fits"]
@@ -56,9 +55,8 @@ def test_sweep_marks_oom_stops_the_configuration_and_writes_json_and_png(tmp_pat
     assert results["targets"]["speedup_at_longest_common_context"] == pytest.approx(
         statistics.median(match["mop_tokens_per_s"]) / statistics.median(match["fsdp2_tokens_per_s"]))
 
-    written = json.loads(args.out.read_text())
-    assert written["bench"] == "e2e" and written["points"] == results["points"]
-    assert args.out.with_suffix(".png").stat().st_size > 0
+    assert results["bench"] == "e2e"
+    assert out.with_suffix(".png").stat().st_size > 0
 
 
 def test_bad_configuration_names_the_option_and_exits_2(capsys):

@@ -256,6 +256,7 @@ def p2p_deadlock(rank, world):
     dist.recv(torch.empty(1), src=1 - rank)  # both ranks receive first: neither ever sends
 
 
+@pytest.mark.slow
 def test_deadlock_times_out():
     start = time.monotonic()
     with pytest.raises(TimeoutError, match=r"timed out after 5s: ranks \[0, 1\] were still running"):

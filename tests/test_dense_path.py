@@ -84,7 +84,8 @@ LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("world, extra", LAYOUTS, ids=[" ".join(e) + f" W={w}" for w, e in LAYOUTS])
+@pytest.mark.parametrize("world, extra", [pytest.param(w, e, id=" ".join(e) + f" W={w}", marks=pytest.mark.slow if i else ())
+                                          for i, (w, e) in enumerate(LAYOUTS)])
 def test_mop_dense_path_matches_the_reference(world, extra):
     config = make_config(world, *extra)
     reference_config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, sequence=1))

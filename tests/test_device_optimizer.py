@@ -7,6 +7,7 @@ group must hold one kind only. On the CPU torch defaults to the per-tensor loop;
 foreach, as CUDA's default does, and checks the step against the per-tensor loop's.
 """
 
+import pytest
 import torch
 from torch.testing import assert_close
 
@@ -43,6 +44,7 @@ def _one_step(rank, world, run_dir, foreach: bool):
     return kinds, local
 
 
+@pytest.mark.slow
 def test_foreach_adamw_steps_like_the_per_tensor_loop_on_every_kind_of_shard(tmp_path):
     looped = run_distributed(_one_step, 2, str(tmp_path / "loop"), False)
     fused = run_distributed(_one_step, 2, str(tmp_path / "foreach"), True)

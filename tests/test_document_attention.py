@@ -148,7 +148,7 @@ def _ulysses_cases(rank, world):
     return results
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.slow), 2, pytest.param(4, marks=pytest.mark.slow)])
 def test_ulysses_core_matches_the_dense_mask(world):
     per_rank = run_distributed(_ulysses_cases, world)
     tokens = SEQ // world

@@ -223,6 +223,7 @@ def _wait_in_a_collective_a_peer_never_joins(rank: int, world: int):
     return outcome
 
 
+@pytest.mark.slow
 def test_a_hung_collective_is_named_within_the_timeout():
     (message, waited), _ = run_distributed(_wait_in_a_collective_a_peer_never_joins, 2)
     assert message.startswith("parallel.timeout_s: all_reduce over the llep_weights group waited longer than the timeout "

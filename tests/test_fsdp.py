@@ -46,7 +46,7 @@ def sharded_step(rank, world, cfg):
     return local_loss.item(), grads
 
 
-@pytest.mark.parametrize("world, tied", [(2, False), (4, False), (2, True)])
+@pytest.mark.parametrize("world, tied", [pytest.param(2, False, marks=pytest.mark.slow), pytest.param(4, False, marks=pytest.mark.slow), (2, True)])
 def test_fsdp_matches_the_single_process_gradients(world, tied):
     cfg = dataclasses.replace(CFG, tie_embeddings=tied)
     model = build_model(cfg, seed=3)

@@ -134,7 +134,7 @@ def test_reference_reads_the_device_once_per_moe_layer(tmp_path):
     assert result["reads"] == ["tolist"]  # the expert counts, for the grouped GEMM's groups
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", [pytest.param("llep", marks=pytest.mark.slow), "chunked-llep+ac+offload"])
 def test_mop_layout_reads_the_device_once_per_moe_layer(tmp_path, variant):
     for result in run_distributed(_mop_syncs, 2, str(tmp_path), VARIANTS[variant]):
         check(result)

@@ -82,7 +82,7 @@ CASES = [(world, ep, top_k, kind, mode, chunks) for world, ep in [(2, 2), (4, 2)
          for kind in ("balanced", "skewed", "empty") for mode in ("ep", "llep") for chunks in (1, 3)]
 
 
-@pytest.mark.parametrize("world, ep", [(2, 2), (4, 2), (4, 4)])
+@pytest.mark.parametrize("world, ep", [(2, 2), pytest.param(4, 2, marks=pytest.mark.slow), pytest.param(4, 4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("device", devices(4))
 def test_expert_parallel_matches_the_single_process_layer(world, ep, device):
     cases = [c for c in CASES if c[:2] == (world, ep)]
@@ -235,7 +235,7 @@ def zero_token_rank(rank, world, mode, chunks):
 
 
 @pytest.mark.parametrize("device", devices(2))
-@pytest.mark.parametrize("mode, chunks", [("ep", 1), ("llep", 1), ("llep", 3)])
+@pytest.mark.parametrize("mode, chunks", [pytest.param("ep", 1, marks=pytest.mark.slow), pytest.param("llep", 1, marks=pytest.mark.slow), ("llep", 3)])
 def test_a_rank_with_no_tokens_still_takes_part(mode, chunks, device):
     results = run_distributed(zero_token_rank, 2, mode, chunks, device=device)
     experts = reference_experts()

@@ -114,7 +114,7 @@ def _count_passes(rank, world, extra):
     return counts, grads, None if store is None else (store.peak_bytes, store.live_bytes)
 
 
-@pytest.mark.parametrize("checkpointing", [["--train.activation_checkpointing=full"],
+@pytest.mark.parametrize("checkpointing", [pytest.param(["--train.activation_checkpointing=full"], marks=pytest.mark.slow),
                                            ["--train.activation_checkpointing=full",
                                             "--train.offload_activations=true"]])
 def test_checkpointed_blocks_do_not_run_chunked_parts_a_third_time(checkpointing):

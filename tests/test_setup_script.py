@@ -13,9 +13,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_a_cuda_torch_of_python3_is_used_and_offline_set_up_is_one_line(tmp_path):
     repo = tmp_path / "repo"
     repo.mkdir()

@@ -251,7 +251,7 @@ def test_without_a_terminal_progress_is_a_plain_line_every_n_steps():
     assert "\r" not in log.getvalue()
 
 
-@pytest.mark.parametrize("layout", [[], ["--parallel.strategy=mop", "--parallel.nproc=2"]])
+@pytest.mark.parametrize("layout", [[], pytest.param(["--parallel.strategy=mop", "--parallel.nproc=2"], marks=pytest.mark.slow)])
 def test_non_finite_steps_are_counted_and_stop_the_run_keeping_the_last_good_checkpoint(tmp_path, capfd, layout):
     """lr 1e30: step 0 is finite and its update makes every later gradient non-finite."""
     run_dir = tmp_path / "nan"

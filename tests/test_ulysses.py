@@ -69,7 +69,7 @@ def ulysses_cases(rank, world):
 
 
 @pytest.mark.parametrize("device", devices(4))
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_ulysses_matches_single_process_attention(world, device):
     per_rank = run_distributed(ulysses_cases, world, device=device)
     tokens = SEQ // world

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from mop.bench.report import MIB, table, write_json
+from mop.config import ConfigError
 from mop.models.config import ModelConfig
 from mop.models.moe import Experts
 from mop.models.transformer import init_weights
@@ -41,9 +42,9 @@ from mop.parallel.checkpointing import checkpoint_block
 from mop.parallel.llep import BalanceOptions, ExpertParallel
 from mop.testing import run_distributed
 from mop.testing.memory import measure_step, preallocate_grads
+from mop.testing.routing import SCENARIOS, skewed_routing
 
 MODES = ("bare", "checkpointed")
-SCENARIOS = [("balanced", 0.0, 0)] + [(f"{int(p * 100)}% -> {n}", p, n) for n in (1, 4, 16) for p in (0.3, 0.5, 0.8, 0.95)]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,23 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-chunk", type=int, default=256, help="LLEP m (the paper's 1024 is for 16-32K tokens per GPU)")
     parser.add_argument("--chunks", type=int, default=4, help="chunks of the memory-efficient variant")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--scenarios", default=",".join(name for name, _, _ in SCENARIOS),
+                        help="the scenarios to run, comma-separated (default: all)")
     parser.add_argument("--out", type=Path, default=Path("runs/bench/moe.json"))
-
-
-def routing(scenario: tuple, tokens: int, experts: int, top_k: int, seed: int):
-    """Expert ids `[tokens, k]` (distinct per token) and routing weights for one rank."""
-    _, hot_share, hot = scenario
-    g = torch.Generator().manual_seed(seed)
-    scores = torch.rand(tokens, experts, generator=g)
-    if hot:
-        # A hot pick outranks every uniform one: with probability hot_share per slot, the slot's
-        # expert is one of the hot experts (evenly), as the paper's "x% into n experts".
-        boost = (torch.rand(tokens, top_k, generator=g) < hot_share)
-        for slot in range(top_k):
-            chosen = torch.randint(0, hot, (tokens,), generator=g)
-            scores[torch.arange(tokens)[boost[:, slot]], chosen[boost[:, slot]]] += 2.0 + slot
-    expert_ids = scores.topk(top_k, dim=-1).indices
-    return expert_ids, torch.rand(tokens, top_k, generator=g)
 
 
 def expert_rank(rank, world, cfg: ModelConfig, scenario, options: BalanceOptions, tokens: int, repeats: int,
@@ -83,7 +70,7 @@ def expert_rank(rank, world, cfg: ModelConfig, scenario, options: BalanceOptions
     module = ExpertParallel(experts, layout, options)
     del experts
     preallocate_grads(module)
-    expert_ids, weights = routing(scenario, tokens, cfg.experts, cfg.top_k, seed=rank)
+    expert_ids, weights = skewed_routing(scenario, tokens, cfg.experts, cfg.top_k, seed=rank)
     x = torch.randn(tokens, cfg.hidden, generator=torch.Generator().manual_seed(100 + rank), requires_grad=True)
     weights.requires_grad_()
 
@@ -102,13 +89,29 @@ def expert_rank(rank, world, cfg: ModelConfig, scenario, options: BalanceOptions
             "weight_bytes_moved": record["weight_bytes_moved"]}
 
 
+def chosen_scenarios(args) -> list[tuple]:
+    """The scenarios `--scenarios` names, each with no more hot experts than `--experts`."""
+    known = {scenario[0]: scenario for scenario in SCENARIOS}
+    names = [name.strip() for name in args.scenarios.split(",")]
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise ConfigError("--scenarios", f"unknown scenario {unknown[0]!r}; use some of {', '.join(known)}")
+    chosen = [known[name] for name in names]
+    hot = max(scenario[2] for scenario in chosen)
+    if args.experts < hot:
+        raise ConfigError("--experts", f"{args.experts} is fewer than the {hot} hot experts of the chosen scenarios; "
+                                       f"use --experts >= {hot}")
+    return chosen
+
+
 def run(args) -> dict:
+    scenarios = chosen_scenarios(args)
     cfg = ModelConfig(hidden=args.hidden, experts=args.experts, top_k=args.top_k, expert_intermediate=args.intermediate)
     variants = {"ep": BalanceOptions("ep"),
                 "llep": BalanceOptions("llep", min_chunk=args.min_chunk),
                 f"llep chunks={args.chunks}": BalanceOptions("llep", min_chunk=args.min_chunk, chunks=args.chunks)}
     rows = []
-    for scenario in SCENARIOS:
+    for scenario in scenarios:
         for mode in MODES:
             base = None
             for name, options in variants.items():

@@ -1,10 +1,10 @@
-"""`mop bench moe`'s routing generator: what its scenarios realise (no processes)."""
+"""The skewed routing `mop bench moe` runs: what its scenarios realise (no processes)."""
 
-from mop.bench.moe import routing
+from mop.testing.routing import skewed_routing
 
 
 def hot_share(scenario, experts, top_k, tokens=2000):
-    expert_ids, _ = routing(scenario, tokens, experts, top_k, seed=0)
+    expert_ids, _ = skewed_routing(scenario, tokens, experts, top_k, seed=0)
     assert all(len(set(row)) == top_k for row in expert_ids.tolist())  # k distinct experts per token
     return float((expert_ids < scenario[2]).float().mean())
 

@@ -1,0 +1,50 @@
+"""Every `mop bench`, through the command line only: its help names what it measures and where it writes;
+at a tiny size it runs and writes its JSON (slow: each takes 10-60 s on 2 cores). `mop bench e2e` and
+`mop bench gpu` have their own files; `mop bench context` trains the long-context preset and has no tiny size."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mop.bench import BENCHMARKS
+from mop.cli import main
+
+TINY = {
+    "attention": ["--seq-lens=64", "--model-seq-len=64", "--hidden=32", "--heads=4", "--kv-heads=2", "--head-dim=8",
+                  "--layers=1", "--head-chunks=2", "--repeats=1"],
+    "build": [f"--config={Path(__file__).resolve().parents[1] / 'configs/debug.toml'}", "--layers=1", "--nproc=2"],
+    "moe": ["--tokens=64", "--hidden=16", "--intermediate=16", "--experts=16", "--min-chunk=8", "--chunks=2",
+            "--repeats=1", "--scenarios=balanced,95% -> 16"],
+    "optimizer": ["--shards=2", "--shard-size=1024", "--update-steps=2", "--steps=2"],
+    "plan": [],
+    "vocab": ["--tokens=64", "--vocabs=256", "--hidden=16"],
+}
+
+
+@pytest.mark.parametrize("name", list(BENCHMARKS))
+def test_the_help_of_every_benchmark_says_what_it_measures_and_where_it_writes(name, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", name, "--help"])
+    assert exited.value.code == 0
+    shown = capsys.readouterr().out
+    assert f"`mop bench {name}`" in shown and "--out" in shown
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(TINY))
+def test_a_tiny_run_writes_its_json(name, tmp_path):
+    out = tmp_path / f"{name}.json"
+    assert main(["bench", name, *TINY[name], f"--out={out}"]) == 0
+    written = json.loads(out.read_text())
+    assert written["bench"] == name and set(written) - {"bench", "when", "machine", "settings"}
+
+
+def test_the_moe_benchmark_refuses_fewer_experts_than_its_hot_ones_in_one_line(capsys, tmp_path):
+    assert main(["bench", "moe", "--experts=8", f"--out={tmp_path / 'moe.json'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("mop: error: --experts: 8 is fewer than the 16 hot experts") and "\n" not in err
+    assert main(["bench", "moe", "--scenarios=balanced,99% -> 1", f"--out={tmp_path / 'moe.json'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("mop: error: --scenarios: unknown scenario '99% -> 1'") and "\n" not in err
+
