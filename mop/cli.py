@@ -33,7 +33,24 @@ def config_reference() -> str:
             choices = "|".join(map(str, typing.get_args(kind))) if typing.get_origin(kind) is typing.Literal else ""
             lines.append(f"    {section}.{f.name} = {default!r}{'  (' + choices + ')' if choices else ''}")
             lines.append(f"        {docs.get(f.name, '')}")
+        if section == "model":
+            lines += family_options_reference()
     return "\n".join(lines)
+
+
+def family_options_reference() -> list[str]:
+    """Each family's own keys (`[model.options]`), with their defaults and docstrings."""
+    from mop.models.families import FAMILIES
+
+    lines = []
+    for family in FAMILIES.values():
+        if family.options:
+            docs = field_docs(family.options)
+            lines.append(f"    with model.family = {family.name!r}:")
+            for f in dataclasses.fields(family.options):
+                lines.append(f"      model.options.{f.name} = {getattr(family.options(), f.name)!r}")
+                lines.append(f"          {docs.get(f.name, '')}")
+    return lines
 
 
 class OneLineParser(argparse.ArgumentParser):

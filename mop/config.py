@@ -4,6 +4,9 @@ Every field carries its docstring (the string literal under it); `mop train --he
 The dataclass defaults are the embedded default run (the tiny debug model on the shipped corpus);
 `configs/debug.toml` spells the same values out.
 
+A model family's own hyper-parameters are the table `[model.options]` (`--model.options.KEY=VALUE`),
+read once `model.family` is known: a key the family does not take is an error naming it.
+
 Loading is strict: an unknown section or key (with a did-you-mean) or a value of the wrong type
 raises `ConfigError`, whose one-line message names the key and the fix; the command line turns it
 into exit code 2. The loaded settings are raw: `mop.resolve.resolve` decides the automatic ones
@@ -298,9 +301,36 @@ def apply(config: Config, values: dict[str, Any]) -> Config:
             name = f"{section}.{key}"
             if key not in types:
                 raise ConfigError(name, f"unknown key; {_did_you_mean(key, types)}")
-            changes[key] = _coerce(name, value, types[key])
-        config = dataclasses.replace(config, **{section: dataclasses.replace(target, **changes)})
+            if section != "model" or key != "options":  # the options are the family's: read once it is known
+                changes[key] = _coerce(name, value, types[key])
+        target = dataclasses.replace(target, **changes)
+        if section == "model" and "options" in entries:
+            target = dataclasses.replace(target, options=_family_options(target, entries["options"]))
+        config = dataclasses.replace(config, **{section: target})
     return config
+
+
+def _family_options(model: ModelConfig, table: Any):
+    """`model`'s options with the `[model.options]` table set: only keys its family takes, type-checked."""
+    from mop.models.families import FAMILIES  # the model's layers: only a config that sets options needs them
+
+    if model.family not in FAMILIES:
+        raise ConfigError("model.family", f"{model.family!r} is not a model family; use one of {', '.join(FAMILIES)}")
+    kind = FAMILIES[model.family].options
+    if not isinstance(table, dict):
+        raise ConfigError("model.options", "is a table of the family's keys: set them, e.g. --model.options.KEY=VALUE")
+    types = hints(kind) if kind else {}
+    for key in table:
+        if key not in types:
+            others = [name for name, family in FAMILIES.items() if family.options and key in hints(family.options)]
+            hint = f"it is a key of model.family={others[0]!r}" if others else _did_you_mean(key, types) if types else \
+                "it takes no options"
+            raise ConfigError(f"model.options.{key}", f"model.family={model.family!r} does not take it; {hint}")
+    if kind is None:  # an empty table
+        return None
+    base = model.options if isinstance(model.options, kind) else kind()
+    return dataclasses.replace(base, **{key: _coerce(f"model.options.{key}", value, types[key])
+                                        for key, value in table.items()})
 
 
 def parse_override(arg: str) -> tuple[str, str, str]:
@@ -312,9 +342,10 @@ def parse_override(arg: str) -> tuple[str, str, str]:
     return section, key, text
 
 
-def _override_value(config: Config, section: str, key: str, text: str) -> Any:
-    """Read the text as TOML (numbers, booleans); string-valued keys take it verbatim, quotes optional."""
-    kind = typing.get_type_hints(type(getattr(config, section, None))).get(key)
+def _override_value(target: Any, key: str, text: str) -> Any:
+    """Read the text as TOML (numbers, booleans); string-valued keys of `target` take it verbatim,
+    quotes optional."""
+    kind = typing.get_type_hints(type(target)).get(key)
     if typing.get_origin(kind) is Literal and text in ("true", "false") and True in typing.get_args(kind):
         return text == "true"
     if kind is str or typing.get_origin(kind) is Literal:
@@ -356,7 +387,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         config = apply(config, read_toml(path))
     for arg in overrides:
         section, key, text = parse_override(arg)
-        config = apply(config, {section: {key: _override_value(config, section, key, text)}})
+        target = getattr(config, section, None)
+        if section == "model" and key.startswith("options."):  # --model.options.KEY=VALUE: the family's
+            option = key.removeprefix("options.")
+            value = {"options": {option: _override_value(target.options, option, text)}}
+        else:
+            value = {key: _override_value(target, key, text)}
+        config = apply(config, {section: value})
     return config
 
 

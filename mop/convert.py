@@ -145,12 +145,14 @@ def import_tokenizer(hf_dir: Path, spec: str | None, eos_token: str | None, voca
 
 
 def config_toml(config: Config) -> str:
-    """model.toml: the [model] section that builds the imported model and the [data] settings that
-    name its tokenizer (JSON scalars are valid TOML values)."""
+    """model.toml: the [model] section (and its family's [model.options]) that builds the imported model
+    and the [data] settings that name its tokenizer (JSON scalars are valid TOML values)."""
     data = {"tokenizer": config.data.tokenizer}
     if config.data.eos_token:
         data["eos_token"] = config.data.eos_token
-    sections = {"model": asdict(config.model), "data": data}
+    model = asdict(config.model)
+    options = model.pop("options")
+    sections = {"model": model, **({"model.options": options} if options is not None else {}), "data": data}
     return "\n".join(f"[{name}]\n" + "".join(f"{key} = {json.dumps(value)}\n" for key, value in values.items())
                      for name, values in sections.items())
 

@@ -57,16 +57,27 @@ class ModelConfig:
     """Share the embedding matrix with the output projection."""
     init_std: float = 0.02
     """Standard deviation of the normal initialisation of every weight matrix."""
+    options: object = None
+    """The family's own hyper-parameters (`[model.options]`; its `Family.options`, listed per family
+    below); None for a family that has none."""
+
+    def __post_init__(self):
+        from mop.models.families import family_options  # the families import this module
+
+        object.__setattr__(self, "options", family_options(self.family, self.options))
 
     def validate(self) -> list[tuple[str, str]]:
         """Problems as (key, message) pairs; empty when the shape is buildable."""
-        problems = self._wrong_types()
+        problems = wrong_types(self)
         if problems:
             return problems
         from mop.models.families import FAMILIES  # the families import this module
 
         if self.family not in FAMILIES:
-            problems.append(("family", f"{self.family!r} is not a model family; use one of {', '.join(FAMILIES)}"))
+            return [("family", f"{self.family!r} is not a model family; use one of {', '.join(FAMILIES)}")]
+        problems = self._options_problems(FAMILIES[self.family].options)
+        if problems:
+            return problems
         for key in ("vocab_size", "hidden", "layers", "heads", "kv_heads", "head_dim", "experts", "top_k"):
             if getattr(self, key) < 1:
                 problems.append((key, f"must be >= 1, got {getattr(self, key)}"))
@@ -94,16 +105,29 @@ class ModelConfig:
                 problems.append((key, f"must be > 0, got {getattr(self, key)}"))
         return problems
 
-    def _wrong_types(self) -> list[tuple[str, str]]:
-        """Values that are not of their field's type (a float field takes an int too; a bool is no int):
-        possible from a hand-written config.json, whose values no TOML type check has seen."""
-        problems = []
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, bool) != (f.type == "bool") or not isinstance(value, _TYPES[f.type]):
-                problems.append((f.name, f"expects {f.type}, got {type(value).__name__} {value!r}"))
-        return problems
-
     @property
     def moe_layers(self) -> int:
         return self.layers - self.dense_layers
+
+    def _options_problems(self, kind: type | None) -> list[tuple[str, str]]:
+        """The family's options: of its dataclass, of their types, valid by its own rules."""
+        if kind is None:
+            return [] if self.options is None else [
+                ("options", f"model.family={self.family!r} takes no options; remove [model.options]")]
+        if not isinstance(self.options, kind):
+            return [("options", f"{self.options!r} are not options of model.family={self.family!r}; its keys are "
+                                f"{', '.join(f.name for f in fields(kind))}")]
+        problems = wrong_types(self.options) + (self.options.validate() if hasattr(self.options, "validate") else [])
+        return [(f"options.{key}", message) for key, message in problems]
+
+
+def wrong_types(config) -> list[tuple[str, str]]:
+    """Values of a config dataclass that are not of their field's type (a float field takes an int
+    too; a bool is no int): possible from a hand-written config.json, whose values no TOML type check
+    has seen. Fields of another type than int, float, bool and str are checked by their owner."""
+    problems = []
+    for f in fields(config):
+        value, kind = getattr(config, f.name), f.type if isinstance(f.type, str) else f.type.__name__
+        if kind in _TYPES and (isinstance(value, bool) != (kind == "bool") or not isinstance(value, _TYPES[kind])):
+            problems.append((f.name, f"expects {kind}, got {type(value).__name__} {value!r}"))
+    return problems

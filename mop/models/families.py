@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+from dataclasses import fields, is_dataclass
+
 from mop.models import mixtral, qwen3_moe
 from mop.models.config import ModelConfig
 from mop.models.family import Family
 from mop.models.spec import ModelSpec
 
 FAMILIES: dict[str, Family] = {family.name: family for family in (qwen3_moe.FAMILY, mixtral.FAMILY)}
+
+
+def family_options(family: str, given):
+    """`given` (None, a table read from a config or a checkpoint, or an options object) as the options
+    dataclass of `family`; what does not fit is returned as it is, for `ModelConfig.validate` to name."""
+    kind = FAMILIES[family].options if family in FAMILIES else None
+    if kind is not None and isinstance(given, kind):
+        return given
+    if given is None or given == {} or is_dataclass(given) and given == type(given)():  # unset, or another family's defaults
+        return kind() if kind else None
+    if kind is not None and isinstance(given, dict) and set(given) <= {f.name for f in fields(kind)}:
+        return kind(**given)
+    return given
 
 
 def family_of(cfg: ModelConfig) -> Family:

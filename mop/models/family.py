@@ -1,6 +1,8 @@
 """What a model family is: its attention, its shape spec and its HF mapping, in one folder.
 
-A family folder (`mop/models/<family>/`, registered in `mop.models.families`) exports one `Family`.
+A family folder (`mop/models/<family>/`, registered in `mop.models.families`) exports one `Family`;
+the hyper-parameters only it has are its `options` dataclass (`model.options` in a config), so a new
+family adds no field to the shared `ModelConfig`.
 The shared layers (`mop.models.layers`: norms, RoPE, SwiGLU; `mop.models.moe`: the router and the
 stacked experts; `mop.models.attention`: grouped-query attention) stay shared; a block takes its
 attention from the family (`mop.models.transformer.Block`). The family's name is `model.family`
@@ -29,3 +31,7 @@ class Family:
     """The shape facts of a config of this family."""
     hf: HFMapping
     """Its Hugging Face config and checkpoint mapping."""
+    options: type | None = None
+    """Its own hyper-parameters beyond `ModelConfig`'s shared ones: a frozen dataclass with a docstring
+    per field (and, optionally, `validate() -> [(key, message)]`), set as `[model.options]` in a config
+    and `--model.options.KEY=VALUE`; `mop train --help` lists them per family. None: it has none."""
