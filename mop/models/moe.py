@@ -75,6 +75,40 @@ class Router(nn.Module):
         return probs, weights, expert_ids
 
 
+class GroupLimitedSigmoidRouter(nn.Module):
+    """DeepSeek-V3 / GLM-4.5 routing, in fp32: `scores = sigmoid(x W_r^T)`; for selection only, the
+    score-correction bias (a buffer: auxiliary-loss-free balancing moves it, the gradient never does)
+    is added; the experts are split into `groups` equal groups, a group scores the sum of its two best
+    corrected scores, and the top-k experts are chosen among the `groups_per_token` best groups. The
+    weights are the chosen experts' uncorrected scores, optionally renormalised (+1e-20, as the
+    reference), times `scaling` (`routed_scaling_factor`, applied in both cases).
+
+    The first output, what the load-balancing statistics sum, is the scores normalised over the
+    experts (DeepSeek-V3's sequence-wise balance loss uses these)."""
+
+    def __init__(self, cfg: ModelConfig, groups: int, groups_per_token: int, scaling: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.experts, cfg.hidden))
+        self.register_buffer("score_correction_bias", torch.zeros(cfg.experts, dtype=torch.float32))
+        self.top_k, self.norm_topk_prob = cfg.top_k, cfg.norm_topk_prob
+        self.groups, self.groups_per_token, self.scaling = groups, groups_per_token, scaling
+
+    def forward(self, x: torch.Tensor):
+        """`x [T, H]` -> (normalised fp32 scores [T, E], top-k weights [T, k], top-k expert ids [T, k])."""
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        choice = scores + self.score_correction_bias
+        per_group = choice.shape[-1] // self.groups
+        group_scores = choice.unflatten(-1, (self.groups, per_group)).topk(2, dim=-1).values.sum(-1)
+        best_groups = group_scores.topk(self.groups_per_token, dim=-1).indices
+        kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(-1, best_groups, True)
+        choice = choice.masked_fill(~kept.repeat_interleave(per_group, dim=-1), float("-inf"))
+        expert_ids = choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(-1, expert_ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return scores / scores.sum(dim=-1, keepdim=True), weights * self.scaling, expert_ids
+
+
 def expert_order(expert_ids: torch.Tensor, experts: int):
     """Sort token-expert assignments by expert: (order into the flat [T*k] list, counts per expert)."""
     flat = expert_ids.reshape(-1)
