@@ -33,13 +33,15 @@ class AttentionCore(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, qkv_bias: bool = False, rotary_dim: int | None = None):
+        """`qkv_bias`: biases on the q, k and v projections (never on o); `rotary_dim`: RoPE turns only
+        the first `rotary_dim` dims of each head (partial rotary; default all of them)."""
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = cfg.heads, cfg.kv_heads, cfg.head_dim
-        self.rope_theta = cfg.rope_theta
-        self.q_proj = nn.Linear(cfg.hidden, cfg.heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.rope_theta, self.rotary_dim = cfg.rope_theta, rotary_dim or cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden, cfg.heads * cfg.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
@@ -52,10 +54,16 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(batch, seq, self.kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rope_cos_sin(position_ids, self.head_dim, self.rope_theta, q.dtype)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = self._rotate(q, position_ids), self._rotate(k, position_ids)
         out = self.core(q, k, v, documents)
         return self.o_proj(out.reshape(batch, seq, self.heads * self.head_dim))
+
+    def _rotate(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        cos, sin = rope_cos_sin(position_ids, self.rotary_dim, self.rope_theta, x.dtype)
+        if self.rotary_dim == self.head_dim:
+            return apply_rope(x, cos, sin)
+        turned, kept = x.split([self.rotary_dim, self.head_dim - self.rotary_dim], dim=-1)
+        return torch.cat((apply_rope(turned, cos, sin), kept), dim=-1)
 
 
 @dataclass(frozen=True)

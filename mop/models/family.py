@@ -18,6 +18,7 @@ from torch import nn
 
 from mop.models.config import ModelConfig
 from mop.models.hf_mapping import HFMapping
+from mop.models.moe import Router
 from mop.models.spec import ModelSpec
 
 
@@ -31,6 +32,9 @@ class Family:
     """The shape facts of a config of this family."""
     hf: HFMapping
     """Its Hugging Face config and checkpoint mapping."""
+    router: Callable[[ModelConfig], nn.Module] = Router
+    """Builds one MoE layer's router: `(cfg) -> module(x [T, H]) -> (fp32 probabilities [T, E] the
+    balance statistics sum, weights [T, k], expert ids [T, k])`."""
     options: type | None = None
     """Its own hyper-parameters beyond `ModelConfig`'s shared ones: a frozen dataclass with a docstring
     per field (and, optionally, `validate() -> [(key, message)]`), set as `[model.options]` in a config

@@ -93,6 +93,10 @@ class GroupLimitedSigmoidRouter(nn.Module):
         self.top_k, self.norm_topk_prob = cfg.top_k, cfg.norm_topk_prob
         self.groups, self.groups_per_token, self.scaling = groups, groups_per_token, scaling
 
+    def reset_buffers(self) -> None:
+        with torch.no_grad():
+            self.score_correction_bias.zero_()
+
     def forward(self, x: torch.Tensor):
         """`x [T, H]` -> (normalised fp32 scores [T, E], top-k weights [T, k], top-k expert ids [T, k])."""
         scores = F.linear(x.float(), self.weight.float()).sigmoid()
@@ -237,8 +241,10 @@ class Experts(nn.Module):
 
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig):
+        from mop.models.families import family_of  # the families import this module
+
         super().__init__()
-        self.router = Router(cfg)
+        self.router = family_of(cfg).router(cfg)
         self.experts = Experts(cfg)
         self.shared = SwiGLU(cfg.hidden, cfg.shared_expert_intermediate) if cfg.shared_expert_intermediate else None
 

@@ -126,6 +126,13 @@ class MoETransformer(nn.Module):
         if self.cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
 
+    def reset_buffers(self) -> None:
+        """Give the buffers their initial values after `to_empty` left them uninitialised (a router's
+        score-correction bias starts at zero)."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "reset_buffers"):
+                module.reset_buffers()
+
     def hidden_states(self, input_ids, position_ids=None, document_ids=None):
         """Final-norm hidden states `[B, S, H]` and the router sums of every MoE layer."""
         if position_ids is None:
@@ -211,5 +218,6 @@ def build_model(cfg: ModelConfig, seed: int, device: torch.device | str = "cpu")
         model = MoETransformer(cfg)
     model.to_empty(device=device)
     model.tie_weights()  # `to_empty` replaces the parameters one module at a time
+    model.reset_buffers()
     init_weights(model, seed, cfg.init_std)
     return model

@@ -37,6 +37,7 @@ def materialize(model: MoETransformer, layout: DistLayout | None, device: torch.
     writes the real rows (the host optimizer's masters, then copied to the weights)."""
     model.to_empty(device=device)
     model.tie_weights()  # `to_empty` replaces plain parameters one module at a time
+    model.reset_buffers()
     views = GlobalViews(model, layout)
     with torch.no_grad():
         for param in model.parameters():

@@ -1,0 +1,68 @@
+"""GLM-4.5 / GLM-4.5-Air (`Glm4MoeForCausalLM`): grouped-query attention with q/k/v biases (none on
+o), partial rotary (the first `partial_rotary_factor` of each head, half-split within them),
+optional q/k RMSNorm before RoPE; DeepSeek-V3's routing (fp32 sigmoid scores, a score-correction
+bias for selection only, group-limited top-k, `routed_scaling_factor`) with shared experts and
+dense first layers. Everything but its options and its attention's spec is a shared module."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mop.models.attention import Attention, GQASpec
+from mop.models.config import ModelConfig
+from mop.models.family import Family
+from mop.models.glm4_moe import hf
+from mop.models.moe import GroupLimitedSigmoidRouter
+from mop.models.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class Options:
+    attention_bias: bool = False
+    """Biases on the q, k and v projections (o has none)."""
+    partial_rotary_factor: float = 0.5
+    """The share of each head's dims RoPE turns (the first ones)."""
+    groups: int = 1
+    """`n_group`: the experts split into this many equal groups for group-limited routing."""
+    groups_per_token: int = 1
+    """`topk_group`: a token's experts come from its best this many groups."""
+    routed_scaling_factor: float = 1.0
+    """Multiplies the routed experts' weights."""
+
+    def validate(self) -> list[tuple[str, str]]:
+        problems = []
+        if not 0 < self.partial_rotary_factor <= 1:
+            problems.append(("partial_rotary_factor", f"must be in (0, 1], got {self.partial_rotary_factor}"))
+        if not 1 <= self.groups_per_token <= self.groups:
+            problems.append(("groups_per_token", f"must be in [1, model.options.groups={self.groups}]"))
+        return problems
+
+
+def rotary_dim(cfg: ModelConfig) -> int:
+    return int(cfg.head_dim * cfg.options.partial_rotary_factor)
+
+
+@dataclass(frozen=True)
+class GLMAttentionSpec(GQASpec):
+    """GQA with optional q/k/v biases."""
+
+    qkv_bias: bool = False
+
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> "GLMAttentionSpec":
+        gqa = GQASpec.of(cfg)
+        return cls(gqa.heads, gqa.kv_heads, gqa.qk_head_dim, gqa.v_head_dim, gqa.hidden, gqa.qk_norm,
+                   cfg.options.attention_bias)
+
+    @property
+    def parameters(self) -> int:
+        return super().parameters + ((self.q_width + self.k_width + self.v_width) if self.qkv_bias else 0)
+
+
+FAMILY = Family(
+    "glm4_moe",
+    attention=lambda cfg: Attention(cfg, qkv_bias=cfg.options.attention_bias, rotary_dim=rotary_dim(cfg)),
+    spec=lambda cfg: ModelSpec(cfg, GLMAttentionSpec.of(cfg)), hf=hf,
+    router=lambda cfg: GroupLimitedSigmoidRouter(cfg, cfg.options.groups, cfg.options.groups_per_token,
+                                                 cfg.options.routed_scaling_factor),
+    options=Options)

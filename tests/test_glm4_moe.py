@@ -1,0 +1,55 @@
+"""glm4_moe against transformers' Glm4MoeForCausalLM: the same logits from the same weights (copied by
+name here; the HF mapping of `mop convert` is not written yet)."""
+
+import re
+
+import pytest
+import torch
+
+from mop.models.config import ModelConfig
+from mop.models.transformer import build_model
+from test_hf import HF_TO_MOP, batch, randomize
+
+transformers = pytest.importorskip("transformers")
+
+GLM_TO_MOP = [(r"\.mlp\.shared_experts\.", ".mlp.shared."),
+              (r"\.mlp\.gate\.e_score_correction_bias$", ".mlp.router.score_correction_bias"), *HF_TO_MOP]
+
+
+@pytest.mark.parametrize("bias, qk_norm, groups, groups_per_token, scaling", [
+    (True, True, 2, 1, 2.5), (False, False, 1, 1, 1.0), (True, False, 4, 2, 1.5)])
+def test_logits_equal_transformers(bias, qk_norm, groups, groups_per_token, scaling):
+    hf_config = transformers.Glm4MoeConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+        n_shared_experts=1, n_group=groups, topk_group=groups_per_token, routed_scaling_factor=scaling,
+        first_k_dense_replace=1, norm_topk_prob=True, attention_bias=bias, use_qk_norm=qk_norm,
+        partial_rotary_factor=0.5)
+    hf = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager")
+    randomize(hf, 0, ".mlp.gate.weight")
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, buffer in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=generator))
+
+    cfg = ModelConfig(family="glm4_moe", vocab_size=128, hidden=64, layers=3, heads=4, kv_heads=2, head_dim=16,
+                      qk_norm=qk_norm, norm_eps=hf_config.rms_norm_eps, rope_theta=hf_config.rope_parameters["rope_theta"],
+                      experts=8, top_k=2, expert_intermediate=32, shared_expert_intermediate=32, dense_layers=1,
+                      dense_intermediate=96, norm_topk_prob=True,
+                      options={"attention_bias": bias, "partial_rotary_factor": 0.5, "groups": groups,
+                               "groups_per_token": groups_per_token, "routed_scaling_factor": scaling})
+    mop = build_model(cfg, seed=0)
+    theirs = {**dict(hf.named_parameters()), **dict(hf.named_buffers())}
+    mine = {**dict(mop.named_parameters()), **dict(mop.named_buffers())}
+    renamed = {}
+    for name, tensor in theirs.items():
+        for pattern, replacement in GLM_TO_MOP:
+            name = re.sub(pattern, replacement, name)
+        renamed[name] = tensor
+    assert set(renamed) >= set(mine) and not set(mine) ^ {n for n in renamed if not n.endswith("inv_freq")}
+    with torch.no_grad():
+        for name, tensor in mine.items():
+            tensor.copy_(renamed[name])
+        input_ids = batch(2)
+        torch.testing.assert_close(mop(input_ids), hf(input_ids).logits, atol=1e-5, rtol=0)
