@@ -53,3 +53,29 @@ def test_logits_equal_transformers(bias, qk_norm, groups, groups_per_token, scal
             tensor.copy_(renamed[name])
         input_ids = batch(2)
         torch.testing.assert_close(mop(input_ids), hf(input_ids).logits, atol=1e-5, rtol=0)
+
+
+def test_load_hf_and_save_hf_round_trip_through_transformers(tmp_path):
+    from mop.models.hf import load_hf, save_hf
+
+    hf_config = transformers.Glm4MoeConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+        n_shared_experts=2, n_group=2, topk_group=1, routed_scaling_factor=2.5, first_k_dense_replace=1,
+        attention_bias=True, use_qk_norm=True, partial_rotary_factor=0.5)
+    hf = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager")
+    randomize(hf, 0, ".mlp.gate.weight")
+    with torch.no_grad():
+        for name, buffer in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=torch.Generator().manual_seed(3)))
+    hf.save_pretrained(tmp_path / "hf")
+    mop = load_hf(tmp_path / "hf")
+    assert mop.cfg.options.routed_scaling_factor == 2.5 and mop.cfg.shared_expert_intermediate == 64
+    input_ids = batch(2)
+    with torch.no_grad():
+        torch.testing.assert_close(mop(input_ids), hf(input_ids).logits, atol=1e-5, rtol=0)
+    save_hf(mop, tmp_path / "back")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back", attn_implementation="eager")
+    with torch.no_grad():
+        torch.testing.assert_close(again(input_ids).logits, hf(input_ids).logits, atol=1e-5, rtol=0)

@@ -116,7 +116,7 @@ class HFWeights:
         pieces = model_pieces(self.cfg, FAMILIES[self.cfg.family].hf, stacked)
         _check_keys(pieces, self.tensors, self.path)
         with torch.device("meta"):
-            shapes = {name: param for name, param in MoETransformer(self.cfg).named_parameters()}
+            shapes = dict(MoETransformer(self.cfg).state_dict(keep_vars=True))  # parameters and buffers
         self.pieces: dict[str, list[Piece]] = {}
         for piece in pieces:
             handle, file = self.tensors[piece.key]
@@ -165,8 +165,8 @@ def load_hf(path: str | Path, dtype: torch.dtype = torch.float32) -> MoETransfor
     """
     with HFWeights(path) as weights, torch.no_grad():
         model = empty_model(weights.cfg, dtype)
-        for name, param in model.named_parameters():
-            param.copy_(weights.rows(name, param.shape, 0, param.shape[0]))
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:  # a tied weight once
+            tensor.copy_(weights.rows(name, tensor.shape, 0, tensor.shape[0]))
     return model
 
 

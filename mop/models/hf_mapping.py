@@ -82,10 +82,11 @@ def required(hf: dict, key: str):
     return hf[key]
 
 
-def shared_config_from_hf(hf: dict, defaults: dict) -> dict:
+def shared_config_from_hf(hf: dict, defaults: dict, attention_bias: bool = False) -> dict:
     """The `ModelConfig` fields every family reads alike; `defaults`: the family's class defaults
-    for `rms_norm_eps`, `rope_theta` and `router_aux_loss_coef`."""
-    check_shared_features(hf)
+    for `rms_norm_eps`, `rope_theta` and `router_aux_loss_coef`; `attention_bias`: the family's
+    attention takes q/k/v biases (its own option)."""
+    check_shared_features(hf, attention_bias)
     heads = required(hf, "num_attention_heads")
     # transformers 5.x reads rope_parameters first and falls back to the 4.x top-level rope_theta.
     rope_theta = (hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta", defaults["rope_theta"]))
@@ -107,12 +108,12 @@ def shared_config_from_hf(hf: dict, defaults: dict) -> dict:
     )
 
 
-def check_shared_features(hf: dict) -> None:
+def check_shared_features(hf: dict, attention_bias: bool = False) -> None:
     """Raise on config settings that change the function the HF model computes and mop cannot."""
     if hf.get("hidden_act", "silu") != "silu":
         raise HFConversionError(f"config.json: hidden_act={hf['hidden_act']!r}; mop's experts use silu only")
-    if hf.get("attention_bias"):
-        raise HFConversionError("config.json: attention_bias=true; mop's attention projections have no bias")
+    if hf.get("attention_bias") and not attention_bias:
+        raise HFConversionError(f"config.json: attention_bias=true; mop's {hf['model_type']} attention has no bias")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
