@@ -101,7 +101,7 @@ def build_model_shards(config: Config, runtime: Runtime,
     """This rank's parallelised model, its own shards allocated and (unless `initialise` is False,
     see `materialize`) initialised (module docstring, step 2)."""
     with torch.device("meta"):
-        model = MoETransformer(config.model).to(storage_dtype(config))
+        model = MoETransformer(config.model).cast_parameters(storage_dtype(config))
     strategy = config.parallel.strategy
     if strategy == "mop":
         model = parallelize(model, runtime.layout, config)

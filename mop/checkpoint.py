@@ -59,6 +59,7 @@ from mop.config import Config, ConfigError
 from mop.data.tokenizer import AnyTokenizer, describe
 from mop.models.hf import HFWeights
 from mop.optim.optimizer import Optimizer
+from mop.parallel.checkpointing import canonical_name
 from mop.parallel.materialize import write_weights
 from mop.parallel.views import GlobalViews
 
@@ -77,9 +78,17 @@ def _state(model, optimizer: Optimizer | None, views: GlobalViews, with_optimize
         master = optimizer.master(p) if optimizer is not None else None
         weights[views.names[id(p)]] = views.of(p) if master is None else views.of(p, master, host=optimizer.on_host)
     state = {"model": weights, "rng": {"cpu": torch.get_rng_state()}}
+    buffers = named_buffers(model)
+    if buffers:  # whole on every rank (DCP writes a replicated tensor once); none before glm4_moe's router
+        state["buffers"] = buffers
     if with_optimizer:
         state["optim"] = {views.names[id(p)]: _moments(p, optimizer, views) for p in model.parameters()}
     return state
+
+
+def named_buffers(model) -> dict[str, torch.Tensor]:
+    """The model's buffers by their name in the unwrapped model."""
+    return {canonical_name(name): buffer for name, buffer in model.named_buffers()}
 
 
 def _moments(param, optimizer: Optimizer, views: GlobalViews) -> dict:
@@ -288,3 +297,6 @@ def _load_hf_weights(path: Path, meta: dict, model, optimizer: Optimizer | None,
             raise ConfigError("checkpoint.resume", f"{source} has changed since it was imported into {path}; "
                               "import it again with mop convert from-hf")
         write_weights(model, views, weights.rows, optimizer)
+        with torch.no_grad():
+            for name, buffer in named_buffers(model).items():
+                buffer.copy_(weights.rows(name, buffer.shape, 0, buffer.shape[0]))

@@ -79,3 +79,32 @@ def test_load_hf_and_save_hf_round_trip_through_transformers(tmp_path):
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back", attn_implementation="eager")
     with torch.no_grad():
         torch.testing.assert_close(again(input_ids).logits, hf(input_ids).logits, atol=1e-5, rtol=0)
+
+
+def test_a_checkpoint_keeps_the_score_correction_bias_and_bf16_storage_keeps_it_fp32(tmp_path):
+    from mop import checkpoint
+    from mop.config import Config
+    from mop.data.tokenizer import ByteTokenizer
+    from mop.optim.optimizer import DeviceAdamW
+
+    def tiny():
+        cfg = ModelConfig(family="glm4_moe", vocab_size=32, hidden=16, layers=1, heads=2, kv_heads=1, head_dim=8,
+                          experts=4, expert_intermediate=8, options={"groups": 2})
+        model = build_model(cfg, seed=0)
+        return model, DeviceAdamW(torch.optim.AdamW(model.parameters()), model, None, torch.device("cpu"), {})
+
+    model, optimizer = tiny()
+    (bias,) = [b for n, b in model.named_buffers() if n.endswith("score_correction_bias")]
+    bias.copy_(torch.tensor([0.1, -0.2, 0.3, 0.0]))
+    checkpoint.save(tmp_path, 1, model, optimizer, checkpoint.GlobalViews(model, None), {"position": 0}, Config(), 1,
+                    ByteTokenizer())
+    fresh, fresh_optimizer = tiny()
+    checkpoint.load(tmp_path / "step_1", fresh, fresh_optimizer, checkpoint.GlobalViews(fresh, None))
+    assert torch.equal(dict(fresh.named_buffers())["layers.0.mlp.router.score_correction_bias"], bias)
+
+    with torch.device("meta"):
+        from mop.models.transformer import MoETransformer
+
+        stored = MoETransformer(model.cfg).cast_parameters(torch.bfloat16)
+    assert stored.embed.weight.dtype == torch.bfloat16
+    assert dict(stored.named_buffers())["layers.0.mlp.router.score_correction_bias"].dtype == torch.float32

@@ -174,7 +174,7 @@ def empty_model(cfg: ModelConfig, dtype: torch.dtype) -> MoETransformer:
     """Parameters allocated once, in `dtype` and uninitialised: the checkpoint fills every element."""
     with torch.device("meta"):
         model = MoETransformer(cfg)
-    model = model.to(dtype).to_empty(device="cpu")
+    model = model.cast_parameters(dtype).to_empty(device="cpu")
     model.tie_weights()  # to_empty gives each module a fresh Parameter, which unties the head
     return model
 

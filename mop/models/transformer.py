@@ -126,6 +126,15 @@ class MoETransformer(nn.Module):
         if self.cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
 
+    def cast_parameters(self, dtype: torch.dtype) -> "MoETransformer":
+        """The parameters in `dtype`; the buffers keep theirs (a router's fp32 score-correction bias,
+        which selection compares at fp32 resolution)."""
+        for module in self.modules():
+            for name, param in module.named_parameters(recurse=False):
+                setattr(module, name, nn.Parameter(param.to(dtype), requires_grad=param.requires_grad))
+        self.tie_weights()
+        return self
+
     def reset_buffers(self) -> None:
         """Give the buffers their initial values after `to_empty` left them uninitialised (a router's
         score-correction bias starts at zero)."""
