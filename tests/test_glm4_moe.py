@@ -108,3 +108,23 @@ def test_a_checkpoint_keeps_the_score_correction_bias_and_bf16_storage_keeps_it_
         stored = MoETransformer(model.cfg).cast_parameters(torch.bfloat16)
     assert stored.embed.weight.dtype == torch.bfloat16
     assert dict(stored.named_buffers())["layers.0.mlp.router.score_correction_bias"].dtype == torch.float32
+
+
+GLM_RUN = ["--model.family=glm4_moe", "--model.options.attention_bias=true", "--model.options.groups=2",
+           "--model.options.routed_scaling_factor=2.5", "--model.shared_expert_intermediate=32",
+           "--model.dense_layers=1", "--model.layers=3", "--model.aux_loss_coef=0"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("offload", ["false", "true"])
+def test_every_technique_at_once_trains_like_the_reference(tmp_path, offload):
+    from test_train import losses, run
+
+    reference = run(tmp_path, "reference", *GLM_RUN)
+    records = run(tmp_path, "all", *GLM_RUN, "--parallel.strategy=mop", "--parallel.nproc=2",
+                  "--parallel.sequence=2", "--parallel.expert=2", "--parallel.vocab=2",
+                  "--parallel.expert_balance=llep", "--parallel.llep_min_chunk=4", "--parallel.llep_gate=1.0",
+                  "--parallel.llep_chunks=2", "--train.activation_checkpointing=full",
+                  "--train.offload_activations=true", f"--optim.offload={offload}")
+    assert losses(records) == pytest.approx(losses(reference), rel=1e-5)
+    assert [r["grad_norm"] for r in records] == pytest.approx([r["grad_norm"] for r in reference], rel=1e-4)
