@@ -116,7 +116,10 @@ def import_hf(hf_dir: Path, path: Path, tokenizer_spec: str | None, eos_token: s
     if path.exists():
         raise ConfigError(str(path), "already exists; choose a new checkpoint directory")
     with HFWeights(hf_dir) as weights:  # checks keys and shapes; reads no tensor data
-        cfg, fingerprint = weights.cfg, weights.fingerprint()
+        cfg, fingerprint, dropped = weights.cfg, weights.fingerprint(), weights.dropped
+    if dropped:
+        print(f"mop: left out {len(dropped)} multi-token-prediction tensor(s) of {hf_dir} (e.g. {dropped[0]}): "
+              "mop trains the main model only")
     tokenizer = import_tokenizer(hf_dir, tokenizer_spec, eos_token, cfg.vocab_size)
     own = "byte" if tokenizer.kind == "byte" else str(path.resolve() / checkpoint.TOKENIZER)
     config = Config(model=cfg, data=DataConfig(tokenizer=own, eos_token=eos_token or ""))

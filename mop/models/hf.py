@@ -112,6 +112,12 @@ class HFWeights:
         self.cfg = config_from_hf(_read_config(self.path))
         self._stack = ExitStack()
         self.tensors = _open_checkpoint(self.path, self._stack)
+        # Multi-token-prediction layers (after the last block, in DeepSeek-V3 and GLM-4.5 checkpoints)
+        # are not part of the model mop trains: left out, and `dropped` says so.
+        mtp = getattr(FAMILIES[self.cfg.family].hf, "MTP_LAYERS", False)
+        self.dropped = sorted(key for key in self.tensors if mtp and _layer_of(key) >= self.cfg.layers)
+        for key in self.dropped:
+            del self.tensors[key]
         stacked = {i for i in range(self.cfg.layers) if stacked_experts_key(i) in self.tensors}
         pieces = model_pieces(self.cfg, FAMILIES[self.cfg.family].hf, stacked)
         _check_keys(pieces, self.tensors, self.path)
@@ -204,6 +210,12 @@ def _open_checkpoint(path: Path, stack: ExitStack) -> dict[str, tuple]:
                 raise HFConversionError(f"{file}: {key} is also in {tensors[key][1]}; the checkpoint is inconsistent")
             tensors[key] = (handle, file)
     return tensors
+
+
+def _layer_of(key: str) -> int:
+    """The block index of a `model.layers.{i}.` tensor; -1 for the others."""
+    parts = key.split(".")
+    return int(parts[2]) if key.startswith("model.layers.") and parts[2].isdigit() else -1
 
 
 def _check_keys(pieces: list[Piece], tensors: dict, path: Path) -> None:

@@ -9,7 +9,9 @@ GLM trains without an auxiliary loss (its config has no router_aux_loss_coef): a
 Tensors beyond the shared ones: self_attn.{q,k,v}_proj.bias with attention_bias;
 mlp.router.score_correction_bias <- mlp.gate.e_score_correction_bias (fp32 buffer);
 mlp.shared.{gate,up,down}_proj <- mlp.shared_experts.<same>; hub experts
-mlp.experts.{e}.{gate,up,down}_proj.
+mlp.experts.{e}.{gate,up,down}_proj. The multi-token-prediction layers of the hub checkpoints
+(`model.layers.{num_hidden_layers}.*`, which transformers ignores too) are dropped on import, and
+`mop convert from-hf` says how many; `to-hf` writes none (num_nextn_predict_layers=0).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from mop.models.config import ModelConfig
 from mop.models.hf_mapping import Piece, gqa_block_pieces, per_expert_pieces, required, shared_config_from_hf
 
 ARCHITECTURE = "Glm4MoeForCausalLM"
+MTP_LAYERS = True  # the checkpoint's layers after the last block (num_nextn_predict_layers) are dropped
 # The transformers class defaults for the keys a config.json may omit.
 DEFAULTS = {"rms_norm_eps": 1e-5, "rope_theta": 10000.0, "router_aux_loss_coef": 0.0}
 
