@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     to_hf.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                        help="dtype of the written weights (default: the train.dtype the checkpoint was trained in)")
     from_hf = directions.add_parser("from-hf", help="import a Hugging Face model directory as a mop checkpoint")
-    from_hf.add_argument("hf_dir", type=Path, help="a qwen3_moe or mixtral directory (config.json + safetensors)")
+    from_hf.add_argument("hf_dir", type=Path, help="a qwen3_moe, mixtral or glm4_moe directory (config.json + safetensors)")
     from_hf.add_argument("checkpoint", type=Path, help="the checkpoint directory to create")
     from_hf.add_argument("--tokenizer", default=None,
                          help="the model's tokenizer: a tokenizer.json or its directory, or 'byte' "
