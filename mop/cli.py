@@ -14,7 +14,7 @@ import typing
 
 from mop.bench import BENCHMARKS
 from mop.bench import load as load_benchmark
-from mop.config import Config, field_docs, load_config, sections
+from mop.config import Config, field_docs, hints, load_config, sections
 from mop.launch import RUN_ENDED, USER_ERRORS, failed_launch, launch, say_run_ended
 from mop.resolve import resolve
 from mop.runtime import under_torchrun
@@ -29,7 +29,7 @@ def config_reference() -> str:
         lines.append(f"  [{section}]")
         for f in dataclasses.fields(cls):
             default = getattr(getattr(defaults, section), f.name)
-            kind = typing.get_type_hints(cls)[f.name]
+            kind = hints(cls)[f.name]
             choices = "|".join(map(str, typing.get_args(kind))) if typing.get_origin(kind) is typing.Literal else ""
             lines.append(f"    {section}.{f.name} = {default!r}{'  (' + choices + ')' if choices else ''}")
             lines.append(f"        {docs.get(f.name, '')}")

@@ -312,10 +312,10 @@ def apply(config: Config, values: dict[str, Any]) -> Config:
 
 def _family_options(model: ModelConfig, table: Any):
     """`model`'s options with the `[model.options]` table set: only keys its family takes, type-checked."""
-    from mop.models.families import FAMILIES  # the model's layers: only a config that sets options needs them
+    from mop.models.families import FAMILIES, unknown_family  # the model's layers: only a config that sets options needs them
 
     if model.family not in FAMILIES:
-        raise ConfigError("model.family", f"{model.family!r} is not a model family; use one of {', '.join(FAMILIES)}")
+        raise ConfigError("model.family", unknown_family(model.family))
     kind = FAMILIES[model.family].options
     if not isinstance(table, dict):
         raise ConfigError("model.options", "is a table of the family's keys: set them, e.g. --model.options.KEY=VALUE")
@@ -345,7 +345,7 @@ def parse_override(arg: str) -> tuple[str, str, str]:
 def _override_value(target: Any, key: str, text: str) -> Any:
     """Read the text as TOML (numbers, booleans); string-valued keys of `target` take it verbatim,
     quotes optional."""
-    kind = typing.get_type_hints(type(target)).get(key)
+    kind = hints(type(target)).get(key)
     if typing.get_origin(kind) is Literal and text in ("true", "false") and True in typing.get_args(kind):
         return text == "true"
     if kind is str or typing.get_origin(kind) is Literal:

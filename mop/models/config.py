@@ -71,10 +71,10 @@ class ModelConfig:
         problems = wrong_types(self)
         if problems:
             return problems
-        from mop.models.families import FAMILIES  # the families import this module
+        from mop.models.families import FAMILIES, unknown_family  # the families import this module
 
         if self.family not in FAMILIES:
-            return [("family", f"{self.family!r} is not a model family; use one of {', '.join(FAMILIES)}")]
+            return [("family", unknown_family(self.family))]
         problems = self._options_problems(FAMILIES[self.family].options)
         if problems:
             return problems

@@ -12,6 +12,10 @@ from mop.models.spec import ModelSpec
 FAMILIES: dict[str, Family] = {family.name: family for family in (qwen3_moe.FAMILY, mixtral.FAMILY, glm4_moe.FAMILY)}
 
 
+def unknown_family(name: str) -> str:
+    return f"{name!r} is not a model family; use one of {', '.join(FAMILIES)}"
+
+
 def family_options(family: str, given):
     """`given` (None, a table read from a config or a checkpoint, or an options object) as the options
     dataclass of `family`; what does not fit is returned as it is, for `ModelConfig.validate` to name."""

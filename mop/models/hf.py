@@ -115,14 +115,14 @@ class HFWeights:
         # Multi-token-prediction layers (after the last block, in DeepSeek-V3 and GLM-4.5 checkpoints)
         # are not part of the model mop trains: left out, and `dropped` says so.
         mtp = getattr(FAMILIES[self.cfg.family].hf, "MTP_LAYERS", False)
-        self.dropped = sorted(key for key in self.tensors if mtp and _layer_of(key) >= self.cfg.layers)
+        self.dropped = sorted(key for key in self.tensors if _layer_of(key) >= self.cfg.layers) if mtp else []
         for key in self.dropped:
             del self.tensors[key]
         stacked = {i for i in range(self.cfg.layers) if stacked_experts_key(i) in self.tensors}
         pieces = model_pieces(self.cfg, FAMILIES[self.cfg.family].hf, stacked)
         _check_keys(pieces, self.tensors, self.path)
         with torch.device("meta"):
-            shapes = dict(MoETransformer(self.cfg).state_dict(keep_vars=True))  # parameters and buffers
+            shapes = dict(_tensors(MoETransformer(self.cfg)))
         self.pieces: dict[str, list[Piece]] = {}
         for piece in pieces:
             handle, file = self.tensors[piece.key]
@@ -171,7 +171,7 @@ def load_hf(path: str | Path, dtype: torch.dtype = torch.float32) -> MoETransfor
     """
     with HFWeights(path) as weights, torch.no_grad():
         model = empty_model(weights.cfg, dtype)
-        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:  # a tied weight once
+        for name, tensor in _tensors(model):
             tensor.copy_(weights.rows(name, tensor.shape, 0, tensor.shape[0]))
     return model
 
@@ -210,6 +210,11 @@ def _open_checkpoint(path: Path, stack: ExitStack) -> dict[str, tuple]:
                 raise HFConversionError(f"{file}: {key} is also in {tensors[key][1]}; the checkpoint is inconsistent")
             tensors[key] = (handle, file)
     return tensors
+
+
+def _tensors(model: MoETransformer) -> list[tuple[str, torch.Tensor]]:
+    """What a checkpoint holds of `model`: its parameters (a tied weight once) and its buffers."""
+    return [*model.named_parameters(), *model.named_buffers()]
 
 
 def _layer_of(key: str) -> int:
