@@ -57,11 +57,11 @@ LAYOUTS = {
 CASES = [(layout, kv_heads, chunks) for layout in LAYOUTS for kv_heads in (1, 2, 4) for chunks in (1, 2)]
 
 
-def dense_oracle(q, k, v, document_ids):
+def dense_oracle(q, k, v, document_ids, scale=None):
     seq = document_ids.shape[1]
     mask = torch.ones(seq, seq, dtype=torch.bool).tril() & (document_ids[:, :, None] == document_ids[:, None, :])
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         attn_mask=mask.unsqueeze(1), enable_gqa=q.shape[2] != k.shape[2])
+                                         attn_mask=mask.unsqueeze(1), enable_gqa=q.shape[2] != k.shape[2], scale=scale)
     return out.transpose(1, 2)
 
 
@@ -164,7 +164,8 @@ def test_ulysses_core_matches_the_dense_mask(world):
 def varlen_stand_in(signature: inspect.Signature):
     """A CPU stand-in for torch's `varlen_attn`: it takes exactly `signature`'s arguments (binding
     raises TypeError where the real call would), refuses unequal head counts without `enable_gqa`
-    as torch's does, and attends causally within the cumulative spans by the dense oracle."""
+    as torch's does, and values of another width than the queries (flash wants one), and attends
+    causally within the cumulative spans by the dense oracle."""
 
     def kernel(*args, **kwargs):
         given = signature.bind(*args, **kwargs).arguments
@@ -172,8 +173,10 @@ def varlen_stand_in(signature: inspect.Signature):
         assert given["window_size"] == (-1, 0) and given["max_q"] == int(cu.diff().max())
         if q.shape[1] != k.shape[1] and not given.get("enable_gqa", False):
             raise RuntimeError("varlen_attn: unequal query and key heads need enable_gqa=True")
+        if v.shape[-1] != q.shape[-1]:
+            raise RuntimeError("varlen_attn: values of another head width than the queries")
         ids = torch.repeat_interleave(torch.arange(cu.numel() - 1), cu.diff().long()).unsqueeze(0)
-        return dense_oracle(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), ids).squeeze(0)
+        return dense_oracle(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), ids, given.get("scale")).squeeze(0)
 
     return kernel
 
@@ -193,17 +196,42 @@ def test_varlen_call_fits_the_kernel_signature(monkeypatch, kernel, kv_heads):
     signature = inspect.signature(varlen_attn)
     stand_in = varlen_stand_in(signature if kernel == "this-torch" else _without(signature, "enable_gqa"))
     monkeypatch.setattr(documents_module, "_varlen_kernel", lambda: stand_in)
-    documents_module._varlen_takes_gqa.cache_clear()
+    documents_module._varlen_takes.cache_clear()
     try:
         q, k, v, upstream = inputs(kv_heads)
         layout = "crossing-slices"
         documents = Documents.from_ids(LAYOUTS[layout])
-        got = output_and_grads(lambda *t: documents_module._varlen(*t, documents, kv_heads != HEADS), q, k, v,
+        got = output_and_grads(lambda *t: documents_module._varlen(*t, documents, kv_heads != HEADS, None), q, k, v,
                                upstream)
         for name, a, b in zip(("out", "dq", "dk", "dv"), got, oracle_case(layout, kv_heads)):
             assert_close(a, b, atol=1e-5, rtol=1e-5, msg=f"{name} {kernel} kv_heads={kv_heads}")
     finally:
-        documents_module._varlen_takes_gqa.cache_clear()
+        documents_module._varlen_takes.cache_clear()
+
+
+@pytest.mark.parametrize("kernel", ["this-torch", "without-scale"])
+def test_the_flash_path_pads_narrow_values_and_scales_the_scores(monkeypatch, kernel):
+    """Multi-head latent attention's values are narrower than q/k and its softmax scale is its own:
+    the flash route pads V to one width and cuts the output back, and passes the scale (or, on a
+    kernel without `scale`, pre-scales q); outputs and gradients equal the dense oracle's."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    signature = inspect.signature(varlen_attn)
+    stand_in = varlen_stand_in(signature if kernel == "this-torch" else _without(signature, "scale"))
+    monkeypatch.setattr(documents_module, "_varlen_kernel", lambda: stand_in)
+    monkeypatch.setattr(documents_module, "varlen_dtype", lambda q: q.dtype)  # route to flash on the CPU
+    documents_module._varlen_takes.cache_clear()
+    try:
+        q, k, v, upstream = inputs(2)
+        v, upstream, scale = v[..., :DIM - 2], upstream[..., :DIM - 2], 0.3
+        ids = LAYOUTS["crossing-slices"]
+        documents = Documents.from_ids(ids)
+        got = output_and_grads(lambda *t: document_attention(*t, documents, scale), q, k, v, upstream)
+        want = output_and_grads(lambda *t: dense_oracle(*t, ids, scale), q, k, v, upstream)
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+            assert_close(a, b, atol=1e-5, rtol=1e-5, msg=f"{name} {kernel}")
+    finally:
+        documents_module._varlen_takes.cache_clear()
 
 
 @pytest.mark.cuda

@@ -24,7 +24,7 @@ class ToyOptions:
     sinks: bool = False
     """A learned attention sink per head."""
 
-    def validate(self) -> list[tuple[str, str]]:
+    def validate(self, model) -> list[tuple[str, str]]:
         return [("window", f"must be >= 0, got {self.window}")] if self.window < 0 else []
 
 

@@ -1,19 +1,14 @@
 """glm4_moe against transformers' Glm4MoeForCausalLM: the same logits from the same weights (copied by
-name here; the HF mapping of `mop convert` is not written yet)."""
-
-import re
+name, independently of the HF mapping, and through `load_hf` / `save_hf`)."""
 
 import pytest
 import torch
 
 from mop.models.config import ModelConfig
 from mop.models.transformer import build_model
-from test_hf import HF_TO_MOP, batch, randomize
+from test_hf import SIGMOID_ROUTER_TO_MOP, batch, copy_weights_by_name, randomize, randomize_score_correction_bias
 
 transformers = pytest.importorskip("transformers")
-
-GLM_TO_MOP = [(r"\.mlp\.shared_experts\.", ".mlp.shared."),
-              (r"\.mlp\.gate\.e_score_correction_bias$", ".mlp.router.score_correction_bias"), *HF_TO_MOP]
 
 
 @pytest.mark.parametrize("bias, qk_norm, groups, groups_per_token, scaling", [
@@ -27,12 +22,7 @@ def test_logits_equal_transformers(bias, qk_norm, groups, groups_per_token, scal
         partial_rotary_factor=0.5)
     hf = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager")
     randomize(hf, 0, ".mlp.gate.weight")
-    generator = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, buffer in hf.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=generator))
-
+    randomize_score_correction_bias(hf, 7)
     cfg = ModelConfig(family="glm4_moe", vocab_size=128, hidden=64, layers=3, heads=4, kv_heads=2, head_dim=16,
                       qk_norm=qk_norm, norm_eps=hf_config.rms_norm_eps, rope_theta=hf_config.rope_parameters["rope_theta"],
                       experts=8, top_k=2, expert_intermediate=32, shared_expert_intermediate=32, dense_layers=1,
@@ -40,17 +30,8 @@ def test_logits_equal_transformers(bias, qk_norm, groups, groups_per_token, scal
                       options={"attention_bias": bias, "partial_rotary_factor": 0.5, "groups": groups,
                                "groups_per_token": groups_per_token, "routed_scaling_factor": scaling})
     mop = build_model(cfg, seed=0)
-    theirs = {**dict(hf.named_parameters()), **dict(hf.named_buffers())}
-    mine = {**dict(mop.named_parameters()), **dict(mop.named_buffers())}
-    renamed = {}
-    for name, tensor in theirs.items():
-        for pattern, replacement in GLM_TO_MOP:
-            name = re.sub(pattern, replacement, name)
-        renamed[name] = tensor
-    assert set(renamed) >= set(mine) and not set(mine) ^ {n for n in renamed if not n.endswith("inv_freq")}
+    copy_weights_by_name(hf, mop, SIGMOID_ROUTER_TO_MOP)
     with torch.no_grad():
-        for name, tensor in mine.items():
-            tensor.copy_(renamed[name])
         input_ids = batch(2)
         torch.testing.assert_close(mop(input_ids), hf(input_ids).logits, atol=1e-5, rtol=0)
 
@@ -65,10 +46,7 @@ def test_load_hf_and_save_hf_round_trip_through_transformers(tmp_path):
         attention_bias=True, use_qk_norm=True, partial_rotary_factor=0.5)
     hf = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager")
     randomize(hf, 0, ".mlp.gate.weight")
-    with torch.no_grad():
-        for name, buffer in hf.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=torch.Generator().manual_seed(3)))
+    randomize_score_correction_bias(hf, 3)
     hf.save_pretrained(tmp_path / "hf")
     mop = load_hf(tmp_path / "hf")
     assert mop.cfg.options.routed_scaling_factor == 2.5 and mop.cfg.shared_expert_intermediate == 64

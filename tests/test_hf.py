@@ -52,6 +52,34 @@ HF_CASES = {
 }
 
 
+SIGMOID_ROUTER_TO_MOP = [(r"\.mlp\.shared_experts\.", ".mlp.shared."),
+                         (r"\.mlp\.gate\.e_score_correction_bias$", ".mlp.router.score_correction_bias"), *HF_TO_MOP]
+
+
+@torch.no_grad()
+def copy_weights_by_name(hf, mop, renames) -> None:
+    """Every parameter and buffer of `mop` from the `hf` tensor `renames` maps to its name; each of
+    hf's tensors but RoPE's inverse-frequency tables is used."""
+    theirs = {**dict(hf.named_parameters()), **dict(hf.named_buffers())}
+    mine = {**dict(mop.named_parameters()), **dict(mop.named_buffers())}
+    renamed = {}
+    for name, tensor in theirs.items():
+        for pattern, replacement in renames:
+            name = re.sub(pattern, replacement, name)
+        renamed[name] = tensor
+    assert set(mine) == {n for n in renamed if not n.endswith("inv_freq")}
+    for name, tensor in mine.items():
+        tensor.copy_(renamed[name])
+
+
+@torch.no_grad()
+def randomize_score_correction_bias(hf, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    for name, buffer in hf.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            buffer.copy_(0.1 * torch.randn(buffer.shape, generator=generator))
+
+
 def mop_name(hf_name):
     for pattern, replacement in HF_TO_MOP:
         hf_name = re.sub(pattern, replacement, hf_name)

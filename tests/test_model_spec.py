@@ -25,24 +25,42 @@ def category(name: str) -> str:
     return "vocabulary" if name in ("embed.weight", "lm_head.weight") else "dense"
 
 
+def counts_by_category(cfg: ModelConfig) -> dict[str, int]:
+    """Parameter elements of the meta-built model by `category` (tied: one parameter, listed once)."""
+    with torch.device("meta"):
+        model = MoETransformer(cfg)
+    counts = dict.fromkeys(("dense", "expert", "vocabulary"), 0)
+    for name, param in model.named_parameters():
+        counts[category(name)] += param.numel()
+    return counts
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("shape", range(len(SHAPES)))
 def test_the_spec_counts_the_parameters_the_built_model_has_by_category(family, shape):
     cfg = dataclasses.replace(SHAPES[shape], family=family)
-    with torch.device("meta"):
-        model = MoETransformer(cfg)
-    counts = dict.fromkeys(("dense", "expert", "vocabulary"), 0)
-    for name, param in model.named_parameters():  # tied: one parameter, listed once
-        counts[category(name)] += param.numel()
-    assert model_spec(cfg).parameters() == counts
+    assert model_spec(cfg).parameters() == counts_by_category(cfg)
 
 
-def test_with_every_expert_active_a_token_meets_every_matrix_but_the_embedding():
+# Family options that add parameters: biases, a q LoRA.
+WITH_OPTIONS = [dataclasses.replace(CFG, family="deepseek_v3", kv_heads=4, head_dim=12,
+                                    options={"q_lora_rank": 8, "attention_bias": True, "qk_rope_head_dim": 4,
+                                             "kv_lora_rank": 10, "v_head_dim": 6}),
+                dataclasses.replace(CFG, family="glm4_moe", options={"attention_bias": True})]
+
+
+@pytest.mark.parametrize("cfg", WITH_OPTIONS, ids=lambda cfg: cfg.family)
+def test_the_spec_counts_the_parameters_a_familys_options_add(cfg):
+    assert not cfg.validate() and model_spec(cfg).parameters() == counts_by_category(cfg)
+
+
+@pytest.mark.parametrize("cfg", [CFG, *WITH_OPTIONS], ids=lambda cfg: cfg.family)
+def test_with_every_expert_active_a_token_meets_every_matrix_but_the_embedding(cfg):
     """top_k = experts: each token is multiplied with every weight matrix once (the embedding is a lookup)."""
-    model = build_model(CFG, seed=0)
+    model = build_model(cfg, seed=0)
     matrices = sum(p.numel() for name, p in model.named_parameters() if p.dim() >= 2 and name != "embed.weight")
+    assert model_spec(cfg).matmul_parameters_per_token() == matrices
     spec = model_spec(CFG)
-    assert spec.matmul_parameters_per_token() == matrices
     # Fewer active experts: only top_k of them count.
     half = model_spec(dataclasses.replace(CFG, top_k=2))
     assert spec.matmul_parameters_per_token() - half.matmul_parameters_per_token() == (CFG.layers - 1) * 2 * 3 * 16 * 8

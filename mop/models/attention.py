@@ -17,19 +17,25 @@ from torch import nn
 
 from mop.models.config import ModelConfig
 from mop.models.documents import Documents, document_attention
-from mop.models.layers import RMSNorm, apply_rope, rope_cos_sin
-from mop.models.spec import FP32, AttentionSpec, norm_saved_bytes
+from mop.models.layers import RMSNorm
+from mop.models.rope import apply_rope, default_inv_freq, rope_cos_sin
+from mop.models.spec import AttentionSpec, core_saved_bytes, norm_saved_bytes
 
 
 class AttentionCore(nn.Module):
     """Causal attention within each packed document (`mop.models.documents.document_attention`).
 
-    Inputs are `[B, S, heads, head_dim]` (keys/values with `kv_heads` heads) and the micro-batch's
-    `Documents` (None: one document per row). Output has the queries' shape.
+    Inputs are `[B, S, heads, head_dim]` (keys/values with `kv_heads` heads, values of their own
+    width) and the micro-batch's `Documents` (None: one document per row). Output has the queries'
+    shape at the values' width. `scale` multiplies the scores (None: 1/sqrt(head_dim)).
     """
 
+    def __init__(self, scale: float | None = None):
+        super().__init__()
+        self.scale = scale
+
     def forward(self, q, k, v, documents: Documents | None) -> torch.Tensor:
-        return document_attention(q, k, v, documents)
+        return document_attention(q, k, v, documents, self.scale)
 
 
 class Attention(nn.Module):
@@ -59,7 +65,7 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(batch, seq, self.heads * self.head_dim))
 
     def _rotate(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        cos, sin = rope_cos_sin(position_ids, self.rotary_dim, self.rope_theta, x.dtype)
+        cos, sin = rope_cos_sin(position_ids, default_inv_freq(self.rotary_dim, self.rope_theta, position_ids.device), x.dtype)
         if self.rotary_dim == self.head_dim:
             return apply_rope(x, cos, sin)
         turned, kept = x.split([self.rotary_dim, self.head_dim - self.rotary_dim], dim=-1)
@@ -86,12 +92,6 @@ class GQASpec(AttentionSpec):
         return self.hidden * (self.q_width + self.k_width + self.v_width + self.out_width)
 
     def saved_bytes_per_token(self, act: int, head_chunks: int) -> int:
-        # q/k norms save per head row; RoPE its cos/sin tables; the projections their outputs
+        # q/k norms save per head row; RoPE its cos/sin tables
         qk = (self.heads + self.kv_heads) * norm_saved_bytes(self.qk_head_dim, act) if self.qk_norm else 0
-        rope = 2 * self.qk_head_dim * act
-        local_qkv = (self.q_width + self.k_width + self.v_width) * act
-        if head_chunks > 1:  # `_HeadChunkedAttention` saves the local q, k, v; its output feeds o_proj
-            return qk + rope + local_qkv + self.out_width * act
-        # the head-sharded output (under D = 1 the kernel's own output), the softmax statistics,
-        # and o_proj's input (the output back in the sequence-sharded layout)
-        return qk + rope + local_qkv + 2 * self.out_width * act + self.heads * FP32
+        return qk + 2 * self.qk_head_dim * act + core_saved_bytes(self, act, head_chunks)

@@ -117,7 +117,7 @@ class ModelConfig:
         if not isinstance(self.options, kind):
             return [("options", f"{self.options!r} are not options of model.family={self.family!r}; its keys are "
                                 f"{', '.join(f.name for f in fields(kind))}")]
-        problems = wrong_types(self.options) + (self.options.validate() if hasattr(self.options, "validate") else [])
+        problems = wrong_types(self.options) + (self.options.validate(self) if hasattr(self.options, "validate") else [])
         return [(f"options.{key}", message) for key, message in problems]
 
 

@@ -63,10 +63,11 @@ def _varlen_kernel():
 
 
 @cache
-def _varlen_takes_gqa() -> bool:
-    """Whether `varlen_attn` takes `enable_gqa` (torch 2.13 does, 2.11 does not: there K/V are
-    repeated to the query heads before the call)."""
-    return "enable_gqa" in inspect.signature(_varlen_kernel()).parameters
+def _varlen_takes(argument: str) -> bool:
+    """Whether `varlen_attn` takes `argument`: `enable_gqa` (torch 2.13 does, 2.11 does not: there
+    K/V are repeated to the query heads before the call), `scale` (without it the queries are
+    scaled by scale x sqrt(d) first, which the kernel's 1/sqrt(d) turns into `scale`)."""
+    return argument in inspect.signature(_varlen_kernel()).parameters
 
 SHORT_DOCUMENT = 128  # documents shorter than this are packed with their neighbours...
 PACK_TOKENS = 256  # ...into groups of at most this many tokens, one masked SDPA call each
@@ -159,17 +160,23 @@ def pack_mask(lengths: list[int], device: torch.device) -> torch.Tensor:
     return (causal & (ids[:, None] == ids[None, :])).to(device)
 
 
-def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents | None) -> torch.Tensor:
+def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents | None,
+                       scale: float | None = None) -> torch.Tensor:
     """Causal attention of `q [B, S, h, d]` over `k [B, S, kv, d]`, `v [B, S, kv, dv]` within each
-    document; the output is `[B, S, h, dv]`. Values of another width than q and k (dv != d) take
-    the segment path, which SDPA computes exactly, not the flash kernel, which wants one width."""
+    document, scores scaled by `scale` (None: 1/sqrt(d)); the output is `[B, S, h, dv]`. The flash
+    kernel wants one width: values narrower than q and k (multi-head latent attention) are padded
+    with zero columns to it and the output's padding cut off (exact: a zero column of V gives a zero
+    output column and no gradient to the others); wider ones take the segment path."""
     gqa = q.shape[2] != k.shape[2]
     if documents is None:
-        return _sdpa(q, k, v, is_causal=True, gqa=gqa)
+        return _sdpa(q, k, v, is_causal=True, gqa=gqa, scale=scale)
     dtype = varlen_dtype(q)
-    if dtype is not None and v.shape[-1] == q.shape[-1]:
-        return _varlen(q.to(dtype), k.to(dtype), v.to(dtype), documents, gqa)
-    return _segments(q, k, v, documents, gqa)
+    width = v.shape[-1]
+    if dtype is not None and width <= q.shape[-1]:
+        padded = F.pad(v, (0, q.shape[-1] - width)) if width < q.shape[-1] else v
+        out = _varlen(q.to(dtype), k.to(dtype), padded.to(dtype), documents, gqa, scale)
+        return out[..., :width] if width < q.shape[-1] else out
+    return _segments(q, k, v, documents, gqa, scale)
 
 
 def varlen_dtype(q: torch.Tensor) -> torch.dtype | None:
@@ -185,14 +192,14 @@ def varlen_dtype(q: torch.Tensor) -> torch.dtype | None:
     return dtype if torch.cuda.get_device_capability(q.device) >= (8, 0) else None
 
 
-def _sdpa(q, k, v, is_causal: bool, gqa: bool, mask: torch.Tensor | None = None) -> torch.Tensor:
+def _sdpa(q, k, v, is_causal: bool, gqa: bool, mask: torch.Tensor | None = None, scale: float | None = None):
     """SDPA on `[n, L, heads, d]` tensors, in and out."""
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-                                         is_causal=is_causal, enable_gqa=gqa)
+                                         is_causal=is_causal, enable_gqa=gqa, scale=scale)
     return out.transpose(1, 2)
 
 
-def _segments(q, k, v, documents: Documents, gqa: bool) -> torch.Tensor:
+def _segments(q, k, v, documents: Documents, gqa: bool, scale: float | None) -> torch.Tensor:
     # The segments tile the stream in order: one split per tensor (whose backward is one
     # concatenation), not a slice per segment (whose backward would pad each gradient to the
     # whole stream: O(segments x S)).
@@ -202,17 +209,21 @@ def _segments(q, k, v, documents: Documents, gqa: bool) -> torch.Tensor:
     for s, q_s, k_s, v_s in zip(documents.segments, *pieces):
         shape = (s.count, s.length)
         out = _sdpa(q_s.unflatten(0, shape), k_s.unflatten(0, shape), v_s.unflatten(0, shape),
-                    is_causal=s.mask is None, gqa=gqa, mask=s.mask)
+                    is_causal=s.mask is None, gqa=gqa, mask=s.mask, scale=scale)
         outputs.append(out.flatten(0, 1))
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
     return out.reshape(*q.shape[:-1], v.shape[-1])
 
 
-def _varlen(q, k, v, documents: Documents, gqa: bool) -> torch.Tensor:
+def _varlen(q, k, v, documents: Documents, gqa: bool, scale: float | None) -> torch.Tensor:
     stream = [t.reshape(-1, *t.shape[2:]) for t in (q, k, v)]
     cu, longest = documents.cu_seqlens, documents.max_length
     options = {}
-    if gqa and _varlen_takes_gqa():
+    if scale is not None and _varlen_takes("scale"):
+        options["scale"] = scale
+    elif scale is not None:
+        stream[0] = stream[0] * (scale * q.shape[-1] ** 0.5)
+    if gqa and _varlen_takes("enable_gqa"):
         options["enable_gqa"] = True
     elif gqa:  # each K/V head serves heads/kv consecutive query heads, as SDPA's enable_gqa groups them
         group = q.shape[2] // k.shape[2]

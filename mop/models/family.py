@@ -37,5 +37,5 @@ class Family:
     balance statistics sum, weights [T, k], expert ids [T, k])`."""
     options: type | None = None
     """Its own hyper-parameters beyond `ModelConfig`'s shared ones: a frozen dataclass with a docstring
-    per field (and, optionally, `validate() -> [(key, message)]`), set as `[model.options]` in a config
+    per field (and, optionally, `validate(model_config) -> [(key, message)]`), set as `[model.options]` in a config
     and `--model.options.KEY=VALUE`; `mop train --help` lists them per family. None: it has none."""

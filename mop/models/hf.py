@@ -56,10 +56,13 @@ def config_to_hf(cfg: ModelConfig, model_type: str | None = None, dtype: torch.d
 
 
 def _family_of_type(model_type) -> Family:
-    if model_type not in FAMILIES:
+    """The family whose checkpoints have `model_type` (its name, or one of its mapping's
+    `MODEL_TYPES`: Kimi-K2's `kimi_k2` is deepseek_v3)."""
+    types = {kind: family for family in FAMILIES.values() for kind in getattr(family.hf, "MODEL_TYPES", (family.name,))}
+    if model_type not in types:
         raise HFConversionError(
-            f"config.json: model_type={model_type!r} is not supported; mop converts {', '.join(FAMILIES)}")
-    return FAMILIES[model_type]
+            f"config.json: model_type={model_type!r} is not supported; mop converts {', '.join(types)}")
+    return types[model_type]
 
 
 def _expressible_family(cfg: ModelConfig, model_type: str | None) -> Family:

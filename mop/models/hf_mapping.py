@@ -82,11 +82,11 @@ def required(hf: dict, key: str):
     return hf[key]
 
 
-def shared_config_from_hf(hf: dict, defaults: dict, attention_bias: bool = False) -> dict:
+def shared_config_from_hf(hf: dict, defaults: dict, attention_bias: bool = False, yarn: bool = False) -> dict:
     """The `ModelConfig` fields every family reads alike; `defaults`: the family's class defaults
     for `rms_norm_eps`, `rope_theta` and `router_aux_loss_coef`; `attention_bias`: the family's
-    attention takes q/k/v biases (its own option)."""
-    check_shared_features(hf, attention_bias)
+    attention takes biases (its own option); `yarn`: the family implements YaRN (`yarn_options`)."""
+    check_shared_features(hf, attention_bias, yarn)
     heads = required(hf, "num_attention_heads")
     # transformers 5.x reads rope_parameters first and falls back to the 4.x top-level rope_theta.
     rope_theta = (hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta", defaults["rope_theta"]))
@@ -108,16 +108,56 @@ def shared_config_from_hf(hf: dict, defaults: dict, attention_bias: bool = False
     )
 
 
-def check_shared_features(hf: dict, attention_bias: bool = False) -> None:
+def rope_parameters(hf: dict) -> dict:
+    """The RoPE settings of a config.json: transformers 5.x `rope_parameters`, or 4.x `rope_scaling`."""
+    return hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+
+
+def rope_type(hf: dict) -> str:
+    rope = rope_parameters(hf)
+    return rope.get("rope_type", rope.get("type", "default"))
+
+
+def yarn_options(hf: dict) -> dict:
+    """`mop.models.rope.YarnOptions` fields of a config.json (empty for the default RoPE)."""
+    if rope_type(hf) != "yarn":
+        return {}
+    rope = rope_parameters(hf)
+    if rope.get("attention_factor") is not None:
+        raise HFConversionError("config.json: rope attention_factor is set explicitly; mop derives it from factor, "
+                                "mscale and mscale_all_dim only")
+    factor = rope.get("factor") or hf["max_position_embeddings"] / rope["original_max_position_embeddings"]
+    return {"yarn_factor": float(factor), "yarn_original_context": int(rope["original_max_position_embeddings"]),
+            "yarn_beta_fast": float(rope.get("beta_fast") or 32), "yarn_beta_slow": float(rope.get("beta_slow") or 1),
+            "yarn_mscale": float(rope.get("mscale") or 0), "yarn_mscale_all_dim": float(rope.get("mscale_all_dim") or 0),
+            "yarn_truncate": bool(rope.get("truncate", True))}
+
+
+def yarn_to_hf(cfg: ModelConfig) -> dict:
+    """The RoPE keys of config.json for a family with `YarnOptions` (the default RoPE when off)."""
+    o = cfg.options
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if o.yarn:
+        rope.update(rope_type="yarn", factor=o.yarn_factor, original_max_position_embeddings=o.yarn_original_context,
+                    beta_fast=o.yarn_beta_fast, beta_slow=o.yarn_beta_slow,
+                    **({} if o.yarn_truncate else {"truncate": False}),  # unset means true
+                    **({"mscale": o.yarn_mscale} if o.yarn_mscale else {}),
+                    **({"mscale_all_dim": o.yarn_mscale_all_dim} if o.yarn_mscale_all_dim else {}))
+    # transformers 5.x reads rope_parameters, 4.x rope_scaling (YaRN only) beside the top-level rope_theta
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if o.yarn else None
+    return {"rope_parameters": rope, **({"rope_scaling": scaling} if scaling else {})}
+
+
+def check_shared_features(hf: dict, attention_bias: bool = False, yarn: bool = False) -> None:
     """Raise on config settings that change the function the HF model computes and mop cannot."""
     if hf.get("hidden_act", "silu") != "silu":
         raise HFConversionError(f"config.json: hidden_act={hf['hidden_act']!r}; mop's experts use silu only")
     if hf.get("attention_bias") and not attention_bias:
         raise HFConversionError(f"config.json: attention_bias=true; mop's {hf['model_type']} attention has no bias")
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise HFConversionError(f"config.json: rope_type={rope_type!r}; mop implements the default RoPE only")
+    kind = rope_type(hf)
+    if kind not in (("default", "yarn") if yarn else ("default",)):
+        supported = "the default RoPE and YaRN" if yarn else "the default RoPE only"
+        raise HFConversionError(f"config.json: rope_type={kind!r}; mop's {hf['model_type']} implements {supported}")
 
 
 def shared_config_to_hf(cfg: ModelConfig, architecture: str, dtype: torch.dtype) -> dict:
@@ -170,11 +210,17 @@ def stacked_experts_key(layer: int) -> str:
 def gqa_block_pieces(cfg: ModelConfig, layer: int, stacked: bool, hub_experts) -> list[Piece]:
     """A block of grouped-query attention and a SwiGLU MoE (or a dense MLP), its experts in the
     stacked layout or in the family's hub layout, `hub_experts(cfg, mop_prefix, hf_prefix)`."""
+    attention = ["q_proj", "k_proj", "v_proj", "o_proj"] + (["q_norm", "k_norm"] if cfg.qk_norm else [])
+    return block_pieces(cfg, layer, stacked, [f"{name}.weight" for name in attention], hub_experts)
+
+
+def block_pieces(cfg: ModelConfig, layer: int, stacked: bool, attention: list[str], hub_experts) -> list[Piece]:
+    """A block whose attention holds the tensors `attention` (names under `self_attn.`, the same in
+    mop under `attention.`) and a SwiGLU MoE or dense MLP, as `gqa_block_pieces`."""
     mop, hf = f"layers.{layer}.", f"model.layers.{layer}."
     pieces = [Piece(mop + "attn_norm.weight", (), hf + "input_layernorm.weight"),
               Piece(mop + "mlp_norm.weight", (), hf + "post_attention_layernorm.weight")]
-    attention = ["q_proj", "k_proj", "v_proj", "o_proj"] + (["q_norm", "k_norm"] if cfg.qk_norm else [])
-    pieces += [Piece(f"{mop}attention.{name}.weight", (), f"{hf}self_attn.{name}.weight") for name in attention]
+    pieces += [Piece(f"{mop}attention.{name}", (), f"{hf}self_attn.{name}") for name in attention]
     if layer < cfg.dense_layers:
         return pieces + [Piece(f"{mop}mlp.{name}.weight", (), f"{hf}mlp.{name}.weight")
                          for name in ("gate_proj", "up_proj", "down_proj")]
@@ -183,6 +229,24 @@ def gqa_block_pieces(cfg: ModelConfig, layer: int, stacked: bool, hub_experts) -
                          Piece(mop + "mlp.experts.w_gate_up", (), hf + "mlp.experts.gate_up_proj"),
                          Piece(mop + "mlp.experts.w_down", (), hf + "mlp.experts.down_proj")]
     return pieces + hub_experts(cfg, mop + "mlp.", hf)
+
+
+def sigmoid_router_pieces(cfg: ModelConfig, layer: int) -> list[Piece]:
+    """DeepSeek-V3-style MoE extras (glm4_moe, deepseek_v3): the router's score-correction bias
+    (an fp32 buffer) and the shared experts, whose `n_shared_experts` are one wider SwiGLU."""
+    if layer < cfg.dense_layers:
+        return []
+    mop, hf = f"layers.{layer}.mlp.", f"model.layers.{layer}.mlp."
+    pieces = [Piece(mop + "router.score_correction_bias", (), hf + "gate.e_score_correction_bias")]
+    if cfg.shared_expert_intermediate:
+        pieces += [Piece(f"{mop}shared.{name}.weight", (), f"{hf}shared_experts.{name}.weight")
+                   for name in ("gate_proj", "up_proj", "down_proj")]
+    return pieces
+
+
+def hub_swiglu_experts(cfg: ModelConfig, mop: str, hf: str) -> list[Piece]:
+    """The hub's per-expert `mlp.experts.{e}.{gate,up,down}_proj` (Qwen3-MoE, GLM-4.5, DeepSeek-V3)."""
+    return per_expert_pieces(cfg, mop, hf + "mlp.", ("gate_proj", "up_proj", "down_proj"))
 
 
 def per_expert_pieces(cfg: ModelConfig, mop: str, moe: str, names: tuple[str, str, str]) -> list[Piece]:

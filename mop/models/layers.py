@@ -1,6 +1,6 @@
-"""Small building blocks shared by the attention and MoE layers: RMSNorm, RoPE, SwiGLU.
+"""Small building blocks shared by the attention and MoE layers: RMSNorm, SwiGLU (RoPE: rope.py).
 
-RMSNorm and RoPE compute in fp32 whatever the activation dtype, as Hugging Face's Qwen3-MoE and
+RMSNorm computes in fp32 whatever the activation dtype, as Hugging Face's Qwen3-MoE and
 Mixtral do, so that checkpoints converted from those models give the same numbers.
 """
 
@@ -28,22 +28,6 @@ def compute_dtype_of(tensor: torch.Tensor) -> torch.dtype:
     else the tensor's own."""
     kind = tensor.device.type
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else tensor.dtype
-
-
-def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """cos/sin tables `[..., head_dim]` for the given (global) positions, half-split convention."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float) / head_dim))
-    freqs = position_ids[..., None].float() * inv_freq
-    angles = torch.cat((freqs, freqs), dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x [B, S, heads, head_dim]` by the tables `cos, sin [B, S, head_dim]`."""
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 class SwiGLU(nn.Module):

@@ -75,6 +75,33 @@ class Router(nn.Module):
         return probs, weights, expert_ids
 
 
+@dataclass(frozen=True)
+class GroupRoutingOptions:
+    """The options of `GroupLimitedSigmoidRouter`, shared by the families that route with it (their
+    `Options` derive from this class)."""
+
+    groups: int = 1
+    """`n_group`: the experts split into this many equal groups for group-limited routing."""
+    groups_per_token: int = 1
+    """`topk_group`: a token's experts come from its best this many groups."""
+    routed_scaling_factor: float = 1.0
+    """Multiplies the routed experts' weights."""
+
+    def routing_problems(self, model: ModelConfig) -> list[tuple[str, str]]:
+        problems = []
+        if self.groups < 1 or model.experts % self.groups:
+            problems.append(("groups", f"must be >= 1 and divide model.experts={model.experts}, got {self.groups}"))
+        elif not 1 <= self.groups_per_token <= self.groups:
+            problems.append(("groups_per_token", f"must be in [1, model.options.groups={self.groups}]"))
+        elif model.top_k > self.groups_per_token * (model.experts // self.groups):
+            problems.append(("groups_per_token", f"{self.groups_per_token} groups of {model.experts // self.groups} "
+                                                 f"experts hold fewer than model.top_k={model.top_k}"))
+        return problems
+
+    def router(self, model: ModelConfig) -> "GroupLimitedSigmoidRouter":
+        return GroupLimitedSigmoidRouter(model, self.groups, self.groups_per_token, self.routed_scaling_factor)
+
+
 class GroupLimitedSigmoidRouter(nn.Module):
     """DeepSeek-V3 / GLM-4.5 routing, in fp32: `scores = sigmoid(x W_r^T)`; for selection only, the
     score-correction bias (a buffer: auxiliary-loss-free balancing moves it, the gradient never does)

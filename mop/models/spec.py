@@ -37,6 +37,17 @@ def norm_saved_bytes(width: int, act: int) -> int:
     return width * (FP32 + act) + FP32 + upcast
 
 
+def core_saved_bytes(attention: "AttentionSpec", act: int, head_chunks: int) -> int:
+    """What the local q, k, v and the sequence-mixing core keep per token, for any attention that
+    hands per-head q, k, v to the shared core; `head_chunks` as `AttentionSpec.saved_bytes_per_token`."""
+    local_qkv = (attention.q_width + attention.k_width + attention.v_width) * act
+    if head_chunks > 1:  # `_HeadChunkedAttention` saves the local q, k, v; its output feeds o_proj
+        return local_qkv + attention.out_width * act
+    # the head-sharded output (under D = 1 the kernel's own output), the softmax statistics,
+    # and o_proj's input (the output back in the sequence-sharded layout)
+    return local_qkv + 2 * attention.out_width * act + attention.heads * FP32
+
+
 @dataclass(frozen=True)
 class AttentionSpec(ABC):
     """One attention layer's shape facts, owned by the family's attention module."""

@@ -117,13 +117,15 @@ class SequenceDocumentBoundaries(nn.Module):
 class UlyssesAttention(KeepsForwardOutputs, nn.Module):
     """Drop-in `Attention.core` for a sequence group; see the module docstring."""
 
-    def __init__(self, group: dist.ProcessGroup, heads: int, kv_heads: int, head_chunks: int):
+    def __init__(self, group: dist.ProcessGroup, heads: int, kv_heads: int, head_chunks: int,
+                 core: AttentionCore | None = None):
+        """`core`: the attention's own core (its scale), run on each chunk's whole sequences."""
         super().__init__()
         self.group = group
         self.ranks = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.plans = head_plan(heads, kv_heads, self.ranks, head_chunks)
-        self.core = AttentionCore()
+        self.core = core or AttentionCore()
 
     def forward(self, q, k, v, documents: Documents | None):
         if len(self.plans) == 1:
@@ -232,7 +234,7 @@ def apply_sequence_parallel(model: MoETransformer, group: dist.ProcessGroup, hea
     model.documents = SequenceDocumentBoundaries(group)
     model.router_sums = SequenceRouterSums(group)
     for block in model.layers:
-        block.attention.core = UlyssesAttention(group, heads.heads, heads.kv_heads, head_chunks)
+        block.attention.core = UlyssesAttention(group, heads.heads, heads.kv_heads, head_chunks, block.attention.core)
 
 
 class SequenceRouterSums(nn.Module):

@@ -12,29 +12,21 @@ from mop.models.attention import Attention, GQASpec
 from mop.models.config import ModelConfig
 from mop.models.family import Family
 from mop.models.glm4_moe import hf
-from mop.models.moe import GroupLimitedSigmoidRouter
+from mop.models.moe import GroupRoutingOptions
 from mop.models.spec import ModelSpec
 
 
 @dataclass(frozen=True)
-class Options:
+class Options(GroupRoutingOptions):
     attention_bias: bool = False
     """Biases on the q, k and v projections (o has none)."""
     partial_rotary_factor: float = 0.5
     """The share of each head's dims RoPE turns (the first ones)."""
-    groups: int = 1
-    """`n_group`: the experts split into this many equal groups for group-limited routing."""
-    groups_per_token: int = 1
-    """`topk_group`: a token's experts come from its best this many groups."""
-    routed_scaling_factor: float = 1.0
-    """Multiplies the routed experts' weights."""
 
-    def validate(self) -> list[tuple[str, str]]:
-        problems = []
+    def validate(self, model: ModelConfig) -> list[tuple[str, str]]:
+        problems = self.routing_problems(model)
         if not 0 < self.partial_rotary_factor <= 1:
             problems.append(("partial_rotary_factor", f"must be in (0, 1], got {self.partial_rotary_factor}"))
-        if not 1 <= self.groups_per_token <= self.groups:
-            problems.append(("groups_per_token", f"must be in [1, model.options.groups={self.groups}]"))
         return problems
 
 
@@ -63,6 +55,5 @@ FAMILY = Family(
     "glm4_moe",
     attention=lambda cfg: Attention(cfg, qkv_bias=cfg.options.attention_bias, rotary_dim=rotary_dim(cfg)),
     spec=lambda cfg: ModelSpec(cfg, GLMAttentionSpec.of(cfg)), hf=hf,
-    router=lambda cfg: GroupLimitedSigmoidRouter(cfg, cfg.options.groups, cfg.options.groups_per_token,
-                                                 cfg.options.routed_scaling_factor),
+    router=lambda cfg: cfg.options.router(cfg),
     options=Options)

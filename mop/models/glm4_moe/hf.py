@@ -17,7 +17,8 @@ mlp.experts.{e}.{gate,up,down}_proj. The multi-token-prediction layers of the hu
 from __future__ import annotations
 
 from mop.models.config import ModelConfig
-from mop.models.hf_mapping import Piece, gqa_block_pieces, per_expert_pieces, required, shared_config_from_hf
+from mop.models.hf_mapping import (Piece, gqa_block_pieces, hub_swiglu_experts, required, shared_config_from_hf,
+                                  sigmoid_router_pieces)
 
 ARCHITECTURE = "Glm4MoeForCausalLM"
 MTP_LAYERS = True  # the checkpoint's layers after the last block (num_nextn_predict_layers) are dropped
@@ -60,15 +61,8 @@ def inexpressible(cfg: ModelConfig) -> list[str]:
 
 
 def block_pieces(cfg: ModelConfig, layer: int, stacked: bool) -> list[Piece]:
-    mop, hf = f"layers.{layer}.", f"model.layers.{layer}."
-    pieces = gqa_block_pieces(cfg, layer, stacked, lambda cfg, mop, hf: per_expert_pieces(
-        cfg, mop, hf + "mlp.", ("gate_proj", "up_proj", "down_proj")))
+    pieces = gqa_block_pieces(cfg, layer, stacked, hub_swiglu_experts)
     if cfg.options.attention_bias:
-        pieces += [Piece(f"{mop}attention.{name}.bias", (), f"{hf}self_attn.{name}.bias")
+        pieces += [Piece(f"layers.{layer}.attention.{name}.bias", (), f"model.layers.{layer}.self_attn.{name}.bias")
                    for name in ("q_proj", "k_proj", "v_proj")]
-    if layer >= cfg.dense_layers:
-        pieces.append(Piece(mop + "mlp.router.score_correction_bias", (), hf + "mlp.gate.e_score_correction_bias"))
-        if cfg.shared_expert_intermediate:
-            pieces += [Piece(f"{mop}mlp.shared.{name}.weight", (), f"{hf}mlp.shared_experts.{name}.weight")
-                       for name in ("gate_proj", "up_proj", "down_proj")]
-    return pieces
+    return pieces + sigmoid_router_pieces(cfg, layer)

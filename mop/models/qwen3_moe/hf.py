@@ -11,7 +11,7 @@ w_gate_up[e, I:] <- up_proj, w_down[e] <- down_proj.
 from __future__ import annotations
 
 from mop.models.config import ModelConfig
-from mop.models.hf_mapping import (HFConversionError, Piece, gqa_block_pieces, per_expert_pieces, required,
+from mop.models.hf_mapping import (HFConversionError, Piece, gqa_block_pieces, hub_swiglu_experts, required,
                                    shared_config_from_hf)
 
 ARCHITECTURE = "Qwen3MoeForCausalLM"
@@ -66,5 +66,4 @@ def inexpressible(cfg: ModelConfig) -> list[str]:
 
 
 def block_pieces(cfg: ModelConfig, layer: int, stacked: bool) -> list[Piece]:
-    return gqa_block_pieces(cfg, layer, stacked, lambda cfg, mop, hf: per_expert_pieces(
-        cfg, mop, hf + "mlp.", ("gate_proj", "up_proj", "down_proj")))
+    return gqa_block_pieces(cfg, layer, stacked, hub_swiglu_experts)
