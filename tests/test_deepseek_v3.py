@@ -109,3 +109,71 @@ def test_every_technique_on_four_ranks_trains_like_the_reference(tmp_path):
     assert losses(records) == pytest.approx(losses(reference), rel=1e-5)
     assert [r["grad_norm"] for r in records] == pytest.approx([r["grad_norm"] for r in reference], rel=1e-4)
     assert sum(r["llep_active"] for r in records) > 0  # the spill ran
+
+
+def quantize_fp8(folder, block) -> dict:
+    """The test's own small quantizer: every linear weight but the embedding, the head and the
+    routers becomes fp8 e4m3 with one fp32 scale per `block` (amax / 448), written in place with
+    the config's `quantization_config`; returns what its dequantization gives for each of them."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    dequantized = {}
+    for key, weight in list(tensors.items()):
+        if weight.dim() != 2 or any(part in key for part in ("embed_tokens", "lm_head", "mlp.gate.")):
+            continue
+        (rows, columns), (bo, bi) = weight.shape, block
+        padded = torch.nn.functional.pad(weight.float(), (0, -columns % bi, 0, -rows % bo))
+        blocks = padded.unflatten(0, (-1, bo)).unflatten(2, (-1, bi))  # [R, bo, C, bi]
+        scale = (blocks.abs().amax(dim=(1, 3)) / 448).clamp(min=1e-12)
+        fp8 = (blocks / scale[:, None, :, None]).flatten(2).flatten(0, 1)[:rows, :columns].to(torch.float8_e4m3fn)
+        tensors[key], tensors[key + "_scale_inv"] = fp8, scale
+        dequantized[key] = fp8.float() * scale.repeat_interleave(bo, 0).repeat_interleave(bi, 1)[:rows, :columns]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(block)}
+    (folder / "config.json").write_text(json.dumps(config))
+    return dequantized
+
+
+def test_fp8_block_scaled_checkpoints_load_dequantized_row_block_by_row_block(tmp_path):
+    """A checkpoint as DeepSeek-V3 and Kimi-K2 publish it (fp8 e4m3, block scales; blocks of 16 x 8
+    here, so that weights span several blocks and end in partial ones) loads to the logits that
+    transformers computes on the weights this test dequantized itself; a shard's rows that start
+    and end inside blocks dequantize alone to the same values."""
+    from safetensors.torch import load_file, save_file
+
+    from mop.models.hf import HFWeights
+
+    hf = random_hf_model(hf_config(num_nextn_predict_layers=0))
+    hf.save_pretrained(tmp_path / "fp8")
+    hf.save_pretrained(tmp_path / "dequantized")
+    dequantized = quantize_fp8(tmp_path / "fp8", (16, 8))
+    reference_weights = load_file(tmp_path / "dequantized" / "model.safetensors")
+    save_file({**reference_weights, **dequantized}, tmp_path / "dequantized" / "model.safetensors",
+              metadata={"format": "pt"})
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "dequantized", attn_implementation="eager")
+    mop = load_hf(tmp_path / "fp8")
+    with torch.no_grad():
+        torch.testing.assert_close(mop(batch(2)), reference(batch(2)).logits, atol=1e-5, rtol=0)
+    with HFWeights(tmp_path / "fp8") as weights:
+        name = "layers.1.attention.kv_b_proj.weight"  # [heads x (nope + v) = 112, 32]: 7 row blocks
+        full = dict(mop.named_parameters())[name]
+        torch.testing.assert_close(weights.rows(name, full.shape, 5, 30), full[5:35].detach(), atol=0, rtol=0)
+        assert any(key.endswith("_scale_inv") for key in weights.quantized.scales)
+
+
+def test_an_unsupported_quantization_is_one_line(tmp_path):
+    import json
+
+    from mop.models.hf import HFConversionError
+
+    random_hf_model(hf_config()).save_pretrained(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "compressed-tensors"}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(HFConversionError, match="quant_method='compressed-tensors' is not supported"):
+        load_hf(tmp_path / "hf")
