@@ -152,7 +152,8 @@ def test_the_planners_choice_is_accepted_by_mop_train(preset):
 def test_presets_carry_their_sources_and_paper_sizes():
     # the published totals, less the multi-token-prediction layer mop leaves out (GLM-4.5: 355B)
     sizes = {"mop-120b": (110e9, 125e9), "mop-600b": (600e9, 700e9), "mop-1t": (0.95e12, 1.1e12),
-             "glm-4.5": (345e9, 355e9), "glm-4.5-air": (103e9, 109e9)}
+             "glm-4.5": (345e9, 355e9), "glm-4.5-air": (103e9, 109e9),
+             "deepseek-v3": (668e9, 674e9), "kimi-k2": (1.02e12, 1.05e12)}
     for preset, (low, high) in sizes.items():
         text = (CONFIGS / f"{preset}.toml").read_text()
         assert "config.json" in text  # the shapes' source is written in the file
