@@ -94,6 +94,13 @@ def sum_over_ranks(values: list[float], runtime: Runtime, op=dist.ReduceOp.SUM) 
     return tensor.tolist()
 
 
+def sum_tensor_over_ranks(tensor: torch.Tensor, runtime: Runtime) -> torch.Tensor:
+    """`tensor` summed over all ranks on its device (no host read), in place."""
+    if runtime.layout is not None:
+        dist.all_reduce(tensor, group=runtime.layout.world_group)
+    return tensor
+
+
 def per_rank(values: list[float], runtime: Runtime) -> list[list[float]]:
     """`values` of every rank, in rank order (one all-gather)."""
     tensor = torch.tensor(values, dtype=torch.float64, device=runtime.device)

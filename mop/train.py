@@ -40,7 +40,7 @@ from mop.optim.optimizer import Optimizer
 from mop.optim.schedule import learning_rate
 from mop.progress import StepProgress
 from mop.run_dir import shared_run_dir
-from mop.runtime import Runtime, per_rank, setup_runtime, sum_over_ranks
+from mop.runtime import Runtime, per_rank, setup_runtime, sum_over_ranks, sum_tensor_over_ranks
 
 
 def step_memory(runtime: Runtime, offload_store) -> dict:
@@ -81,6 +81,7 @@ def forward_backward(model: MoETransformer, batches: list[dict], global_targets:
     """
     # Summed on the device: one host read per step, not per micro-batch.
     ce_total = aux_total = torch.zeros((), dtype=torch.float64, device=runtime.device)
+    expert_counts = 0
     if optimizer is not None:
         optimizer.before_forward()
     for index, batch in enumerate(batches):
@@ -95,7 +96,11 @@ def forward_backward(model: MoETransformer, batches: list[dict], global_targets:
         ce_part = terms.ce_sum.detach().double() / max(global_targets, 1)
         ce_total = ce_total + ce_part
         aux_total = aux_total + (loss.detach().double() - ce_part)
+        if terms.expert_counts is not None:
+            expert_counts = expert_counts + terms.expert_counts.double()  # exact counts past 2^24
     ce, aux = torch.stack([ce_total, aux_total]).tolist()
+    if model.balances_router_biases:  # after the backward: the next forward routes with the moved biases
+        model.update_router_biases(sum_tensor_over_ranks(expert_counts, runtime))
     return ce, aux
 
 

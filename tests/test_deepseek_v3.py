@@ -4,6 +4,8 @@ shapes with and without a q LoRA, odd head counts, interleaved and half-split Ro
 softmax mscale, attention biases and group-limited routing; and the full mop layout against the
 single-process reference."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -91,7 +93,7 @@ DEEPSEEK_RUN = ["--model.family=deepseek_v3", "--model.heads=4", "--model.kv_hea
                 "--model.options.yarn_factor=4", "--model.options.yarn_original_context=8",
                 "--model.options.yarn_mscale=1", "--model.options.yarn_mscale_all_dim=1",
                 "--model.shared_expert_intermediate=32", "--model.dense_layers=1", "--model.layers=3",
-                "--model.aux_loss_coef=0.001"]
+                "--model.aux_loss_coef=0.001", "--model.options.router_bias_update_rate=0.05"]
 
 
 @pytest.mark.slow
@@ -177,3 +179,21 @@ def test_an_unsupported_quantization_is_one_line(tmp_path):
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
     with pytest.raises(HFConversionError, match="quant_method='compressed-tensors' is not supported"):
         load_hf(tmp_path / "hf")
+
+
+def test_auxiliary_loss_free_balancing_moves_each_layers_bias_against_its_load():
+    """bias += rate x sign(mean load - load) per MoE layer; a rate of 0 leaves it frozen; the counts
+    the trainer sums come from the forward, one row per MoE layer."""
+    from mop.models.config import ModelConfig
+
+    cfg = ModelConfig(family="deepseek_v3", hidden=32, layers=3, heads=2, kv_heads=2, head_dim=12, experts=4,
+                      dense_layers=1, options={"qk_rope_head_dim": 4, "kv_lora_rank": 8, "v_head_dim": 8,
+                                               "router_bias_update_rate": 0.1})
+    model = build_model(cfg, seed=0)
+    terms = model.loss_terms(batch(2) % 259, batch(2, seed=2) % 259)
+    assert terms.expert_counts.shape == (2, 4) and terms.expert_counts.sum() == 2 * 2 * 24 * cfg.top_k
+    model.update_router_biases(torch.tensor([[1.0, 2.0, 4.0, 5.0], [3.0, 3.0, 3.0, 3.0]]))
+    biases = [b for name, b in model.named_buffers() if name.endswith("score_correction_bias")]
+    assert torch.equal(biases[0], torch.tensor([0.1, 0.1, -0.1, -0.1])) and torch.equal(biases[1], torch.zeros(4))
+    frozen = build_model(dataclasses.replace(cfg, options=dataclasses.replace(cfg.options, router_bias_update_rate=0.0)), 0)
+    assert not frozen.balances_router_biases and model.balances_router_biases

@@ -86,6 +86,10 @@ class GroupRoutingOptions:
     """`topk_group`: a token's experts come from its best this many groups."""
     routed_scaling_factor: float = 1.0
     """Multiplies the routed experts' weights."""
+    router_bias_update_rate: float = 0.0
+    """Auxiliary-loss-free balancing: after each optimizer step every MoE layer's score-correction
+    bias moves by this rate x sign(mean load - load), from the step's global expert counts
+    (DeepSeek-V3 pre-trains with 0.001); 0 keeps it frozen, the fine-tuning default."""
 
     def routing_problems(self, model: ModelConfig) -> list[tuple[str, str]]:
         problems = []
@@ -96,10 +100,14 @@ class GroupRoutingOptions:
         elif model.top_k > self.groups_per_token * (model.experts // self.groups):
             problems.append(("groups_per_token", f"{self.groups_per_token} groups of {model.experts // self.groups} "
                                                  f"experts hold fewer than model.top_k={model.top_k}"))
+        if self.router_bias_update_rate < 0:
+            problems.append(("router_bias_update_rate", f"must be >= 0 (0 freezes the bias), got "
+                                                        f"{self.router_bias_update_rate}"))
         return problems
 
     def router(self, model: ModelConfig) -> "GroupLimitedSigmoidRouter":
-        return GroupLimitedSigmoidRouter(model, self.groups, self.groups_per_token, self.routed_scaling_factor)
+        return GroupLimitedSigmoidRouter(model, self.groups, self.groups_per_token, self.routed_scaling_factor,
+                                         self.router_bias_update_rate)
 
 
 class GroupLimitedSigmoidRouter(nn.Module):
@@ -113,8 +121,10 @@ class GroupLimitedSigmoidRouter(nn.Module):
     The first output, what the load-balancing statistics sum, is the scores normalised over the
     experts (DeepSeek-V3's sequence-wise balance loss uses these)."""
 
-    def __init__(self, cfg: ModelConfig, groups: int, groups_per_token: int, scaling: float):
+    def __init__(self, cfg: ModelConfig, groups: int, groups_per_token: int, scaling: float,
+                 bias_update_rate: float = 0.0):
         super().__init__()
+        self.bias_update_rate = bias_update_rate  # read by MoETransformer.update_router_biases
         self.weight = nn.Parameter(torch.empty(cfg.experts, cfg.hidden))
         self.register_buffer("score_correction_bias", torch.zeros(cfg.experts, dtype=torch.float32))
         self.top_k, self.norm_topk_prob = cfg.top_k, cfg.norm_topk_prob

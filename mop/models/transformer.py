@@ -47,6 +47,11 @@ class LossTerms:
     """Per-sequence router sums (None for a model without MoE layers)."""
     sequences: int
     """Number of sequences (rows) in the forward pass."""
+    expert_counts: torch.Tensor | None = None
+    """Token-expert assignments of this forward's own tokens per MoE layer and expert `[moe_layers,
+    E]` (no grad): what auxiliary-loss-free balancing (`update_router_biases`) reads, summed over
+    a step's micro-batches and ranks. Taken from the forward's outputs, never from a checkpointed
+    block's recomputation, so each token counts once."""
 
 
 class Block(nn.Module):
@@ -143,26 +148,47 @@ class MoETransformer(nn.Module):
                 module.reset_buffers()
 
     def hidden_states(self, input_ids, position_ids=None, document_ids=None):
-        """Final-norm hidden states `[B, S, H]` and the router sums of every MoE layer."""
+        """Final-norm hidden states `[B, S, H]`, the router sums of every MoE layer, and each MoE
+        layer's expert counts `[moe_layers, E]` (None without MoE layers)."""
         if position_ids is None:
             position_ids = document_positions(document_ids) if document_ids is not None else (
                 torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids))
         documents = self.documents(document_ids)  # once per forward, shared by every layer
         h = self.embed(input_ids)
-        router = None
+        router, counts = None, []
         for block in self.layers:
             h, stats = block(h, position_ids, documents)
             if stats is not None:
                 router = stats if router is None else router + stats
-        return self.norm(h), router
+                counts.append(stats.assignments.sum(0))
+        return self.norm(h), router, torch.stack(counts) if counts else None
 
     def loss_terms(self, input_ids, labels, position_ids=None, document_ids=None) -> LossTerms:
         """Summed losses; `labels [B, S]` are the already-shifted next-token targets (IGNORE_INDEX skips)."""
-        h, router = self.hidden_states(input_ids, position_ids, document_ids)
+        h, router, counts = self.hidden_states(input_ids, position_ids, document_ids)
         ce_sum = self.lm_head.loss_sum(h, labels)
         router = self.router_sums(router) if router is not None else None
         targets = int((labels != IGNORE_INDEX).sum())
-        return LossTerms(ce_sum, targets, router, input_ids.shape[0])
+        return LossTerms(ce_sum, targets, router, input_ids.shape[0], counts)
+
+    @torch.no_grad()
+    def update_router_biases(self, expert_counts: torch.Tensor) -> None:
+        """Auxiliary-loss-free balancing (DeepSeek-V3): each MoE layer's router that has a bias
+        update rate moves its score-correction bias by `rate x sign(mean load - load)`, from the
+        step's global counts `[moe_layers, E]` (the same on every rank, so every layout and the
+        reference move it alike)."""
+        for router, counts in zip(self._routers(), expert_counts):
+            if getattr(router, "bias_update_rate", 0):
+                router.score_correction_bias += router.bias_update_rate * torch.sign(counts.mean() - counts)
+
+    @property
+    def balances_router_biases(self) -> bool:
+        return any(getattr(router, "bias_update_rate", 0) for router in self._routers())
+
+    def _routers(self) -> list[nn.Module]:
+        """The MoE layers' routers in layer order (found by module, so a parallelized model's wrapped
+        blocks serve too)."""
+        return [module.router for module in self.modules() if isinstance(module, MoE)]
 
     def objective(self, terms: LossTerms, global_targets: int, global_sequences: int) -> torch.Tensor:
         """This forward pass's share of the step loss normalised by the step's global counts (a
@@ -176,7 +202,7 @@ class MoETransformer(nn.Module):
     def forward(self, input_ids, labels=None, position_ids=None, document_ids=None):
         """Logits `[B, S, V]` without labels; with labels, the mean loss over this batch's targets."""
         if labels is None:
-            h, _ = self.hidden_states(input_ids, position_ids, document_ids)
+            h, _, _ = self.hidden_states(input_ids, position_ids, document_ids)
             return self.lm_head(h)
         terms = self.loss_terms(input_ids, labels, position_ids, document_ids)
         return self.objective(terms, terms.targets, terms.sequences)

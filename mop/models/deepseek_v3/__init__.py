@@ -5,10 +5,11 @@ group-limited top-k, `routed_scaling_factor`) with shared experts and dense firs
 
 `model.head_dim` is the q/k head width, `qk_nope_head_dim + qk_rope_head_dim` (192 for
 DeepSeek-V3); `model.kv_heads` equals `model.heads` (latent attention has no grouped heads).
-Auxiliary loss: DeepSeek-V3 balances with its score-correction bias and a tiny sequence-wise
-balance loss (alpha 1e-4); HF's model has none, so imports set `aux_loss_coef` 0, and a nonzero
-`model.aux_loss_coef` trains mop's per-sequence load-balancing loss, which on this router's
-normalised scores is that sequence-wise loss.
+Balancing: DeepSeek-V3 pre-trains with auxiliary-loss-free balancing (the score-correction bias
+moved by `model.options.router_bias_update_rate`, 0 = frozen, the fine-tuning default) plus a tiny
+sequence-wise balance loss (alpha 1e-4, per layer). HF's model has no auxiliary loss, so imports set
+`aux_loss_coef` 0; a nonzero `model.aux_loss_coef` trains mop's per-sequence load-balancing loss on
+this router's normalised scores, pooled over the MoE layers as HF's loss is (DeepSeek's is per layer).
 """
 
 from __future__ import annotations

@@ -1,0 +1,199 @@
+"""gpt-oss attention: grouped-query attention with biases, learned sinks and alternating windows.
+
+Per block: q, k, v = biased projections; q and k turned by RoPE (YaRN without truncation,
+`mop.models.rope`); `out = o_proj(core(q, k, v, documents, sinks))`, o biased too. Blocks whose
+index is even are sliding-window layers (a query at position p sees keys p - W + 1 .. p of its own
+document, W = `options.sliding_window`), the odd ones attend causally to the whole document.
+
+Sinks. Head h has a learned logit `s_h` that joins its softmax denominator and has no value:
+`y = sum_j exp(z_j) v_j / (sum_j exp(z_j) + exp(s_h))`. With `o` the attention output without the
+sink and `L` its log-sum-exp, that is exactly `y = o * sigmoid(L - s_h)`, so the sink is added on
+top of any kernel that returns L. Gradient: the kernel's backward, called with the output
+gradient `c g` (c = sigmoid(L - s)) and with `y` in place of its saved output, recomputes
+`p_j = exp(z_j - L)` and `D = <c g, y>`, and so gives `dz_j = p_j (c <g, v_j> - c <g, y>)`, the
+gradient of the sink-corrected softmax; the sink's own gradient is `-sum (1 - c) <g, y>`. No
+gradient flows through L: kernels' backwards (flash's, the CPU kernel's here, and on CUDA
+`varlen_attn`'s) discard an L gradient, which is why the correction is one autograd function
+around the kernel (`_SinkAttention`) and not `o * sigmoid(L - s)` in autograd.
+
+Windows and documents (`SinkWindowCore`): the micro-batch's stream is cut into the segments of
+`Documents.segments` (runs of equal-length documents, packs of short ones), so no window crosses
+a document. A run of documents of length L attends with one causal call when L <= W; otherwise
+in query blocks of W tokens: block 0 causally against itself, every later block against the 2W
+keys of the previous block and its own under one shared `[W, 2W]` band mask (key kk visible to
+query qq iff qq < kk <= qq + W). A pack of short documents attends under its own `[g, g]` mask
+and the band. Memory: a copy of K and V in the overlapping blocks (2 x), masks of W x 2W and
+PACK_TOKENS^2 elements, the kernel's O(tokens x heads) statistics; never an `[S, S]` tensor.
+
+Kernel: the CPU flash attention kernel (`aten._scaled_dot_product_flash_attention_for_cpu` and
+its backward, which take the output and L explicitly), on every device's behalf: gpt_oss always
+takes this segment path, and on CUDA it raises. The CUDA kernel to build is
+`varlen_attn(..., window_size=(W - 1, 0))` on the cumulative document lengths (the window for
+free, documents never crossed) returning its L, with the same sink function calling the flash
+backward with `y` and `c g`; not written, since it cannot be tested here.
+
+Sequence parallelism: the core takes the sinks of the heads it is given (`sinks [heads of q]`),
+so a Ulysses wrapper (which hands the core a subset of heads) must pass it the matching slice of
+the attention's sinks and return their gradient; `mop.parallel.ulysses` does not yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mop.models.attention import AttentionCore, GQASpec
+from mop.models.config import ModelConfig
+from mop.models.documents import Documents, Segment
+from mop.models.layers import RMSNorm
+from mop.models.rope import apply_rope, rope_cos_sin
+
+_forward_kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_backward_kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+class _SinkAttention(torch.autograd.Function):
+    """`y = attention(q, k, v) * sigmoid(L - sinks)` on `[n, heads, len, d]` tensors (the module
+    docstring); `mask` an additive `[lq, lk]` mask or None for causal."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, mask, scale):
+        if q.device.type != "cpu":
+            raise NotImplementedError("gpt_oss attention (sinks, sliding windows) has a CPU kernel only; the CUDA "
+                                      "one (varlen_attn with window_size=(W-1, 0) and the sink backward) is not built")
+        causal = mask is None
+        out, lse = _forward_kernel(q, k, v, is_causal=causal, attn_mask=mask, scale=scale)
+        y = (out.float() * _keep(lse, sinks)).to(out.dtype)
+        ctx.save_for_backward(q, k, v, y, lse, sinks, mask)
+        ctx.causal, ctx.scale = causal, scale
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        q, k, v, y, lse, sinks, mask = ctx.saved_tensors
+        keep = _keep(lse, sinks)
+        grad_out = (grad_y.float() * keep).to(q.dtype)
+        grad_q, grad_k, grad_v = _backward_kernel(grad_out, q, k, v, y, lse, 0.0, ctx.causal, attn_mask=mask,
+                                                  scale=ctx.scale)
+        grad_sinks = -((1 - keep) * (grad_y.float() * y.float())).sum((0, 2, 3))
+        return grad_q, grad_k, grad_v, grad_sinks.to(sinks.dtype), None, None
+
+
+def _keep(lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """The share of each query's softmax mass the sink leaves to the keys, `sigmoid(L - s)`, fp32
+    `[n, heads, len, 1]`."""
+    return torch.sigmoid(lse.float() - sinks.float().view(1, -1, 1)).unsqueeze(-1)
+
+
+def sink_attention(q, k, v, sinks, mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
+    """`[n, len, heads, d]` in and out (kv heads may be fewer: grouped-query attention)."""
+    out = _SinkAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), sinks, mask, scale)
+    return out.transpose(1, 2)
+
+
+def band(queries: int, keys: int, offset: int, window: int, device) -> torch.Tensor:
+    """Boolean `[queries, keys]`: query at position `offset + i` sees key `j` iff `0 <= offset + i - j < window`."""
+    distance = offset + torch.arange(queries, device=device)[:, None] - torch.arange(keys, device=device)[None, :]
+    return (distance >= 0) & (distance < window)
+
+
+def additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask as the kernel takes it: 0 where visible, -inf elsewhere, in the queries' dtype."""
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
+
+
+class SinkWindowCore(AttentionCore):
+    """The gpt-oss sequence-mixing core: causal attention within each document, within `window`
+    keys when set, with per-head sinks (the module docstring). `forward(q, k, v, documents,
+    sinks)`: `sinks [heads]` are those of q's heads."""
+
+    def __init__(self, window: int | None, scale: float | None = None):
+        super().__init__(scale)
+        self.window = window
+
+    def forward(self, q, k, v, documents: Documents | None, sinks: torch.Tensor) -> torch.Tensor:
+        batch, seq = q.shape[:2]
+        segments = documents.segments if documents is not None else (Segment(batch, seq),)
+        # one split per tensor along the stream, as `mop.models.documents._segments` (its backward is one cat)
+        sizes = [s.count * s.length for s in segments]
+        pieces = [t.reshape(-1, *t.shape[2:]).split(sizes) for t in (q, k, v)]
+        outputs = [self._segment(s, *(t.unflatten(0, (s.count, s.length)) for t in ts), sinks).flatten(0, 1)
+                   for s, *ts in zip(segments, *pieces)]
+        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+        return out.reshape(*q.shape[:-1], v.shape[-1])
+
+    def _segment(self, segment: Segment, q, k, v, sinks) -> torch.Tensor:
+        length, window = segment.length, self.window
+        if segment.mask is not None:  # a pack of short documents: its own mask, within the window
+            visible = segment.mask if window is None else segment.mask & band(length, length, 0, window, q.device)
+            return sink_attention(q, k, v, sinks, additive(visible, q.dtype), self.scale)
+        if window is None or length <= window:
+            return sink_attention(q, k, v, sinks, None, self.scale)
+        return self._blocks(q, k, v, sinks)
+
+    def _blocks(self, q, k, v, sinks) -> torch.Tensor:
+        """Documents longer than the window, in query blocks of W (the module docstring)."""
+        count, length = q.shape[:2]
+        window = self.window
+        blocks = -(-length // window)
+        padding = blocks * window - length  # padded queries are cut off; padded keys are after every real query
+        q, k, v = (torch.nn.functional.pad(t, (0, 0, 0, 0, 0, padding)).unflatten(1, (blocks, window)) for t in (q, k, v))
+        first = sink_attention(q[:, 0], k[:, 0], v[:, 0], sinks, None, self.scale)
+        later_k, later_v = (torch.cat((t[:, :-1], t[:, 1:]), dim=2).flatten(0, 1) for t in (k, v))
+        mask = additive(band(window, 2 * window, window, window, q.device), q.dtype)
+        later = sink_attention(q[:, 1:].flatten(0, 1), later_k, later_v, sinks, mask, self.scale)
+        out = torch.cat((first.unsqueeze(1), later.unflatten(0, (count, blocks - 1))), dim=1)
+        return out.flatten(1, 2)[:, :length]
+
+
+def layer_window(cfg: ModelConfig, layer: int) -> int | None:
+    """The window of block `layer`: gpt-oss's even blocks slide, the odd ones attend fully."""
+    return cfg.options.sliding_window if layer % 2 == 0 else None
+
+
+class GptOssAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        o = cfg.options
+        self.heads, self.kv_heads, self.head_dim = cfg.heads, cfg.kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden, cfg.heads * cfg.head_dim, bias=o.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=o.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=o.attention_bias)
+        self.o_proj = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=o.attention_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.sinks = nn.Parameter(torch.empty(cfg.heads))
+        self.rope_options, self.rope_theta = o, cfg.rope_theta
+        self.core = SinkWindowCore(layer_window(cfg, layer))
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, documents: Documents | None):
+        batch, seq, _ = x.shape
+        q = self.q_proj(x).view(batch, seq, self.heads, self.head_dim)
+        k = self.k_proj(x).view(batch, seq, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(batch, seq, self.kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        inv_freq = self.rope_options.inv_freq(self.head_dim, self.rope_theta, position_ids.device)
+        cos, sin = rope_cos_sin(position_ids, inv_freq, x.dtype, self.rope_options.attention_factor())
+        out = self.core(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, documents, self.sinks)
+        return self.o_proj(out.reshape(batch, seq, self.heads * self.head_dim))
+
+
+@dataclass(frozen=True)
+class GptOssAttentionSpec(GQASpec):
+    """GQA with optional biases on q, k, v and o, and one sink logit per query head."""
+
+    bias: bool = True
+
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> "GptOssAttentionSpec":
+        gqa = GQASpec.of(cfg)
+        return cls(gqa.heads, gqa.kv_heads, gqa.qk_head_dim, gqa.v_head_dim, gqa.hidden, gqa.qk_norm,
+                   cfg.options.attention_bias)
+
+    @property
+    def parameters(self) -> int:
+        biases = self.q_width + self.k_width + self.v_width + self.hidden if self.bias else 0
+        return super().parameters + biases + self.heads
