@@ -48,3 +48,19 @@ def test_the_moe_benchmark_refuses_fewer_experts_than_its_hot_ones_in_one_line(c
     err = capsys.readouterr().err.strip()
     assert err.startswith("mop: error: --scenarios: unknown scenario '99% -> 1'") and "\n" not in err
 
+
+
+@pytest.mark.slow
+def test_the_moe_benchmark_runs_a_presets_layer_at_divided_widths(tmp_path, capsys):
+    out = tmp_path / "moe.json"
+    assert main(["bench", "moe", "--model=deepseek-v3", "--width-divisor=448", "--tokens=64", "--min-chunk=8",
+                 "--chunks=2", "--repeats=1", "--scenarios=balanced", f"--out={out}"]) == 0
+    settings = json.loads(out.read_text())["settings"]
+    assert (settings["experts"], settings["top_k"], settings["hidden"], settings["intermediate"]) == ("256", "8", "16", "4")
+    assert "deepseek-v3's layer, widths / 448" in capsys.readouterr().out
+
+
+def test_the_moe_benchmark_names_the_presets_it_takes_in_one_line(capsys, tmp_path):
+    assert main(["bench", "moe", "--model=gpt-5", f"--out={tmp_path / 'moe.json'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("mop: error: --model: 'gpt-5' is not a preset; use one of") and "\n" not in err

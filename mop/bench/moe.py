@@ -23,6 +23,13 @@ generator repeats the hot expert within a token, which no router does). Next to 
 the report gives the realised share of assignments on the hot experts and EP's max/mean rank
 load, and orders the scenarios by that load, so results read against the paper's figures by the
 imbalance they actually realise.
+
+Real layers (`--model`): the LLEP paper's section 5.1 measures the expert layers of gpt-oss-120b,
+DeepSeek-V3 and Kimi-K2 on 8 H200s. `--model NAME` takes a preset's experts, top-k, width and
+expert width (`configs/NAME.toml`, the one owner of those shapes), the two widths divided by
+`--width-divisor` (default 16) so that a CPU layer takes seconds; the expert count and top-k are
+the model's. Tokens per rank stay `--tokens` (the paper: 32K for gpt-oss, 16K for the others) and
+the world `--world` (the paper: 8). The report's title names the shape it ran.
 """
 
 from __future__ import annotations
@@ -59,7 +66,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--scenarios", default=",".join(name for name, _, _ in SCENARIOS),
                         help="the scenarios to run, comma-separated (default: all)")
+    parser.add_argument("--model", default=None,
+                        help="a preset (e.g. gpt-oss-120b, deepseek-v3, kimi-k2) whose MoE layer shape replaces "
+                             "--experts, --top-k, --hidden and --intermediate (widths divided by --width-divisor)")
+    parser.add_argument("--width-divisor", type=int, default=16, help="with --model: the widths are divided by this")
     parser.add_argument("--out", type=Path, default=Path("runs/bench/moe.json"))
+
+
+def layer_shape(args) -> None:
+    """With `--model`, the preset's expert layer (widths divided by `--width-divisor`) in `args`."""
+    if args.model is None:
+        return
+    from mop.plan import load_model, presets
+
+    if args.model not in presets():
+        raise ConfigError("--model", f"{args.model!r} is not a preset; use one of {', '.join(presets())}")
+    if args.width_divisor < 1:
+        raise ConfigError("--width-divisor", f"must be >= 1, got {args.width_divisor}")
+    model = load_model(args.model)
+    args.experts, args.top_k = model.experts, model.top_k
+    args.hidden = max(model.hidden // args.width_divisor, 1)
+    args.intermediate = max(model.expert_intermediate // args.width_divisor, 1)
 
 
 def expert_rank(rank, world, cfg: ModelConfig, scenario, options: BalanceOptions, tokens: int, repeats: int,
@@ -105,6 +132,7 @@ def chosen_scenarios(args) -> list[tuple]:
 
 
 def run(args) -> dict:
+    layer_shape(args)
     scenarios = chosen_scenarios(args)
     cfg = ModelConfig(hidden=args.hidden, experts=args.experts, top_k=args.top_k, expert_intermediate=args.intermediate)
     variants = {"ep": BalanceOptions("ep"),
@@ -139,7 +167,8 @@ def report(args, results: dict) -> None:
     variants = list(dict.fromkeys(r["variant"] for r in rows))
     chunked = variants[-1]
     for mode in MODES:
-        print(table(f"expert layer forward + backward ({mode}), W={args.world}, {args.tokens} tokens/rank, "
+        model = f"{args.model}'s layer, widths / {args.width_divisor}: " if args.model else ""
+        print(table(f"{model}expert layer forward + backward ({mode}), W={args.world}, {args.tokens} tokens/rank, "
                     f"E={args.experts}, k={args.top_k}, H={args.hidden}, I={args.intermediate}; scenarios ordered by "
                     "EP's max/mean rank load",
                     ["scenario", "hot share", "EP load", "variant", "time s", "speedup vs EP", "hot rank peak MiB",
