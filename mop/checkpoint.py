@@ -285,6 +285,30 @@ def load(path: Path, model, optimizer: Optimizer | None, views: GlobalViews, wit
     return meta
 
 
+def read_tensors(path: Path, meta: dict, shapes: dict[str, torch.Size], buffers: set[str]) -> dict[str, torch.Tensor]:
+    """Whole fp32 tensors of some of a checkpoint's parameters and buffers (`shapes`: name -> global
+    shape; `buffers`: which of them are buffers), in one process: what `mop convert to-hf` reads
+    for one output file at a time. DCP reads only the requested tensors; a Hugging Face import's
+    are read from its folder."""
+    out = {name: torch.empty(shape, dtype=torch.float32) for name, shape in shapes.items()}
+    if meta.get("hf_weights"):
+        with HFWeights(Path(meta["hf_weights"])) as weights:
+            for name, tensor in out.items():
+                tensor.copy_(weights.rows(name, tensor.shape, 0, tensor.shape[0]))
+        return out
+    state = {"model": {n: t for n, t in out.items() if n not in buffers}}
+    if buffers & out.keys():
+        state["buffers"] = {n: t for n, t in out.items() if n in buffers}
+    if not (path / DCP_METADATA).is_file():
+        raise damaged(path, FileNotFoundError(f"no {DCP_METADATA}, the index of its shards"))
+    try:
+        with _quiet_if_single_process():
+            dcp.load(state, storage_reader=FileSystemReader(path), no_dist=not dist.is_initialized())
+    except (Exception, CheckpointException) as err:
+        raise damaged(path, err) from None
+    return out
+
+
 def _load_hf_weights(path: Path, meta: dict, model, optimizer: Optimizer | None, views: GlobalViews) -> None:
     """A Hugging Face import's weights (see `save_hf_import`): each rank reads its own rows, into
     the host masters when there is a host optimizer (then copied to the working weights)."""

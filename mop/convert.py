@@ -1,7 +1,7 @@
 """`mop convert`: between mop checkpoints and Hugging Face model directories.
 
 - `to-hf CHECKPOINT OUT`: the checkpoint's weights (saved by any layout) as a `qwen3_moe` or
-  `mixtral` directory that transformers loads (`mop.models.hf.save_hf`), with the tokenizer the
+  `mixtral` directory that transformers loads (`mop.models.hf.write_hf`, file by file), with the tokenizer the
   checkpoint was trained with (a copy of its `tokenizer/`: the HF files of the tokenizer, for the
   byte tokenizer its exact HF equivalent), `generation_config.json` (its bos/eos/pad ids) and
   `eos_token_id`/`bos_token_id` in config.json. No `pad_token_id` goes into config.json:
@@ -35,7 +35,7 @@ from mop.config import Config, ConfigError, DataConfig
 from mop.data.tokenizer import COMPANION_FILES, AnyTokenizer, load_tokenizer
 from mop.models.config import ModelConfig
 from mop.models.families import FAMILIES
-from mop.models.hf import HFConversionError, HFWeights, empty_model, save_hf
+from mop.models.hf import MAX_SHARD_BYTES, HFConversionError, HFWeights, write_hf
 from mop.models.transformer import MoETransformer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -69,15 +69,26 @@ def run(args) -> None:
         import_hf(args.hf_dir, args.checkpoint, args.tokenizer, args.eos_token)
 
 
-def export(path: Path, out: Path, model_type: str | None, dtype: str | None) -> None:
+def export(path: Path, out: Path, model_type: str | None, dtype: str | None,
+           max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+    """Checkpoint `path` as a HF folder `out`, written file by file: only one output file's tensors are read
+    from the checkpoint at a time (`write_hf`), so no process holds the whole model."""
     if not (path / checkpoint.META).is_file():
         raise ConfigError(str(path), f"is not a complete mop checkpoint (no {checkpoint.META}); pass a step_<N> directory")
     meta = checkpoint.read_meta(path)
-    model = load_model(path, meta)
+    cfg = ModelConfig(**meta["config"]["model"])
+    with torch.device("meta"):
+        model = MoETransformer(cfg)
+    shapes = dict(model.state_dict().items())
+    buffers = set(checkpoint.named_buffers(model))
+
+    def read(names: list[str]) -> dict[str, torch.Tensor]:  # one output file's tensors at a time
+        return checkpoint.read_tensors(path, meta, {name: shapes[name].shape for name in names}, buffers)
+
     make_directory(out, out)
     token_ids = export_tokenizer(path, meta, out)
-    save_hf(model, out, dtype=DTYPES[dtype or meta["config"]["train"]["dtype"]], model_type=model_type,
-            token_ids=token_ids)
+    write_hf(cfg, out, read, DTYPES[dtype or meta["config"]["train"]["dtype"]], model_type, max_shard_bytes,
+             token_ids)
     print(f"mop: wrote {out} from {path}")
 
 
@@ -101,15 +112,6 @@ def export_tokenizer(path: Path, meta: dict, out: Path) -> dict[str, int]:
            if record[f"{kind}_id"] is not None}
     (out / GENERATION_CONFIG).write_text(json.dumps(ids, indent=2) + "\n")
     return {key: value for key, value in ids.items() if key != "pad_token_id"}
-
-
-def load_model(path: Path, meta: dict | None = None) -> MoETransformer:
-    """The whole model of checkpoint `path` in one process, in fp32, without optimizer state
-    (`meta`: its mop.json, when already read)."""
-    meta = meta or checkpoint.read_meta(path)
-    model = empty_model(ModelConfig(**meta["config"]["model"]), torch.float32)
-    checkpoint.load(path, model, None, checkpoint.GlobalViews(model, None), meta=meta)
-    return model
 
 
 def import_hf(hf_dir: Path, path: Path, tokenizer_spec: str | None, eos_token: str | None) -> None:

@@ -15,7 +15,6 @@ from mop import checkpoint
 from mop.cli import main
 from mop.data import ByteTokenizer
 from mop.metrics import read_metrics
-from mop.convert import load_model
 from test_data import SAMPLE, _train_bpe
 from test_hf import check_routing_is_unambiguous, hf_model, randomize
 from test_train import REFERENCE_LAYOUT, TINY
@@ -28,6 +27,45 @@ RUN = ["--data.seq_len=32", "--train.global_batch=4", "--train.micro_batch=2", "
        "--optim.lr=1e-3", "--log.progress=false", "--log.tensorboard=false", "--log.plot=false"]
 TEXTS = [SAMPLE, "the quick brown fox jumps over the lazy dog", "  two  spaces,\ttab\nnewline", "",
          "chat <|im_start|>user hi<|im_end|> and <|endoftext|> inside text", "Ünïcödé 🙂🙂 — ½ ∑ 日本"]
+
+
+def load_model(path, meta: dict | None = None):
+    """The whole model of checkpoint `path` in one process, in fp32, without optimizer state."""
+    from mop.models.config import ModelConfig
+    from mop.models.hf import empty_model
+
+    meta = meta or checkpoint.read_meta(path)
+    model = empty_model(ModelConfig(**meta["config"]["model"]), torch.float32)
+    checkpoint.load(path, model, None, checkpoint.GlobalViews(model, None), meta=meta)
+    return model
+
+
+def test_to_hf_reads_one_output_files_tensors_at_a_time(tmp_path, monkeypatch):
+    """`mop convert to-hf` never holds the model: each request to the checkpoint is the parameters
+    of one output file, and the files written equal the in-memory `save_hf` of the whole model."""
+    from safetensors.torch import load_file
+
+    from mop.convert import export
+    from mop.models.hf import save_hf
+
+    assert main(["train", *TINY, f"--log.run_dir={tmp_path / 'run'}", "--checkpoint.every=5"]) == 0
+    step = tmp_path / "run" / "checkpoints" / "step_5"
+    requests = []
+    read = checkpoint.read_tensors
+    monkeypatch.setattr(checkpoint, "read_tensors", lambda *a: requests.append(sorted(a[2])) or read(*a))
+    export(step, tmp_path / "streamed", None, "float32", max_shard_bytes=40_000)
+    files = sorted((tmp_path / "streamed").glob("model-*.safetensors"))
+    whole_model = load_model(step)
+    sizes = {name: tensor.numel() for name, tensor in whole_model.state_dict().items()}
+    assert len(requests) == len(files) > 3
+    # a file reads whole parameters: at most a layer's stacked experts beside its own tensors
+    assert max(sum(sizes[name] for name in names) for names in requests) < sum(sizes.values()) / 2
+    save_hf(whole_model, tmp_path / "whole", max_shard_bytes=40_000)
+    for file in files:
+        streamed, whole = load_file(file), load_file(tmp_path / "whole" / file.name)
+        assert streamed.keys() == whole.keys()
+        for k in streamed:
+            torch.testing.assert_close(streamed[k], whole[k], atol=0, rtol=0, msg=k)
 
 
 def hf_config():

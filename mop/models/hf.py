@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
@@ -253,32 +254,46 @@ def _check_keys(pieces: list[Piece], tensors: dict, path: Path) -> None:
 
 def save_hf(model: MoETransformer, path: str | Path, dtype: torch.dtype | None = None, model_type: str | None = None,
             max_shard_bytes: int = MAX_SHARD_BYTES, token_ids: dict[str, int] | None = None) -> None:
-    """Write `model` (full, unsharded tensors) to the directory `path` as a HF checkpoint.
-
-    The tensors go in the hub layout every transformers version loads, cast to `dtype` (None:
-    the embedding's dtype), in `model.safetensors`, or in `model-0000k-of-0000n.safetensors`
-    shards of at most `max_shard_bytes` (a bigger tensor gets a shard of its own) with an index.
-    Tied weights are written once. `model_type` as in `config_to_hf`; `token_ids` (e.g.
-    `eos_token_id`, `bos_token_id`) are added to config.json as they are.
-    """
-    family = _expressible_family(model.cfg, model_type)
+    """Write `model` (full, unsharded tensors) to the directory `path` as a HF checkpoint
+    (`write_hf`; `dtype` None: the embedding's)."""
     state = model.state_dict()
-    dtype = dtype or state["embed.weight"].dtype
+    write_hf(model.cfg, path, lambda names: {name: state[name] for name in names},
+             dtype or state["embed.weight"].dtype, model_type, max_shard_bytes, token_ids)
+
+
+def write_hf(cfg: ModelConfig, path: str | Path, read, dtype: torch.dtype, model_type: str | None = None,
+             max_shard_bytes: int = MAX_SHARD_BYTES, token_ids: dict[str, int] | None = None) -> None:
+    """Write the model `cfg` describes to the directory `path` as a HF checkpoint, file by file:
+    `read(names)` returns the whole tensors of those parameters and buffers, and is asked for one
+    output file's at a time, so a process holds one file's tensors (and whole parameters spanning
+    it), never the model.
+
+    The tensors go in the hub layout every transformers version loads, cast to `dtype`, in
+    `model.safetensors`, or in `model-0000k-of-0000n.safetensors` shards of at most
+    `max_shard_bytes` (a bigger tensor gets a shard of its own) with an index. Tied weights are
+    written once. `model_type` as in `config_to_hf`; `token_ids` (e.g. `eos_token_id`,
+    `bos_token_id`) are added to config.json as they are.
+    """
+    family = _expressible_family(cfg, model_type)
+    with torch.device("meta"):
+        shapes = {name: tensor.shape for name, tensor in _tensors(MoETransformer(cfg))}
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     _remove_old_weights(path)
-    shards = _plan_shards(model_pieces(model.cfg, family.hf, set()), state, dtype, max_shard_bytes)
+    shards = _plan_shards(model_pieces(cfg, family.hf, set()), shapes, dtype, max_shard_bytes)
     names = [SINGLE_FILE] if len(shards) == 1 else [
         f"model-{n:05d}-of-{len(shards):05d}.safetensors" for n in range(1, len(shards) + 1)]
     for name, shard in zip(names, shards):
-        save_file({piece.key: _disk_tensor(state[piece.param][piece.index], dtype) for piece in shard},
+        tensors = read(list(dict.fromkeys(piece.param for piece in shard)))
+        save_file({piece.key: _disk_tensor(tensors[piece.param][piece.index], dtype) for piece in shard},
                   path / name, metadata={"format": "pt"})
+        del tensors
     if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(_nbytes(piece, state, dtype) for shard in shards for piece in shard)},
+        index = {"metadata": {"total_size": sum(_nbytes(piece, shapes, dtype) for shard in shards for piece in shard)},
                  "weight_map": {piece.key: name for name, shard in zip(names, shards) for piece in shard}}
         (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     # config.json goes last: a save interrupted earlier leaves no directory that looks loadable.
-    config = {**config_to_hf(model.cfg, family.name, dtype), **(token_ids or {})}
+    config = {**config_to_hf(cfg, family.name, dtype), **(token_ids or {})}
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
@@ -288,14 +303,24 @@ def _remove_old_weights(path: Path) -> None:
         file.unlink(missing_ok=True)
 
 
-def _nbytes(piece: Piece, state: dict, dtype: torch.dtype) -> int:
-    return state[piece.param][piece.index].numel() * dtype.itemsize
+def _nbytes(piece: Piece, shapes: dict[str, torch.Size], dtype: torch.dtype) -> int:
+    shape = shapes[piece.param]
+    return math.prod(shape[len(piece.index):]) * _indexed_rows(piece, shape) * dtype.itemsize
 
 
-def _plan_shards(pieces: list[Piece], state: dict, dtype: torch.dtype, max_bytes: int) -> list[list[Piece]]:
+def _indexed_rows(piece: Piece, shape: torch.Size) -> int:
+    """Elements of the leading indexed dims a piece covers (an int index: 1; a slice: its length)."""
+    count = 1
+    for index, size in zip(piece.index, shape):
+        count *= len(range(size)[index]) if isinstance(index, slice) else 1
+    return count
+
+
+def _plan_shards(pieces: list[Piece], shapes: dict[str, torch.Size], dtype: torch.dtype,
+                 max_bytes: int) -> list[list[Piece]]:
     shards, size = [[]], 0
     for piece in pieces:
-        nbytes = _nbytes(piece, state, dtype)
+        nbytes = _nbytes(piece, shapes, dtype)
         if shards[-1] and size + nbytes > max_bytes:
             shards.append([])
             size = 0
