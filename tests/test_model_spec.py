@@ -42,11 +42,12 @@ def test_the_spec_counts_the_parameters_the_built_model_has_by_category(family, 
     assert model_spec(cfg).parameters() == counts_by_category(cfg)
 
 
-# Family options that add parameters: biases, a q LoRA.
+# Family options that add parameters: biases, a q LoRA, sinks.
 WITH_OPTIONS = [dataclasses.replace(CFG, family="deepseek_v3", kv_heads=4, head_dim=12,
                                     options={"q_lora_rank": 8, "attention_bias": True, "qk_rope_head_dim": 4,
                                              "kv_lora_rank": 10, "v_head_dim": 6}),
-                dataclasses.replace(CFG, family="glm4_moe", options={"attention_bias": True})]
+                dataclasses.replace(CFG, family="glm4_moe", options={"attention_bias": True}),
+                dataclasses.replace(CFG, family="gpt_oss", qk_norm=False, options={"sliding_window": 4})]
 
 
 @pytest.mark.parametrize("cfg", WITH_OPTIONS, ids=lambda cfg: cfg.family)
@@ -58,7 +59,8 @@ def test_the_spec_counts_the_parameters_a_familys_options_add(cfg):
 def test_with_every_expert_active_a_token_meets_every_matrix_but_the_embedding(cfg):
     """top_k = experts: each token is multiplied with every weight matrix once (the embedding is a lookup)."""
     model = build_model(cfg, seed=0)
-    matrices = sum(p.numel() for name, p in model.named_parameters() if p.dim() >= 2 and name != "embed.weight")
+    matrices = sum(p.numel() for name, p in model.named_parameters()
+                   if p.dim() >= 2 and name != "embed.weight" and not name.endswith("bias"))  # gpt_oss's [E, 2I] biases
     assert model_spec(cfg).matmul_parameters_per_token() == matrices
     spec = model_spec(CFG)
     # Fewer active experts: only top_k of them count.

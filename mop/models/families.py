@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from dataclasses import fields, is_dataclass
 
-from mop.models import deepseek_v3, glm4_moe, mixtral, qwen3_moe
+from mop.models import deepseek_v3, glm4_moe, gpt_oss, mixtral, qwen3_moe
 from mop.models.config import ModelConfig
 from mop.models.family import Family
 from mop.models.spec import ModelSpec
 
 FAMILIES: dict[str, Family] = {family.name: family for family in (
-    qwen3_moe.FAMILY, mixtral.FAMILY, glm4_moe.FAMILY, deepseek_v3.FAMILY)}
+    qwen3_moe.FAMILY, mixtral.FAMILY, glm4_moe.FAMILY, deepseek_v3.FAMILY, gpt_oss.FAMILY)}
 
 
 def unknown_family(name: str) -> str:

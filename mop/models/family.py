@@ -18,7 +18,7 @@ from torch import nn
 
 from mop.models.config import ModelConfig
 from mop.models.hf_mapping import HFMapping
-from mop.models.moe import Router
+from mop.models.moe import Experts, Router
 from mop.models.spec import ModelSpec
 
 
@@ -26,8 +26,9 @@ from mop.models.spec import ModelSpec
 class Family:
     name: str
     """`model.family` and the HF `model_type`."""
-    attention: Callable[[ModelConfig], nn.Module]
-    """Builds one block's attention: `(cfg) -> module(x, position_ids, documents)` with a `core` seam."""
+    attention: Callable[[ModelConfig, int], nn.Module]
+    """Builds block `layer`'s attention: `(cfg, layer) -> module(x, position_ids, documents)` with a
+    `core` seam (gpt_oss alternates sliding-window and full blocks)."""
     spec: Callable[[ModelConfig], ModelSpec]
     """The shape facts of a config of this family."""
     hf: HFMapping
@@ -35,6 +36,9 @@ class Family:
     router: Callable[[ModelConfig], nn.Module] = Router
     """Builds one MoE layer's router: `(cfg) -> module(x [T, H]) -> (fp32 probabilities [T, E] the
     balance statistics sum, weights [T, k], expert ids [T, k])`."""
+    experts: Callable[[ModelConfig], nn.Module] = Experts
+    """Builds one MoE layer's routed experts: `(cfg) -> module(x [T, H], expert_ids [T, k], weights
+    [T, k]) -> [T, H]`, the seam expert parallelism replaces (the shared stacked SwiGLU by default)."""
     options: type | None = None
     """Its own hyper-parameters beyond `ModelConfig`'s shared ones: a frozen dataclass with a docstring
     per field (and, optionally, `validate(model_config) -> [(key, message)]`), set as `[model.options]` in a config

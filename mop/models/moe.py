@@ -281,8 +281,9 @@ class MoE(nn.Module):
         from mop.models.families import family_of  # the families import this module
 
         super().__init__()
-        self.router = family_of(cfg).router(cfg)
-        self.experts = Experts(cfg)
+        family = family_of(cfg)
+        self.router = family.router(cfg)
+        self.experts = family.experts(cfg)
         self.shared = SwiGLU(cfg.hidden, cfg.shared_expert_intermediate) if cfg.shared_expert_intermediate else None
 
     def forward(self, x: torch.Tensor):

@@ -116,10 +116,18 @@ class ModelSpec:
         """A SwiGLU MLP of this width (dense block, shared expert, one routed expert)."""
         return 3 * self.cfg.hidden * intermediate
 
+    def expert_parameters(self) -> int:
+        """One routed expert's parameters: a SwiGLU of `expert_intermediate` (a family whose experts
+        have biases adds them)."""
+        return self.mlp_parameters(self.cfg.expert_intermediate)
+
+    def router_parameters(self) -> int:
+        """One MoE layer's router: a linear map to the experts (a family whose router has a bias adds it)."""
+        return self.cfg.experts * self.cfg.hidden
+
     def moe_dense_parameters(self) -> int:
         """One MoE layer's non-expert parameters: the router and the shared expert."""
-        m = self.cfg
-        return m.experts * m.hidden + self.mlp_parameters(m.shared_expert_intermediate)
+        return self.router_parameters() + self.mlp_parameters(self.cfg.shared_expert_intermediate)
 
     def parameters(self) -> dict[str, int]:
         """Parameter elements by category (`dense`, `expert`, `vocabulary`; the module docstring)."""
@@ -127,7 +135,7 @@ class ModelSpec:
         norms = 2 * m.hidden
         dense = (m.layers * (self.attention.parameters + norms) + m.dense_layers * self.mlp_parameters(m.dense_intermediate)
                  + m.moe_layers * self.moe_dense_parameters() + m.hidden)
-        expert = m.moe_layers * m.experts * self.mlp_parameters(m.expert_intermediate)
+        expert = m.moe_layers * m.experts * self.expert_parameters()
         vocabulary = m.vocab_size * m.hidden * (1 if m.tie_embeddings else 2)
         return {"dense": dense, "expert": expert, "vocabulary": vocabulary}
 
@@ -139,7 +147,7 @@ class ModelSpec:
     def active_parameters(self) -> int:
         """Parameters one token uses: all but the routed experts it is not sent to."""
         m = self.cfg
-        unused = m.moe_layers * (m.experts - m.top_k) * self.mlp_parameters(m.expert_intermediate)
+        unused = m.moe_layers * (m.experts - m.top_k) * self.expert_parameters()
         return self.total_parameters - unused
 
     # ---------------------------------------------------------------- FLOPs
@@ -147,7 +155,9 @@ class ModelSpec:
     def matmul_parameters_per_token(self) -> int:
         """Parameters each token is multiplied with once in a forward."""
         m = self.cfg
-        moe = self.moe_dense_parameters() + m.top_k * self.mlp_parameters(m.expert_intermediate)
+        # matrices only: the router's and the experts' (a family's biases are no matmul)
+        moe = m.experts * m.hidden + self.mlp_parameters(m.shared_expert_intermediate) + m.top_k * self.mlp_parameters(
+            m.expert_intermediate)
         layers = (m.layers * self.attention.matmul_parameters + m.dense_layers * self.mlp_parameters(m.dense_intermediate)
                   + m.moe_layers * moe)
         return layers + m.hidden * m.vocab_size

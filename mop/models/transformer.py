@@ -58,7 +58,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
-        self.attention = family_of(cfg).attention(cfg)
+        self.attention = family_of(cfg).attention(cfg, layer)
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.is_moe = layer >= cfg.dense_layers
         self.mlp = MoE(cfg) if self.is_moe else SwiGLU(cfg.hidden, cfg.dense_intermediate)
@@ -219,12 +219,15 @@ def parameter_seed(seed: int, name: str) -> int:
 def initial_rows(name: str, shape: torch.Size, first: int, count: int, seed: int, std: float) -> torch.Tensor:
     """Rows `[first, first + count)` (dim 0) of parameter `name`'s initial value, fp32 on the CPU.
 
-    Norm weights (1-D) start at one. A matrix is N(0, std), drawn in blocks of INIT_BLOCK
+    Biases and attention sinks (names ending in `bias` or `sinks`) start at zero, as transformers
+    initialises them; other 1-D parameters (norm weights) at one. A matrix is N(0, std), drawn in blocks of INIT_BLOCK
     consecutive elements of its flattened global tensor, block b from a generator keyed by (seed,
     name, b): any block of rows is computed without drawing the others, so every rank initialises
     its own shard alone and every layout (the single-process model included) starts from the same
     values, bit for bit, on any device.
     """
+    if name.endswith(("bias", "sinks")):
+        return torch.zeros(count, *shape[1:])
     if len(shape) == 1:
         return torch.ones(count)
     row = math.prod(shape[1:])

@@ -57,5 +57,5 @@ class Options(GroupRoutingOptions, YarnOptions):
         return problems
 
 
-FAMILY = Family("deepseek_v3", attention=MultiHeadLatentAttention, spec=lambda cfg: ModelSpec(cfg, MLASpec.of(cfg)),
+FAMILY = Family("deepseek_v3", attention=lambda cfg, layer: MultiHeadLatentAttention(cfg), spec=lambda cfg: ModelSpec(cfg, MLASpec.of(cfg)),
                 hf=hf, router=lambda cfg: cfg.options.router(cfg), options=Options)

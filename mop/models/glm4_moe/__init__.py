@@ -53,7 +53,7 @@ class GLMAttentionSpec(GQASpec):
 
 FAMILY = Family(
     "glm4_moe",
-    attention=lambda cfg: Attention(cfg, qkv_bias=cfg.options.attention_bias, rotary_dim=rotary_dim(cfg)),
+    attention=lambda cfg, layer: Attention(cfg, qkv_bias=cfg.options.attention_bias, rotary_dim=rotary_dim(cfg)),
     spec=lambda cfg: ModelSpec(cfg, GLMAttentionSpec.of(cfg)), hf=hf,
     router=lambda cfg: cfg.options.router(cfg),
     options=Options)

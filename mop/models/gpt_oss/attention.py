@@ -65,7 +65,8 @@ class _SinkAttention(torch.autograd.Function):
                                       "one (varlen_attn with window_size=(W-1, 0) and the sink backward) is not built")
         causal = mask is None
         out, lse = _forward_kernel(q, k, v, is_causal=causal, attn_mask=mask, scale=scale)
-        y = (out.float() * _keep(lse, sinks)).to(out.dtype)
+        keep = _keep(lse, sinks, out.dtype)
+        y = (out.to(keep.dtype) * keep).to(out.dtype)
         ctx.save_for_backward(q, k, v, y, lse, sinks, mask)
         ctx.causal, ctx.scale = causal, scale
         return y
@@ -73,18 +74,20 @@ class _SinkAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         q, k, v, y, lse, sinks, mask = ctx.saved_tensors
-        keep = _keep(lse, sinks)
-        grad_out = (grad_y.float() * keep).to(q.dtype)
+        keep = _keep(lse, sinks, y.dtype)
+        grad_y = grad_y.to(keep.dtype)
+        grad_out = (grad_y * keep).to(q.dtype)
         grad_q, grad_k, grad_v = _backward_kernel(grad_out, q, k, v, y, lse, 0.0, ctx.causal, attn_mask=mask,
                                                   scale=ctx.scale)
-        grad_sinks = -((1 - keep) * (grad_y.float() * y.float())).sum((0, 2, 3))
+        grad_sinks = -((1 - keep) * (grad_y * y.to(keep.dtype))).sum((0, 2, 3))
         return grad_q, grad_k, grad_v, grad_sinks.to(sinks.dtype), None, None
 
 
-def _keep(lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
-    """The share of each query's softmax mass the sink leaves to the keys, `sigmoid(L - s)`, fp32
-    `[n, heads, len, 1]`."""
-    return torch.sigmoid(lse.float() - sinks.float().view(1, -1, 1)).unsqueeze(-1)
+def _keep(lse: torch.Tensor, sinks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The share of each query's softmax mass the sink leaves to the keys, `sigmoid(L - s)`
+    `[n, heads, len, 1]`, in fp32 at least (in `dtype` if wider)."""
+    dtype = torch.promote_types(dtype, torch.float32)
+    return torch.sigmoid(lse.to(dtype) - sinks.to(dtype).view(1, -1, 1)).unsqueeze(-1)
 
 
 def sink_attention(q, k, v, sinks, mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:

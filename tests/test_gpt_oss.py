@@ -1,0 +1,205 @@
+"""gpt_oss against transformers' GptOssForCausalLM: the same logits (and loss gradients) from the
+same weights (copied by name, independently of the HF mapping, and through `load_hf` / `save_hf`)
+over GQA ratios, odd heads, windows shorter and longer than the sequence, YaRN on and off, top-2
+and top-3, a binding SwiGLU clamp; packed documents against each document alone; the sink and
+window core against a dense-mask oracle; and the grouped experts against the per-expert loop."""
+
+import dataclasses
+import json
+import re
+
+import pytest
+import torch
+
+from mop.models import documents as documents_module
+from mop.models.documents import Documents
+from mop.models.gpt_oss.attention import SinkWindowCore
+from mop.models.gpt_oss.experts import GptOssExperts
+from mop.models.hf import HFConversionError, config_from_hf, load_hf, save_hf
+from mop.models.transformer import build_model
+from test_hf import HF_TO_MOP, SEQ, batch, copy_weights_by_name, randomize, shifted
+
+transformers = pytest.importorskip("transformers")
+
+GPT_OSS_TO_MOP = [(r"\.mlp\.experts\.gate_up_proj$", ".mlp.experts.gate_up_weight"),
+                  (r"\.mlp\.experts\.gate_up_proj_bias$", ".mlp.experts.gate_up_bias"),
+                  (r"\.mlp\.experts\.down_proj$", ".mlp.experts.down_weight"),
+                  (r"\.mlp\.experts\.down_proj_bias$", ".mlp.experts.down_bias"), *HF_TO_MOP]
+YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "original_max_position_embeddings": 8,
+        "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
+DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+
+
+def hf_config(**overrides):
+    settings = dict(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=5,
+                    rope_parameters=YARN, max_position_embeddings=32)
+    settings.update(overrides)
+    return transformers.GptOssConfig(**settings)
+
+
+def random_hf_model(config, seed=0):
+    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    randomize(hf, seed, ".mlp.router.weight")
+    return hf
+
+
+CASES = {
+    "gqa-4/2+window-5+yarn+top-2": {},
+    "gqa-6/2+window-longer-than-the-sequence+rope+top-3": dict(
+        num_attention_heads=6, sliding_window=64, rope_parameters=DEFAULT_ROPE, num_experts_per_tok=3),
+    "odd-heads-3/3+window-3+yarn+top-3+clamp-binds": dict(
+        num_attention_heads=3, num_key_value_heads=3, sliding_window=3, num_experts_per_tok=3, swiglu_limit=0.5),
+    "no-attention-bias+window-1+4-layers": dict(attention_bias=False, sliding_window=1, num_hidden_layers=4,
+                                                 rope_parameters=DEFAULT_ROPE),
+}
+
+
+def mop_twin(hf):
+    mop = build_model(config_from_hf(hf.config.to_dict()), seed=0)
+    copy_weights_by_name(hf, mop, GPT_OSS_TO_MOP)
+    return mop
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_equal_transformers(case):
+    hf = random_hf_model(hf_config(**CASES[case]))
+    mop = mop_twin(hf)
+    with torch.no_grad():
+        input_ids = batch(2)
+        torch.testing.assert_close(mop(input_ids), hf(input_ids).logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("case", ["gqa-4/2+window-5+yarn+top-2", "odd-heads-3/3+window-3+yarn+top-3+clamp-binds"])
+def test_loss_and_every_gradient_equal_transformers(case):
+    hf = random_hf_model(hf_config(**CASES[case]))
+    mop = mop_twin(hf)
+    mop.cfg = dataclasses.replace(mop.cfg, aux_loss_coef=0.0)  # HF adds its aux loss only with output_router_logits
+    input_ids = batch(2)
+    labels = batch(2, seed=5)
+    expected = hf(input_ids, labels=labels).loss
+    loss = mop(input_ids, shifted(labels))
+    torch.testing.assert_close(loss, expected, atol=1e-5, rtol=0)
+    expected.backward()
+    loss.backward()
+    mine = dict(mop.named_parameters())
+    for name, param in hf.named_parameters():
+        for pattern, replacement in GPT_OSS_TO_MOP:
+            name = re.sub(pattern, replacement, name)
+        torch.testing.assert_close(mine[name].grad, param.grad, atol=1e-5, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("case", ["gqa-4/2+window-5+yarn+top-2", "no-attention-bias+window-1+4-layers"])
+def test_load_hf_and_save_hf_round_trip_through_transformers(tmp_path, case):
+    hf = random_hf_model(hf_config(**CASES[case]), seed=1)
+    hf.save_pretrained(tmp_path / "hf")
+    mop = load_hf(tmp_path / "hf")
+    assert mop.cfg.options.sliding_window == hf.config.sliding_window
+    input_ids = batch(2)
+    with torch.no_grad():
+        torch.testing.assert_close(mop(input_ids), hf(input_ids).logits, atol=1e-5, rtol=0)
+    save_hf(mop, tmp_path / "back")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back", attn_implementation="eager")
+    assert again.config.layer_types == hf.config.layer_types
+    assert again.config.rope_parameters == hf.config.rope_parameters
+    with torch.no_grad():
+        torch.testing.assert_close(again(input_ids).logits, hf(input_ids).logits, atol=1e-5, rtol=0)
+
+
+@pytest.fixture
+def small_segments(monkeypatch):
+    """Documents of 6 tokens or more are runs (the query-block path past the window), shorter ones
+    are packed in groups of at most 12 tokens: every segment kind at test sizes."""
+    monkeypatch.setattr(documents_module, "SHORT_DOCUMENT", 6)
+    monkeypatch.setattr(documents_module, "PACK_TOKENS", 12)
+
+
+def document_ids(lengths_per_row):
+    return torch.tensor([[d for d, n in enumerate(row) for _ in range(n)] for row in lengths_per_row])
+
+
+def test_packed_documents_equal_each_document_alone_through_transformers(small_segments):
+    """Rows of documents: runs of equal length, documents longer than the window (3), packs of
+    short ones; each document's logits are transformers' on that document alone."""
+    hf = random_hf_model(hf_config(sliding_window=3))
+    mop = mop_twin(hf)
+    rows = [[9, 9, 3, 2, 1], [4, 4, 16]]
+    ids = document_ids(rows)
+    input_ids = batch(2)
+    with torch.no_grad():
+        logits = mop(input_ids, document_ids=ids)
+        for r, row in enumerate(rows):
+            start = 0
+            for length in row:
+                alone = hf(input_ids[r:r + 1, start:start + length]).logits[0]
+                torch.testing.assert_close(logits[r, start:start + length], alone, atol=1e-5, rtol=0)
+                start += length
+
+
+def dense_oracle(q, k, v, sinks, ids, window, scale):
+    """The sink-corrected attention under the dense `[S, S]` mask causal & same document & window."""
+    seq = q.shape[1]
+    position = torch.arange(seq)
+    mask = (position[:, None] >= position[None, :]) & (ids[:, :, None] == ids[:, None, :])
+    if window is not None:
+        mask = mask & (position[:, None] - position[None, :] < window)
+    group = q.shape[2] // k.shape[2]
+    k, v = (t.repeat_interleave(group, dim=2) for t in (k, v))
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    sink = sinks.view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+    probs = torch.cat((scores, sink), dim=-1).softmax(-1)[..., :-1]
+    return torch.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
+@pytest.mark.parametrize("window", [None, 1, 3, 5, 40])
+@pytest.mark.parametrize("rows", [None, [[9, 9, 3, 2, 1], [4, 4, 16]], [[12, 12], [1, 23]]])
+def test_the_core_equals_a_dense_mask_oracle_with_its_gradients(small_segments, window, rows):
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, SEQ, heads, 8, generator=generator, dtype=torch.float64, requires_grad=True)
+               for heads in (4, 2, 2))
+    sinks = torch.randn(4, generator=generator, dtype=torch.float64, requires_grad=True)
+    ids = document_ids(rows) if rows else torch.zeros(2, SEQ, dtype=torch.long)
+    out = SinkWindowCore(window)(q, k, v, Documents.from_ids(ids), sinks)
+    expected = dense_oracle(q, k, v, sinks, ids, window, 8 ** -0.5)
+    torch.testing.assert_close(out, expected, atol=1e-12, rtol=0)
+    grad = torch.randn(out.shape, generator=generator, dtype=torch.float64)
+    mine = torch.autograd.grad(out, (q, k, v, sinks), grad)
+    theirs = torch.autograd.grad(expected, (q, k, v, sinks), grad)
+    for name, a, b in zip("q k v sinks".split(), mine, theirs):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("grouped, align", [(True, None), (True, 8)])
+def test_grouped_experts_equal_the_per_expert_loop(grouped, align):
+    from mop.models.config import ModelConfig
+
+    cfg = ModelConfig(family="gpt_oss", hidden=16, experts=4, top_k=2, expert_intermediate=8, qk_norm=False,
+                      options={"swiglu_limit": 1.0})
+    experts = build_model(cfg, seed=0).layers[0].mlp.experts
+    assert isinstance(experts, GptOssExperts)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(10, 16, generator=generator, requires_grad=True)
+    ids = torch.stack([torch.randperm(3, generator=generator)[:2] for _ in range(10)])  # expert 3 gets no rows
+    weights = torch.rand(10, 2, generator=generator)
+    results = []
+    for kind in ((False, None), (grouped, align)):
+        out = experts(x, ids, weights, *kind)
+        results.append((out, *torch.autograd.grad(out.square().sum(), (x, *experts.parameters()))))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+def test_what_the_mapping_refuses_it_says_in_one_line():
+    config = hf_config().to_dict()
+    with pytest.raises(HFConversionError, match="mxfp4.*not supported yet"):
+        config_from_hf({**config, "quantization_config": {"quant_method": "mxfp4"}})
+    with pytest.raises(HFConversionError, match="layer_types"):
+        config_from_hf({**config, "layer_types": ["full_attention"] * 3})
+
+
+def test_a_config_json_without_rope_settings_gets_the_references_yarn():
+    config = {k: v for k, v in hf_config().to_dict().items() if k not in ("rope_parameters", "rope_scaling")}
+    options = config_from_hf(config).options
+    assert (options.yarn_factor, options.yarn_original_context, options.yarn_truncate) == (32.0, 4096, False)
+    assert json.dumps(transformers.GptOssConfig(**{k: v for k, v in config.items() if k != "model_type"}).rope_parameters)
