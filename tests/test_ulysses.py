@@ -15,6 +15,7 @@ from torch.testing import assert_close
 from mop.models.attention import Attention, AttentionCore
 from mop.models.config import ModelConfig
 from mop.models.documents import Documents
+from mop.models.families import family_of, model_spec
 from mop.models.transformer import document_positions
 from mop.parallel import DistLayout, Layout
 from mop.parallel.ulysses import UlyssesAttention, head_plan, kv_index
@@ -137,3 +138,56 @@ def test_ulysses_sends_values_wider_than_queries_and_keys_at_their_own_width(dev
             rows = slice(rank * tokens, (rank + 1) * tokens)
             for name, got, want in zip(("output", "q grad", "k grad", "v grad"), results[case], reference):
                 assert_close(got, want[:, rows], atol=1e-5, rtol=1e-5, msg=f"{name} chunks={chunks} packed={packed}")
+
+
+# Each family's own attention under Ulysses: latent attention (its own softmax scale, v narrower than
+# q/k), gpt-oss's sinks (a per-head value the core takes) in a sliding-window block (window 3 < the
+# documents) and a full one; head chunks 1 and 2, packed and not.
+FAMILY_CASES = [(family, layer, chunks, packed) for family, layer in (("deepseek_v3", 0), ("gpt_oss", 0), ("gpt_oss", 1))
+                for chunks in (1, 2) for packed in (False, True)]
+FAMILY_CONFIGS = {
+    "deepseek_v3": dict(heads=4, kv_heads=4, head_dim=12, options={
+        "q_lora_rank": 8, "kv_lora_rank": 10, "qk_rope_head_dim": 4, "v_head_dim": 6, "yarn_factor": 4.0,
+        "yarn_original_context": 4, "yarn_mscale_all_dim": 1.0}),
+    "gpt_oss": dict(heads=4, kv_heads=2, head_dim=8, options={"sliding_window": 3}),
+}
+
+
+def family_attention_case(family, layer, packed):
+    cfg = ModelConfig(family=family, hidden=32, qk_norm=False, **FAMILY_CONFIGS[family])
+    attention = family_of(cfg).attention(cfg, layer)
+    torch.manual_seed(layer)
+    for param in attention.parameters():
+        torch.nn.init.normal_(param, mean=1.0 if param.dim() == 1 else 0.0, std=0.2)
+    g = torch.Generator().manual_seed(3)
+    x, upstream = torch.randn(BATCH, SEQ, cfg.hidden, generator=g), torch.randn(BATCH, SEQ, cfg.hidden, generator=g)
+    documents = torch.tensor([[0] * 3 + [1] * 6 + [2] * 7, [0] * 11 + [1] * 5]) if packed else None
+    positions = document_positions(documents) if packed else torch.arange(SEQ).expand(BATCH, SEQ)
+    return attention, x, upstream, documents, positions
+
+
+def family_cases(rank, world):
+    layout = DistLayout(Layout(world, sequence=world), torch.device("cpu"))
+    tokens = SEQ // world
+    results = []
+    for family, layer, chunks, packed in FAMILY_CASES:
+        attention, *tensors = family_attention_case(family, layer, packed)
+        spec = model_spec(ModelConfig(family=family, hidden=32, qk_norm=False, **FAMILY_CONFIGS[family])).attention
+        attention.core = UlyssesAttention(layout.sequence_group, spec.heads, spec.kv_heads, chunks, attention.core)
+        results.append(run_case(attention, *tensors, slice(rank * tokens, (rank + 1) * tokens)))
+    return results
+
+
+def test_each_familys_attention_under_ulysses_matches_single_process():
+    per_rank = run_distributed(family_cases, 2)
+    tokens = SEQ // 2
+    for case, (family, layer, chunks, packed) in enumerate(FAMILY_CASES):
+        out, x_grad, weight_grads = run_case(*family_attention_case(family, layer, packed))
+        label = f"{family} layer {layer} chunks={chunks} packed={packed}"
+        for rank, results in enumerate(per_rank):
+            rows = slice(rank * tokens, (rank + 1) * tokens)
+            assert_close(results[case][0], out[:, rows], atol=1e-5, rtol=1e-5, msg=f"output {label}")
+            assert_close(results[case][1], x_grad[:, rows], atol=1e-5, rtol=1e-5, msg=f"input grad {label}")
+        for name, grad in weight_grads.items():
+            summed = sum(results[case][2][name] for results in per_rank)
+            assert_close(summed, grad, atol=1e-5, rtol=1e-5, msg=f"{name} grad {label}")

@@ -28,7 +28,10 @@ D/KV ranks sharing it when KV < D (the minimum, since each of them reads it); re
 when several chunks of one rank read the same KV head (the price of holding one chunk at a time).
 
 Head widths: q and k share one, v (and so the output) may have another (multi-head latent
-attention); each travels at its own width.
+attention); each travels at its own width. Per-head values of the attention (gpt-oss's sinks, one
+logit per query head, replicated on every rank) are not exchanged: each chunk's core gets the
+values of the heads it attends, and their gradients are the rank's heads' only, which the dense
+gradient reduction sums with the other ranks' heads like any replicated weight's.
 
 Memory per rank: the local q/k/v/output `[B, N, heads, d]` (O(N)); one chunk's head-sharded
 Q/K/V/output `[B, S, H/(D C), d]` (= N H d / C elements) and the kernel's statistics at a time,
@@ -127,12 +130,14 @@ class UlyssesAttention(KeepsForwardOutputs, nn.Module):
         self.plans = head_plan(heads, kv_heads, self.ranks, head_chunks)
         self.core = core or AttentionCore()
 
-    def forward(self, q, k, v, documents: Documents | None):
+    def forward(self, q, k, v, documents: Documents | None, *per_head):
+        """`per_head`: tensors `[H]` with one value per query head that the inner core takes after the
+        documents (gpt-oss's sinks); each chunk's core gets its heads' values."""
         if len(self.plans) == 1:
             (q_chunk,) = self.query_chunks(q)
-            return self.to_sequence(self.attend(self.plans[0], q_chunk, k, v, documents)).flatten(2, 3)
+            return self.to_sequence(self.attend(self.plans[0], q_chunk, k, v, documents, per_head)).flatten(2, 3)
         kept = self.kept_output()
-        out = _HeadChunkedAttention.apply(q, k, v, self, documents, kept)
+        out = _HeadChunkedAttention.apply(q, k, v, self, documents, kept, *per_head)
         self.keep_output(out)
         return out
 
@@ -142,7 +147,7 @@ class UlyssesAttention(KeepsForwardOutputs, nn.Module):
         chunks = len(self.plans)
         return q.unflatten(2, (self.ranks, chunks, -1)).permute(3, 2, 0, 1, 4, 5).unbind(0)
 
-    def attend(self, plan: ChunkPlan, q_chunk, k, v, documents: Documents | None) -> torch.Tensor:
+    def attend(self, plan: ChunkPlan, q_chunk, k, v, documents: Documents | None, per_head=()) -> torch.Tensor:
         """Exchange one chunk's Q/K/V to head-sharded and attend: `[B, S, queries, d]` on this rank."""
         batch, tokens = k.shape[:2]
         dims = (q_chunk.shape[-1], k.shape[-1], v.shape[-1])  # v's head width may differ from q's and k's
@@ -167,7 +172,7 @@ class UlyssesAttention(KeepsForwardOutputs, nn.Module):
         if index is not None:
             index = index.to(k_heads.device, non_blocking=True)  # staged at once: no wait for the device
             k_heads, v_heads = k_heads.index_select(2, index), v_heads.index_select(2, index)
-        return self.core(q_heads, k_heads, v_heads, documents)
+        return self.core(q_heads, k_heads, v_heads, documents, *(t[qa:qb] for t in per_head))
 
     def to_sequence(self, out: torch.Tensor) -> torch.Tensor:
         """Head-sharded `[B, S, queries, d]` -> this rank's tokens of every rank's heads `[B, N, D, queries, d]`."""
@@ -196,36 +201,37 @@ class _HeadChunkedAttention(torch.autograd.Function):
     output, skips all of it). Backward, per chunk: exchange the chunk's Q/K/V again and recompute
     its attention with autograd, bring the chunk's output gradient to head-sharded layout, and
     backpropagate through the attention and the exchange; q's gradient is written chunk by chunk,
-    k's and v's accumulate over the chunks that read them.
+    k's and v's (and the per-head values') accumulate over the chunks that read them.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, ulysses: UlyssesAttention, documents, kept):
+    def forward(ctx, q, k, v, ulysses: UlyssesAttention, documents, kept, *per_head):
         ctx.ulysses, ctx.documents, ctx.autocast = ulysses, documents, forward_autocast(q.device)
-        ctx.save_for_backward(q, k, v)
+        ctx.save_for_backward(q, k, v, *per_head)
         if kept is not None:
             return kept
         batch, tokens, heads, _ = q.shape
         chunks = len(ulysses.plans)
         out = q.new_empty(batch, tokens, ulysses.ranks, chunks, heads // (ulysses.ranks * chunks), v.shape[-1])
         for c, (plan, q_chunk) in enumerate(zip(ulysses.plans, ulysses.query_chunks(q))):
-            out[:, :, :, c] = ulysses.to_sequence(ulysses.attend(plan, q_chunk, k, v, documents))
+            out[:, :, :, c] = ulysses.to_sequence(ulysses.attend(plan, q_chunk, k, v, documents, per_head))
         return out.flatten(2, 4)
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v = ctx.saved_tensors
+        q, k, v, *per_head = ctx.saved_tensors
         ulysses, documents = ctx.ulysses, ctx.documents
         grad_q = torch.empty_like(q)
         k_leaf, v_leaf = k.detach().requires_grad_(), v.detach().requires_grad_()
+        head_leaves = [t.detach().requires_grad_(t.requires_grad) for t in per_head]
         chunks = zip(ulysses.plans, *(ulysses.query_chunks(t) for t in (q, grad_out.contiguous(), grad_q)))
         for plan, q_chunk, grad_chunk, grad_q_chunk in chunks:
             q_leaf = q_chunk.detach().requires_grad_()
             with torch.enable_grad(), ctx.autocast():
-                out_heads = ulysses.attend(plan, q_leaf, k_leaf, v_leaf, documents)
+                out_heads = ulysses.attend(plan, q_leaf, k_leaf, v_leaf, documents, head_leaves)
             torch.autograd.backward(out_heads, ulysses.from_sequence(grad_chunk))
             grad_q_chunk.copy_(q_leaf.grad)
-        return grad_q, k_leaf.grad, v_leaf.grad, None, None, None
+        return grad_q, k_leaf.grad, v_leaf.grad, None, None, None, *(t.grad for t in head_leaves)
 
 
 def apply_sequence_parallel(model: MoETransformer, group: dist.ProcessGroup, head_chunks: int) -> None:
