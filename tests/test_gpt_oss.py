@@ -203,3 +203,36 @@ def test_a_config_json_without_rope_settings_gets_the_references_yarn():
     options = config_from_hf(config).options
     assert (options.yarn_factor, options.yarn_original_context, options.yarn_truncate) == (32.0, 4096, False)
     assert json.dumps(transformers.GptOssConfig(**{k: v for k, v in config.items() if k != "model_type"}).rope_parameters)
+
+
+GPT_OSS_RUN = ["--model.family=gpt_oss", "--model.heads=4", "--model.kv_heads=2", "--model.head_dim=8",
+               "--model.qk_norm=false", "--model.options.sliding_window=5", "--model.options.yarn_factor=4",
+               "--model.options.yarn_original_context=8", "--model.layers=2", "--model.aux_loss_coef=0.01"]
+
+
+@pytest.mark.slow
+def test_the_mop_layout_without_expert_parallelism_trains_like_the_reference(tmp_path):
+    """Ulysses with sinks over sliding and full blocks in two head chunks, the vocabulary ring, block
+    checkpointing with offload and the host optimizer; the experts FSDP2-sharded with the blocks."""
+    from test_train import losses, run
+
+    reference = run(tmp_path, "reference", *GPT_OSS_RUN)
+    records = run(tmp_path, "all", *GPT_OSS_RUN, "--parallel.strategy=mop", "--parallel.nproc=2",
+                  "--parallel.sequence=2", "--parallel.expert=1", "--parallel.vocab=2",
+                  "--parallel.attention_head_chunks=2", "--train.activation_checkpointing=full",
+                  "--train.offload_activations=true", "--optim.offload=true")
+    assert losses(records) == pytest.approx(losses(reference), rel=1e-5)
+    assert [r["grad_norm"] for r in records] == pytest.approx([r["grad_norm"] for r in reference], rel=1e-4)
+
+
+def test_the_debug_config_resolves_without_expert_parallelism():
+    """gpt_oss's experts have no expert-parallel path: its debug config says parallel.expert = 1, and
+    an automatic expert degree resolves to 1 for it too (the other techniques stay automatic)."""
+    from pathlib import Path
+
+    from mop.config import load_config
+    from mop.resolve import resolve
+
+    config = load_config(Path(__file__).resolve().parents[1] / "configs/debug-gpt-oss.toml", ["--parallel.expert=0"])
+    resolved = resolve(config)
+    assert (resolved.parallel.expert, resolved.parallel.sequence, resolved.parallel.vocab) == (1, 2, 2)

@@ -153,7 +153,8 @@ def test_presets_carry_their_sources_and_paper_sizes():
     # the published totals, less the multi-token-prediction layer mop leaves out (GLM-4.5: 355B)
     sizes = {"mop-120b": (110e9, 125e9), "mop-600b": (600e9, 700e9), "mop-1t": (0.95e12, 1.1e12),
              "glm-4.5": (345e9, 355e9), "glm-4.5-air": (103e9, 109e9),
-             "deepseek-v3": (668e9, 674e9), "kimi-k2": (1.02e12, 1.05e12)}
+             "deepseek-v3": (668e9, 674e9), "kimi-k2": (1.02e12, 1.05e12), "gpt-oss-120b": (116e9, 118e9),
+             "gpt-oss-20b": (20.5e9, 21.5e9)}
     for preset, (low, high) in sizes.items():
         text = (CONFIGS / f"{preset}.toml").read_text()
         assert "config.json" in text  # the shapes' source is written in the file

@@ -40,6 +40,8 @@ import torch.distributed as dist
 from torch import nn
 
 from mop.config import Config, ConfigError
+from mop.models.config import ModelConfig
+from mop.models.families import family_of
 from mop.models.moe import Experts, device_ints, expert_order
 from mop.parallel.checkpointing import KeepsForwardOutputs
 from mop.parallel.comms import all_gather_rows, all_to_all
@@ -211,6 +213,12 @@ def apply_expert_parallel(model, layout: DistLayout, options: BalanceOptions) ->
             block.mlp.experts = ExpertParallel(block.mlp.experts, layout, options)
 
 
+def expert_parallel_applies(model: ModelConfig) -> bool:
+    """Whether the family's routed experts are the shared stacked SwiGLU `Experts`, which EP and LLEP
+    partition and ship (gpt_oss's biased experts are not)."""
+    return family_of(model).experts is Experts
+
+
 def check_settings(config: Config, world: int) -> None:
     """Expert parallelism's own settings: whole experts per partition, positive LLEP thresholds."""
     p = config.parallel
@@ -219,3 +227,7 @@ def check_settings(config: Config, world: int) -> None:
             raise ConfigError(f"parallel.{key}", f"must be > 0, got {getattr(p, key)}")
     if config.model.experts % p.expert:
         raise ConfigError("parallel.expert", f"{p.expert} does not divide model.experts={config.model.experts}")
+    if p.expert > 1 and not expert_parallel_applies(config.model):
+        raise ConfigError("parallel.expert", f"{p.expert}: model.family={config.model.family!r}'s experts (biased, "
+                          "clamped SwiGLU) have no expert-parallel path yet (not built); set it to 1, which "
+                          "FSDP2-shards them with their blocks")
