@@ -165,7 +165,7 @@ def test_fp8_block_scaled_checkpoints_load_dequantized_row_block_by_row_block(tm
         name = "layers.1.attention.kv_b_proj.weight"  # [heads x (nope + v) = 112, 32]: 7 row blocks
         full = dict(mop.named_parameters())[name]
         torch.testing.assert_close(weights.rows(name, full.shape, 5, 30), full[5:35].detach(), atol=0, rtol=0)
-        assert any(key.endswith("_scale_inv") for key in weights.quantized.scales)
+        assert any(scale.endswith("_scale_inv") for _, scale, _ in weights.quantized.companions.values())
 
 
 def test_an_unsupported_quantization_is_one_line(tmp_path):

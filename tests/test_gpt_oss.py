@@ -192,8 +192,6 @@ def test_grouped_experts_equal_the_per_expert_loop(grouped, align):
 
 def test_what_the_mapping_refuses_it_says_in_one_line():
     config = hf_config().to_dict()
-    with pytest.raises(HFConversionError, match="mxfp4.*not supported yet"):
-        config_from_hf({**config, "quantization_config": {"quant_method": "mxfp4"}})
     with pytest.raises(HFConversionError, match="layer_types"):
         config_from_hf({**config, "layer_types": ["full_attention"] * 3})
 
@@ -236,3 +234,54 @@ def test_the_debug_config_resolves_without_expert_parallelism():
     config = load_config(Path(__file__).resolve().parents[1] / "configs/debug-gpt-oss.toml", ["--parallel.expert=0"])
     resolved = resolve(config)
     assert (resolved.parallel.expert, resolved.parallel.sequence, resolved.parallel.vocab) == (1, 2, 2)
+
+
+def quantize_mxfp4(folder) -> dict:
+    """The test's own MXFP4 quantizer, as OpenAI publishes gpt-oss: each expert tensor `P [E, a, b]`
+    becomes `P_blocks [E, b, a / 32, 16]` (two e2m1 codes a byte, low nibble first) and `P_scales
+    [E, b, a / 32]` (the power of two of each 32 values, +127) in place, with the config's
+    `quantization_config`; returns what its dequantization gives for each of them."""
+    from safetensors.torch import load_file, save_file
+
+    from mop.models.hf_quantized import E2M1
+
+    table = torch.tensor(E2M1)
+    tensors = load_file(folder / "model.safetensors")
+    dequantized = {}
+    for key in [key for key in tensors if key.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        grouped = tensors.pop(key).float().transpose(1, 2).unflatten(-1, (-1, 32))  # [E, b, a / 32, 32]
+        exponent = torch.ceil(torch.log2(grouped.abs().amax(-1).clamp(min=1e-30) / 6)).clamp(-127, 127)
+        codes = ((grouped / torch.exp2(exponent).unsqueeze(-1)).unsqueeze(-1) - table).abs().argmin(-1)
+        tensors[key + "_blocks"] = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+        tensors[key + "_scales"] = (exponent + 127).to(torch.uint8)
+        dequantized[key] = (table[codes] * torch.exp2(exponent).unsqueeze(-1)).flatten(-2).transpose(1, 2).contiguous()
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                                        "model.layers.*.mlp.router"]}
+    (folder / "config.json").write_text(json.dumps(config))
+    return dequantized
+
+
+def test_mxfp4_experts_load_dequantized_expert_by_expert(tmp_path):
+    """A checkpoint as gpt-oss is published (MXFP4 expert blocks and scales) loads to the logits that
+    transformers computes on the weights this test dequantized itself; a shard's experts dequantize
+    alone to the same values."""
+    from safetensors.torch import load_file, save_file
+
+    from mop.models.hf import HFWeights
+
+    hf = random_hf_model(hf_config(intermediate_size=32))
+    hf.save_pretrained(tmp_path / "mxfp4")
+    hf.save_pretrained(tmp_path / "dequantized")
+    dequantized = quantize_mxfp4(tmp_path / "mxfp4")
+    weights = load_file(tmp_path / "dequantized" / "model.safetensors")
+    save_file({**weights, **dequantized}, tmp_path / "dequantized" / "model.safetensors", metadata={"format": "pt"})
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "dequantized", attn_implementation="eager")
+    mop = load_hf(tmp_path / "mxfp4")
+    with torch.no_grad():
+        torch.testing.assert_close(mop(batch(2)), reference(batch(2)).logits, atol=1e-5, rtol=0)
+    with HFWeights(tmp_path / "mxfp4") as read:
+        name = "layers.1.mlp.experts.down_weight"
+        full = dict(mop.named_parameters())[name]
+        torch.testing.assert_close(read.rows(name, full.shape, 3, 4), full[3:7].detach(), atol=0, rtol=0)

@@ -29,7 +29,7 @@ from mop.models.config import ModelConfig
 from mop.models.families import FAMILIES
 from mop.models.family import Family
 from mop.models.hf_mapping import HFConversionError, Piece, model_pieces, shared_config_to_hf, stacked_experts_key
-from mop.models.hf_quantized import Fp8BlockScales
+from mop.models.hf_quantized import reader_for
 from mop.models.transformer import MoETransformer
 
 SINGLE_FILE = "model.safetensors"
@@ -116,7 +116,7 @@ class HFWeights:
         self.path = Path(path)
         hf = _read_config(self.path)
         self.cfg = config_from_hf(hf)
-        self.quantized = Fp8BlockScales.from_config(hf.get("quantization_config"), self.path / "config.json")
+        self.quantized = reader_for(hf.get("quantization_config"), self.path / "config.json")
         self._stack = ExitStack()
         self.tensors = _open_checkpoint(self.path, self._stack)
         # Multi-token-prediction layers (after the last block, in DeepSeek-V3 and GLM-4.5 checkpoints)
@@ -125,8 +125,7 @@ class HFWeights:
         self.dropped = sorted(key for key in self.tensors if _layer_of(key) >= self.cfg.layers) if mtp else []
         for key in self.dropped:
             del self.tensors[key]
-        if self.quantized is not None:  # each scale is read with its weight
-            self.quantized.split(self.tensors, self.path)
+        self.quantized.split(self.tensors, self.path)  # a quantized weight's scales are read with it
         stacked = {i for i in range(self.cfg.layers) if stacked_experts_key(i) in self.tensors}
         pieces = model_pieces(self.cfg, FAMILIES[self.cfg.family].hf, stacked)
         _check_keys(pieces, self.tensors, self.path)
@@ -134,13 +133,12 @@ class HFWeights:
             shapes = dict(_tensors(MoETransformer(self.cfg)))
         self.pieces: dict[str, list[Piece]] = {}
         for piece in pieces:
-            handle, file = self.tensors[piece.key]
-            shape, expected = list(handle.get_slice(piece.key).get_shape()), list(shapes[piece.param][piece.index].shape)
+            file = self.tensors[piece.key][1]
+            shape, expected = self.quantized.shape(self.tensors, piece.key), list(shapes[piece.param][piece.index].shape)
             if shape != expected:
                 raise HFConversionError(f"{file}: {piece.key} has shape {shape} but config.json implies {expected}; "
                                         "the config and the weights are from different models")
-            if self.quantized is not None:
-                self.quantized.check(piece.key, shape, file)
+            self.quantized.check(piece.key, shape, file)
             self.pieces.setdefault(piece.param, []).append(piece)
 
     def fingerprint(self) -> dict[str, str]:
@@ -158,7 +156,7 @@ class HFWeights:
 
     def rows(self, name: str, shape: torch.Size, first: int, count: int) -> torch.Tensor:
         out = torch.empty((count, *shape[1:]), dtype=torch.float32)
-        read = self.quantized.rows if self.quantized is not None else _plain_rows
+        read = self.quantized.rows
         for piece in self.pieces[name]:
             handle = self.tensors[piece.key][0]
             if piece.index == ():
@@ -166,11 +164,6 @@ class HFWeights:
             elif first <= piece.index[0] < first + count:
                 out[(piece.index[0] - first, *piece.index[1:])] = read(handle, piece.key)
         return out
-
-
-def _plain_rows(handle, key: str, first: int | None = None, count: int | None = None) -> torch.Tensor:
-    part = handle.get_slice(key)
-    return part[:] if first is None else part[first:first + count]
 
 
 def _header_digest(file: Path) -> str:

@@ -1,16 +1,22 @@
-"""Quantized Hugging Face checkpoints, dequantized row block by row block as they are read.
+"""Quantized Hugging Face checkpoints, dequantized block by block as they are read.
 
-FP8 with block scales (DeepSeek-V3, Kimi-K2: `quantization_config = {quant_method: "fp8", fmt:
-"e4m3", weight_block_size: [bo, bi]}`): a quantized weight `W [out, in]` is stored as
-`float8_e4m3fn` beside `W_scale_inv [ceil(out / bo), ceil(in / bi)]` (fp32), and
-`W[i, j] = fp8[i, j] x scale_inv[i // bo, j // bi]`. The weights that are not quantized (the
-embedding, the head, norms, routers) have no scale tensor and are read as they are.
+A checkpoint's `quantization_config` picks how its tensors are read (`reader_for`):
+- none: every tensor as stored;
+- FP8 with block scales (DeepSeek-V3, Kimi-K2: `{quant_method: "fp8", fmt: "e4m3",
+  weight_block_size: [bo, bi]}`): a quantized weight `W [out, in]` is stored as `float8_e4m3fn`
+  beside `W_scale_inv [ceil(out / bo), ceil(in / bi)]` (fp32), and
+  `W[i, j] = fp8[i, j] x scale_inv[i // bo, j // bi]`; the weights that are not quantized (the
+  embedding, the head, norms, routers) have no scale tensor;
+- MXFP4 (gpt-oss: `{quant_method: "mxfp4"}`): an expert tensor `P` (`[E, a, b]` in the model) is
+  stored as `P_blocks [E, b, a / 32, 16]` (uint8, two e2m1 values a byte, the low nibble first) and
+  `P_scales [E, b, a / 32]` (uint8 exponents biased by 127): `P^T[e, j, 32 g + i] = e2m1(nibble i of
+  block g) x 2^(scale[e, j, g] - 127)`, the layout OpenAI publishes and transformers dequantizes.
 
-`Fp8BlockScales.split` takes the scale tensors out of a checkpoint's tensor list (so that the
-loader's "every tensor used" rule sees each scale as part of its weight), and `rows` reads and
-dequantizes rows `[first, first + count)` of a weight: only the fp8 rows and the scale rows
-covering them are read (the files are memory-mapped), so a rank that materialises its shard
-dequantizes only that shard, in fp32, to be cast to the training dtype.
+Each reader takes its companion tensors out of the checkpoint's tensor list (so the loader's "every
+tensor used" rule sees them as part of their weight), gives each weight's shape as the model sees
+it, and reads rows `[first, first + count)` of it: only those rows' stored data and scales are read
+(the files are memory-mapped), so a rank that materialises its shard dequantizes only that shard,
+in fp32, to be cast to the training dtype.
 """
 
 from __future__ import annotations
@@ -19,62 +25,111 @@ import torch
 
 from mop.models.hf_mapping import HFConversionError
 
-SCALE_SUFFIX = "_scale_inv"
+SUPPORTED = "fp8 e4m3 block-scaled (DeepSeek-V3, Kimi-K2), mxfp4 (gpt-oss) and unquantized checkpoints"
+# e2m1 values by their 4-bit code: sign bit 3, then 0, 0.5, 1, 1.5, 2, 3, 4, 6
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
-class Fp8BlockScales:
-    def __init__(self, block: tuple[int, int], scale_of: dict[str, str]):
-        self.block = block
-        self.scale_of = scale_of
-        """Weight key -> its scale tensor's key."""
+class Unquantized:
+    """Tensors read as stored."""
 
-    @staticmethod
-    def from_config(quantization: dict | None, config_file) -> "Fp8BlockScales | None":
-        """The scales a config.json's `quantization_config` says the weights carry (None: unquantized)."""
-        if not quantization:
-            return None
-        method = quantization.get("quant_method")
-        if method != "fp8" or quantization.get("fmt", "e4m3") != "e4m3":
-            kind = f"quant_method={method!r}" + (f" fmt={quantization.get('fmt')!r}" if method == "fp8" else "")
-            raise HFConversionError(f"{config_file}: quantization_config {kind} is not supported; mop reads fp8 e4m3 "
-                                    "block-scaled checkpoints (DeepSeek-V3, Kimi-K2) and unquantized ones")
+    def split(self, tensors: dict, path) -> None:
+        """Take the companion tensors out of `tensors` (key -> (handle, file)); none here."""
+
+    def shape(self, tensors: dict, key: str) -> list[int]:
+        return list(tensors[key][0].get_slice(key).get_shape())
+
+    def check(self, key: str, shape: list[int], file) -> None:
+        """Raise when a weight's companions do not fit its shape; nothing to check here."""
+
+    def rows(self, handle, key: str, first: int | None = None, count: int | None = None) -> torch.Tensor:
+        """Rows `[first, first + count)` of tensor `key` (all when `first` is None), in fp32."""
+        part = handle.get_slice(key)
+        return (part[:] if first is None else part[first:first + count]).float()
+
+
+def reader_for(quantization: dict | None, config_file) -> Unquantized:
+    """The reader of a config.json's `quantization_config` (None: unquantized)."""
+    if not quantization:
+        return Unquantized()
+    method = quantization.get("quant_method")
+    if method == "fp8" and quantization.get("fmt", "e4m3") == "e4m3":
         block = quantization.get("weight_block_size")
         if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
             raise HFConversionError(f"{config_file}: quantization_config weight_block_size={block!r}; mop reads fp8 "
                                     "with [rows, columns] block scales only")
-        return Fp8BlockScales((block[0], block[1]), {})
+        return Fp8BlockScales((block[0], block[1]))
+    if method == "mxfp4":
+        return Mxfp4()
+    kind = f"quant_method={method!r}" + (f" fmt={quantization.get('fmt')!r}" if method == "fp8" else "")
+    raise HFConversionError(f"{config_file}: quantization_config {kind} is not supported; mop reads {SUPPORTED}")
+
+
+class _Companions(Unquantized):
+    """A reader whose quantized weights carry companion tensors named by suffixes of theirs."""
+
+    stored: str  # the suffix of the stored data ("" when the weight keeps its own name)
+    companion: str  # the suffix of the scales
 
     def split(self, tensors: dict, path) -> None:
-        """Move each `<weight>_scale_inv` out of `tensors` into `scale_of` (its weight must be there)."""
-        for key in [key for key in tensors if key.endswith(SCALE_SUFFIX)]:
-            weight = key[: -len(SCALE_SUFFIX)]
-            if weight not in tensors:
-                raise HFConversionError(f"{path}: {key} scales no tensor ({weight} is missing); the checkpoint is "
-                                        "incomplete")
-            self.scale_of[weight] = key
-        self.scales = {key: tensors.pop(key) for key in list(self.scale_of.values())}
+        self.companions: dict[str, tuple] = {}  # weight key -> (stored key, scale key, scale handle)
+        for key in [key for key in tensors if key.endswith(self.companion)]:
+            weight = key[: -len(self.companion)]
+            if weight + self.stored not in tensors:
+                raise HFConversionError(f"{path}: {key} scales no tensor ({weight + self.stored} is missing); the "
+                                        "checkpoint is incomplete")
+            self.companions[weight] = (weight + self.stored, key, tensors.pop(key)[0])
+            if self.stored:  # the weight is known by its model name from now on
+                tensors[weight] = tensors.pop(weight + self.stored)
+
+
+class Fp8BlockScales(_Companions):
+    stored, companion = "", "_scale_inv"
+
+    def __init__(self, block: tuple[int, int]):
+        self.block = block
 
     def check(self, key: str, shape: list[int], file) -> None:
-        """A quantized weight's scale tensor has one entry per block."""
-        if key not in self.scale_of:
+        if key not in self.companions:
             return
-        handle = self.scales[self.scale_of[key]][0]
+        _, scale_key, handle = self.companions[key]
         want = [-(-size // block) for size, block in zip(shape, self.block)]
-        got = list(handle.get_slice(self.scale_of[key]).get_shape())
+        got = list(handle.get_slice(scale_key).get_shape())
         if got != want:
-            raise HFConversionError(f"{file}: {self.scale_of[key]} has shape {got} but {key} {shape} in blocks of "
+            raise HFConversionError(f"{file}: {scale_key} has shape {got} but {key} {shape} in blocks of "
                                     f"{list(self.block)} needs {want}; the checkpoint is damaged")
 
     def rows(self, handle, key: str, first: int | None = None, count: int | None = None) -> torch.Tensor:
-        """Rows `[first, first + count)` of tensor `key` (all of them when `first` is None), fp32."""
-        part = handle.get_slice(key)
-        values = part[:] if first is None else part[first:first + count]
-        if key not in self.scale_of:
-            return values.float()
+        values = super().rows(handle, key, first, count)
+        if key not in self.companions:
+            return values
+        _, scale_key, scale_handle = self.companions[key]
         first = first or 0
         rows_per, columns_per = self.block
         low, high = first // rows_per, -(-(first + values.shape[0]) // rows_per)
-        scale = self.scales[self.scale_of[key]][0].get_slice(self.scale_of[key])[low:high].float()
+        scale = scale_handle.get_slice(scale_key)[low:high].float()
         scale = scale.repeat_interleave(rows_per, 0).repeat_interleave(columns_per, 1)
         offset = first - low * rows_per
-        return values.float() * scale[offset:offset + values.shape[0], : values.shape[1]]
+        return values * scale[offset:offset + values.shape[0], : values.shape[1]]
+
+
+class Mxfp4(_Companions):
+    stored, companion = "_blocks", "_scales"
+
+    def shape(self, tensors: dict, key: str) -> list[int]:
+        if key not in self.companions:
+            return super().shape(tensors, key)
+        experts, columns, groups, width = tensors[key][0].get_slice(self.companions[key][0]).get_shape()
+        return [experts, groups * 2 * width, columns]
+
+    def rows(self, handle, key: str, first: int | None = None, count: int | None = None) -> torch.Tensor:
+        if key not in self.companions:
+            return super().rows(handle, key, first, count)
+        stored, scale_key, scale_handle = self.companions[key]
+        rows = slice(None) if first is None else slice(first, first + count)
+        blocks = handle.get_slice(stored)[rows]  # [e, b, a / 32, 16] uint8
+        exponents = scale_handle.get_slice(scale_key)[rows].to(torch.int32) - 127  # [e, b, a / 32]
+        table = torch.tensor(E2M1)
+        values = torch.stack((table[(blocks & 0x0F).long()], table[(blocks >> 4).long()]), dim=-1).flatten(-2)
+        values = torch.ldexp(values, exponents.unsqueeze(-1).float())  # [e, b, a / 32, 32]
+        return values.flatten(-2).transpose(1, 2)  # [e, a, b]

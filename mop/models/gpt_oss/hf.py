@@ -5,8 +5,8 @@ gpt-oss has no dense blocks and no shared expert), router_aux_loss_coef -> aux_l
 class default 0.001), head_dim; options: sliding_window, attention_bias, swiglu_limit,
 swiglu_alpha, and YaRN from rope_parameters / rope_scaling (`yarn_options`; a config.json with
 neither gets the reference's default YaRN, factor 32 over 4096 tokens, untruncated). layer_types
-must be the reference's alternation (sliding on the even blocks); another pattern raises, as do
-MXFP4-quantized checkpoints (a `quantization_config`), which are not read yet.
+must be the reference's alternation (sliding on the even blocks); another pattern raises. The
+published MXFP4 experts are dequantized as they are read (`mop.models.hf_quantized`).
 Tensors beyond the shared norms, all whole tensors in both directions (the experts are stored in
 HF's stacked layout, so the hub's and transformers' files are the same):
     attention.{q,k,v,o}_proj.{weight,bias} <- self_attn.<same> (biases with attention_bias),
@@ -36,9 +36,6 @@ def alternating_layers(layers: int) -> list[str]:
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
-    if hf.get("quantization_config"):
-        raise HFConversionError("config.json: quantization_config is set; reading mxfp4 gpt_oss checkpoints is not "
-                                "supported yet: use a dequantized (bf16) checkpoint")
     layers = required(hf, "num_hidden_layers")
     if hf.get("layer_types") not in (None, alternating_layers(layers)):
         raise HFConversionError("config.json: layer_types is not gpt-oss's alternation (sliding_attention on the even "
