@@ -18,10 +18,18 @@ PEAK_BF16_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H200 NVL": 835e12, 
                    "A100": 312e12}
 
 
-def attended_keys(position_ids: torch.Tensor) -> torch.Tensor:
+def attended_keys(position_ids: torch.Tensor, window: int | None = None) -> torch.Tensor:
     """The keys each token attends causally: its position in its document + 1 (positions restart
-    at every document, and under sequence parallelism they are the global ones)."""
-    return position_ids + 1
+    at every document, and under sequence parallelism they are the global ones), at most `window`
+    in a sliding-window layer (the window counts the query itself)."""
+    keys = position_ids + 1
+    return keys if window is None else keys.clamp(max=window)
+
+
+def mean_attended_keys(length: int, window: int | None = None) -> float:
+    """`attended_keys` averaged over the tokens of a `length`-token document."""
+    seen = length if window is None else min(window, length)
+    return (seen * (seen + 1) / 2 + (length - seen) * seen) / length
 
 
 def peak_flops(device: torch.device) -> float | None:

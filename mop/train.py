@@ -109,7 +109,7 @@ def train_step(run: TrainingRun, batches: list[dict]) -> dict:
     losses and the step's model FLOPs (`mop.flops`)."""
     runtime = run.runtime
     local_targets = count_targets(batches)
-    keys = sum(int(attended_keys(b["position_ids"]).sum()) for b in batches)
+    keys = run.spec.layer_keys(lambda window: sum(int(attended_keys(b["position_ids"], window).sum()) for b in batches))
     tokens = sum(b["input_ids"].numel() for b in batches)
     global_targets, keys, tokens = sum_over_ranks([local_targets, keys, tokens], runtime)
     shares = forward_backward(run.model, batches, int(global_targets), run.config.train.global_batch, runtime,

@@ -75,8 +75,22 @@ def test_causal_attention_counts_the_keys_each_query_attends():
     spec = model_spec(CFG)
     no_attention = spec.flops_per_token(0.0)
     # q.k and p.v: 2 matmuls of head_dim per query head and key, 2 FLOPs each, x 3 for the backward
-    assert spec.flops_per_token(10.0) - no_attention == CFG.layers * CFG.heads * CFG.head_dim * 10.0 * 12
+    assert spec.flops_per_token(CFG.layers * 10.0) - no_attention == CFG.layers * CFG.heads * CFG.head_dim * 10.0 * 12
     assert no_attention == 6 * spec.matmul_parameters_per_token()
+
+
+def test_a_sliding_window_layer_counts_the_keys_its_window_holds():
+    """gpt-oss's even layers see at most W keys: of a 10-token document's positions 0-9 a window of 4
+    attends 1, 2, 3, 4, 4, ...; the full layers attend position + 1."""
+    from mop.flops import mean_attended_keys
+
+    cfg = dataclasses.replace(CFG, family="gpt_oss", qk_norm=False, options={"sliding_window": 4})
+    spec = model_spec(cfg)
+    assert spec.layer_windows() == [4, None, 4]
+    positions = torch.arange(10)
+    assert attended_keys(positions, 4).tolist() == [1, 2, 3, 4, 4, 4, 4, 4, 4, 4]
+    assert mean_attended_keys(10, 4) == pytest.approx(attended_keys(positions, 4).float().mean().item()) == 3.4
+    assert spec.layer_keys(lambda window: mean_attended_keys(10, window)) == pytest.approx(2 * 3.4 + 5.5)
 
 
 def test_the_attention_widths_are_the_modules():

@@ -14,7 +14,8 @@ Conventions:
   parameters one token is multiplied with (the embedding lookup is no matmul), plus the attention
   core, 2 matmuls per query head of (q/k width, v width) x the keys the query attends, 2 FLOPs x 3.
   Causal attention counts the keys a query really attends (`mop.flops.attended_keys`: its position
-  in its document + 1), not the full sequence some reports count. Recomputation (activation
+  in its document + 1, at most the window in a sliding-window layer), not the full sequence some
+  reports count. Recomputation (activation
   checkpointing, chunked LLEP, the vocabulary ring) is no model FLOP.
 - activation bytes are per token of one layer, for an activation element of `act` bytes; what
   the code keeps in fp32 (RMSNorm internals, softmax statistics) counts 4 bytes.
@@ -162,15 +163,29 @@ class ModelSpec:
                   + m.moe_layers * moe)
         return layers + m.hidden * m.vocab_size
 
-    def attention_core_flops(self, attended_keys: float) -> float:
-        """Forward FLOPs of every layer's attention core for one token attending `attended_keys` keys."""
-        return self.cfg.layers * self.attention.core_flops_per_key() * attended_keys
+    def layer_windows(self) -> list[int | None]:
+        """Each layer's attention window (the keys a query sees, itself included; None: its whole
+        document so far). A family with sliding-window layers says which."""
+        return [None] * self.cfg.layers
+
+    def layer_keys(self, keys_of) -> float:
+        """The keys a token attends, summed over the layers: `keys_of(window)` is what one layer of
+        that window (None: full causal) attends (`mop.flops.attended_keys`), asked once per window."""
+        windows = self.layer_windows()
+        by_window = {window: keys_of(window) for window in set(windows)}
+        return sum(by_window[window] for window in windows)
+
+    def attention_core_flops(self, layer_keys: float) -> float:
+        """Forward FLOPs of the attention cores for one token attending `layer_keys` keys summed over
+        the layers (`layer_keys`)."""
+        return self.attention.core_flops_per_key() * layer_keys
 
     def routed_expert_flops(self) -> float:
         """Forward FLOPs of one token's routed experts over every MoE layer."""
         m = self.cfg
         return 2 * m.moe_layers * m.top_k * self.mlp_parameters(m.expert_intermediate)
 
-    def flops_per_token(self, attended_keys: float) -> float:
-        """Model FLOPs of training one token that attends `attended_keys` keys on average (causal)."""
-        return 3 * (2 * self.matmul_parameters_per_token() + self.attention_core_flops(attended_keys))
+    def flops_per_token(self, layer_keys: float) -> float:
+        """Model FLOPs of training one token that attends `layer_keys` keys summed over the layers
+        (on average; `layer_keys`)."""
+        return 3 * (2 * self.matmul_parameters_per_token() + self.attention_core_flops(layer_keys))

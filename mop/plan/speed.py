@@ -1,8 +1,9 @@
 """Predicted step time of a layout: a roofline of compute and each collective over its link.
 
 Compute: the model FLOPs of the rank's tokens (`mop.models.spec.ModelSpec.flops_per_token`; a query attends
-(L + 1) / 2 keys on average for documents of L tokens, by default one document per sequence,
-L = S: the long-context worst case, where attention FLOPs grow with S) plus the
+(L + 1) / 2 keys on average for documents of L tokens, a sliding-window layer at most its window
+(`mop.flops.mean_attended_keys`), by default one document per sequence, L = S: the long-context
+worst case, where attention FLOPs grow with S) plus the
 recomputation the options add (full activation checkpointing: one more forward of every block;
 head-chunked attention: one more forward of its core in the backward; chunked LLEP: its gate and
 up GEMMs again in the backward; under checkpointing a chunked part's kept output replaces the
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 
 from mop.build import step_micro_batches, storage_dtype
 from mop.config import Config
+from mop.flops import mean_attended_keys
 from mop.models.families import model_spec
 from mop.plan.cluster import Cluster
 from mop.plan.activations import FP32, Shapes
@@ -93,11 +95,11 @@ def step_time(config: Config, cluster: Cluster, s: Shapes, counts: ParameterCoun
     """`document_tokens`: the packed documents' length (0: one document per sequence)."""
     m, p, t = config.model, config.parallel, config.train
     world, seq = cluster.world, config.data.seq_len
-    keys = (min(document_tokens or seq, seq) + 1) / 2
+    spec = model_spec(m)
+    keys = spec.layer_keys(lambda window: mean_attended_keys(min(document_tokens or seq, seq), window))
     checkpointed = t.activation_checkpointing == "full"
     # compute, per micro-batch: the model FLOPs of the rank's tokens plus the recomputation
     tokens = s.T
-    spec = model_spec(m)
     model_flops = spec.flops_per_token(keys) * tokens
     forward = model_flops / 3
     # head-chunked attention recomputes its core (QK^T and PV) in the backward; chunked LLEP its gate

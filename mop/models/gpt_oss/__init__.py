@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from mop.models.config import ModelConfig
 from mop.models.family import Family
 from mop.models.gpt_oss import hf
-from mop.models.gpt_oss.attention import GptOssAttention, GptOssAttentionSpec
+from mop.models.gpt_oss.attention import GptOssAttention, GptOssAttentionSpec, layer_window
 from mop.models.gpt_oss.experts import GptOssExperts, GptOssRouter
 from mop.models.rope import YarnOptions
 from mop.models.spec import ModelSpec
@@ -57,6 +57,9 @@ class GptOssSpec(ModelSpec):
 
     def router_parameters(self) -> int:
         return super().router_parameters() + self.cfg.experts
+
+    def layer_windows(self) -> list[int | None]:
+        return [layer_window(self.cfg, layer) for layer in range(self.cfg.layers)]
 
 
 FAMILY = Family("gpt_oss", attention=GptOssAttention, spec=lambda cfg: GptOssSpec(cfg, GptOssAttentionSpec.of(cfg)),
