@@ -136,6 +136,11 @@ def import_tokenizer(hf_dir: Path, spec: str | None, eos_token: str | None, voca
     """The tokenizer an import trains with: `spec` (--tokenizer), else HF_DIR's tokenizer.json;
     its ids must fit the model's vocabulary."""
     if spec is None:
+        if not (hf_dir / "tokenizer.json").is_file() and (hf_dir / "tiktoken.model").is_file():
+            raise HFConversionError(
+                f"{hf_dir}: its tokenizer is tiktoken (tiktoken.model, as Kimi-K2's); convert it once to tokenizer.json "
+                "with transformers: AutoTokenizer.from_pretrained(DIR, trust_remote_code=True).save_pretrained(OUT) "
+                "(needs tiktoken and blobfile), then pass --tokenizer OUT/tokenizer.json")
         if not (hf_dir / "tokenizer.json").is_file():
             raise HFConversionError(f"{hf_dir}: no tokenizer.json, so the tokens its ids stand for are unknown; pass "
                                     "--tokenizer PATH (the model's tokenizer.json or its directory), or "

@@ -228,6 +228,10 @@ def test_from_hf_needs_a_tokenizer_that_fits(hf_dir, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"mop: error: {bare}: no tokenizer.json") and "--tokenizer" in err and "\n" not in err
     assert not (tmp_path / "a").exists()
+    (bare / "tiktoken.model").write_text("")  # Kimi-K2's folder: a tiktoken tokenizer, no tokenizer.json
+    assert main(["convert", "from-hf", str(bare), str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "tiktoken" in err and "save_pretrained" in err and "\n" not in err
     assert main(["convert", "from-hf", str(bare), str(tmp_path / "b"), "--tokenizer=byte"]) == 0
     assert '[data]\ntokenizer = "byte"' in (tmp_path / "b/model.toml").read_text()
     assert checkpoint.read_meta(tmp_path / "b")["tokenizer"]["kind"] == "byte"
