@@ -28,13 +28,17 @@ class AttentionCore(nn.Module):
     Inputs are `[B, S, heads, head_dim]` (keys/values with `kv_heads` heads, values of their own
     width) and the micro-batch's `Documents` (None: one document per row). Output has the queries'
     shape at the values' width. `scale` multiplies the scores (None: 1/sqrt(head_dim)).
+    `shared_key [B, S, 1, r]`: a key part every head shares (latent attention's rotary key),
+    appended to each head's key here, after the sequence-parallel exchange sent it once.
     """
 
     def __init__(self, scale: float | None = None):
         super().__init__()
         self.scale = scale
 
-    def forward(self, q, k, v, documents: Documents | None) -> torch.Tensor:
+    def forward(self, q, k, v, documents: Documents | None, shared_key: torch.Tensor | None = None) -> torch.Tensor:
+        if shared_key is not None:
+            k = torch.cat((k, shared_key.expand(-1, -1, k.shape[2], -1)), dim=-1)
         return document_attention(q, k, v, documents, self.scale)
 
 

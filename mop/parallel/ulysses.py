@@ -130,14 +130,17 @@ class UlyssesAttention(KeepsForwardOutputs, nn.Module):
         self.plans = head_plan(heads, kv_heads, self.ranks, head_chunks)
         self.core = core or AttentionCore()
 
-    def forward(self, q, k, v, documents: Documents | None, *per_head):
+    def forward(self, q, k, v, documents: Documents | None, *per_head, shared_key=None):
         """`per_head`: tensors `[H]` with one value per query head that the inner core takes after the
-        documents (gpt-oss's sinks); each chunk's core gets its heads' values."""
+        documents (gpt-oss's sinks); each chunk's core gets its heads' values. `shared_key`: a key
+        part `[B, N, 1, r]` every head shares (latent attention's rotary key), sent once per rank and
+        chunk instead of once per head."""
         if len(self.plans) == 1:
             (q_chunk,) = self.query_chunks(q)
-            return self.to_sequence(self.attend(self.plans[0], q_chunk, k, v, documents, per_head)).flatten(2, 3)
+            out = self.attend(self.plans[0], q_chunk, k, v, documents, per_head, shared_key)
+            return self.to_sequence(out).flatten(2, 3)
         kept = self.kept_output()
-        out = _HeadChunkedAttention.apply(q, k, v, self, documents, kept, *per_head)
+        out = _HeadChunkedAttention.apply(q, k, v, self, documents, kept, shared_key, *per_head)
         self.keep_output(out)
         return out
 
@@ -147,32 +150,39 @@ class UlyssesAttention(KeepsForwardOutputs, nn.Module):
         chunks = len(self.plans)
         return q.unflatten(2, (self.ranks, chunks, -1)).permute(3, 2, 0, 1, 4, 5).unbind(0)
 
-    def attend(self, plan: ChunkPlan, q_chunk, k, v, documents: Documents | None, per_head=()) -> torch.Tensor:
+    def attend(self, plan: ChunkPlan, q_chunk, k, v, documents: Documents | None, per_head=(),
+               shared_key=None) -> torch.Tensor:
         """Exchange one chunk's Q/K/V to head-sharded and attend: `[B, S, queries, d]` on this rank."""
         batch, tokens = k.shape[:2]
-        dims = (q_chunk.shape[-1], k.shape[-1], v.shape[-1])  # v's head width may differ from q's and k's
-        # Send buffer, per destination rank: its query heads, then its K heads, then its V heads,
-        # each [B, N, heads, width]; filled in place, so the buffer is the only copy.
-        parts = [piece for j, (ka, kb) in enumerate(plan.kv) for piece in (q_chunk[j], k[:, :, ka:kb], v[:, :, ka:kb])]
+        shared = () if shared_key is None else (shared_key,)
+        # v's head width may differ from q's and k's; a shared key part has its own
+        dims = (q_chunk.shape[-1], k.shape[-1], v.shape[-1], *(t.shape[-1] for t in shared))
+        # Send buffer, per destination rank: its query heads, then its K heads, then its V heads
+        # (then the shared key part), each [B, N, heads, width]; filled in place, so the buffer is
+        # the only copy.
+        parts = [piece for j, (ka, kb) in enumerate(plan.kv)
+                 for piece in (q_chunk[j], k[:, :, ka:kb], v[:, :, ka:kb], *shared)]
         sizes = [part.numel() for part in parts]
         send = k.new_empty(sum(sizes))
         offset = 0
         for part, size in zip(parts, sizes):
             send.narrow(0, offset, size).view(part.shape).copy_(part)
             offset += size
-        in_splits = [sum(sizes[3 * j:3 * j + 3]) for j in range(self.ranks)]
+        each = len(dims)
+        in_splits = [sum(sizes[each * j:each * j + each]) for j in range(self.ranks)]
         (qa, qb), (ka, kb) = plan.query[self.rank], plan.kv[self.rank]
-        mine = [qb - qa, kb - ka, kb - ka]
+        mine = [qb - qa, kb - ka, kb - ka, *(1 for _ in shared)]
         received = all_to_all(send, [in_splits[self.rank]] * self.ranks, in_splits, self.group)
         parts = received.view(self.ranks, -1).split([batch * tokens * h * d for h, d in zip(mine, dims)], 1)
-        q_heads, k_heads, v_heads = (
+        q_heads, k_heads, v_heads, *shared_heads = (
             part.reshape(self.ranks, batch, tokens, heads, dim).transpose(0, 1).reshape(batch, -1, heads, dim)
             for part, heads, dim in zip(parts, mine, dims))
         index = plan.kv_index[self.rank]
         if index is not None:
             index = index.to(k_heads.device, non_blocking=True)  # staged at once: no wait for the device
             k_heads, v_heads = k_heads.index_select(2, index), v_heads.index_select(2, index)
-        return self.core(q_heads, k_heads, v_heads, documents, *(t[qa:qb] for t in per_head))
+        shared_part = {"shared_key": shared_heads[0]} if shared_heads else {}
+        return self.core(q_heads, k_heads, v_heads, documents, *(t[qa:qb] for t in per_head), **shared_part)
 
     def to_sequence(self, out: torch.Tensor) -> torch.Tensor:
         """Head-sharded `[B, S, queries, d]` -> this rank's tokens of every rank's heads `[B, N, D, queries, d]`."""
@@ -205,33 +215,36 @@ class _HeadChunkedAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, ulysses: UlyssesAttention, documents, kept, *per_head):
+    def forward(ctx, q, k, v, ulysses: UlyssesAttention, documents, kept, shared_key, *per_head):
         ctx.ulysses, ctx.documents, ctx.autocast = ulysses, documents, forward_autocast(q.device)
-        ctx.save_for_backward(q, k, v, *per_head)
+        ctx.shared = shared_key is not None
+        ctx.save_for_backward(q, k, v, *((shared_key,) if ctx.shared else ()), *per_head)
         if kept is not None:
             return kept
         batch, tokens, heads, _ = q.shape
         chunks = len(ulysses.plans)
         out = q.new_empty(batch, tokens, ulysses.ranks, chunks, heads // (ulysses.ranks * chunks), v.shape[-1])
         for c, (plan, q_chunk) in enumerate(zip(ulysses.plans, ulysses.query_chunks(q))):
-            out[:, :, :, c] = ulysses.to_sequence(ulysses.attend(plan, q_chunk, k, v, documents, per_head))
+            out[:, :, :, c] = ulysses.to_sequence(ulysses.attend(plan, q_chunk, k, v, documents, per_head, shared_key))
         return out.flatten(2, 4)
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, *per_head = ctx.saved_tensors
+        q, k, v, *rest = ctx.saved_tensors
+        shared_leaf = rest.pop(0).detach().requires_grad_() if ctx.shared else None
         ulysses, documents = ctx.ulysses, ctx.documents
         grad_q = torch.empty_like(q)
         k_leaf, v_leaf = k.detach().requires_grad_(), v.detach().requires_grad_()
-        head_leaves = [t.detach().requires_grad_(t.requires_grad) for t in per_head]
+        head_leaves = [t.detach().requires_grad_(t.requires_grad) for t in rest]
         chunks = zip(ulysses.plans, *(ulysses.query_chunks(t) for t in (q, grad_out.contiguous(), grad_q)))
         for plan, q_chunk, grad_chunk, grad_q_chunk in chunks:
             q_leaf = q_chunk.detach().requires_grad_()
             with torch.enable_grad(), ctx.autocast():
-                out_heads = ulysses.attend(plan, q_leaf, k_leaf, v_leaf, documents, head_leaves)
+                out_heads = ulysses.attend(plan, q_leaf, k_leaf, v_leaf, documents, head_leaves, shared_leaf)
             torch.autograd.backward(out_heads, ulysses.from_sequence(grad_chunk))
             grad_q_chunk.copy_(q_leaf.grad)
-        return grad_q, k_leaf.grad, v_leaf.grad, None, None, None, *(t.grad for t in head_leaves)
+        shared_grad = None if shared_leaf is None else shared_leaf.grad
+        return grad_q, k_leaf.grad, v_leaf.grad, None, None, None, shared_grad, *(t.grad for t in head_leaves)
 
 
 def apply_sequence_parallel(model: MoETransformer, group: dist.ProcessGroup, head_chunks: int) -> None:

@@ -12,10 +12,11 @@ Per token x:
 The q_a/kv_a norms use eps 1e-6 whatever `model.norm_eps` is, as the reference does.
 
 The sequence-mixing core is the shared `AttentionCore` (its scale set), so Ulysses, packed
-documents and both kernels serve MLA unchanged: q and k of width nope + rope, v of its own width
-(the flash path pads v to q's width; `mop.models.documents`). Under Ulysses the broadcast rope key
-travels with every head (`heads x rope` elements per token instead of `rope`: for DeepSeek-V3 k
-is 192 wide per head of which 64 are the shared part).
+documents and both kernels serve MLA unchanged: q of width nope + rope, k handed over as its
+per-head `k_nope` and the one shared rotary part (`shared_key`), which the core appends to every
+head (so Ulysses sends `heads x nope + rope` key elements per token, not `heads x (nope + rope)`:
+for DeepSeek-V3 16448 instead of 24576), v of its own width (the flash path pads v to q's width;
+`mop.models.documents`).
 """
 
 from __future__ import annotations
@@ -74,8 +75,7 @@ class MultiHeadLatentAttention(nn.Module):
         cos, sin = rope_cos_sin(position_ids, inv_freq, x.dtype, self.rope_options.attention_factor())
         q_rope, k_rope = (self._rotate(t, cos, sin) for t in (q_rope, k_rope.view(batch, seq, 1, self.rope_dim)))
         q = torch.cat((q_nope, q_rope), dim=-1)
-        k = torch.cat((k_nope, k_rope.expand(-1, -1, self.heads, -1)), dim=-1)
-        out = self.core(q, k, v, documents)
+        out = self.core(q, k_nope, v, documents, shared_key=k_rope)
         return self.o_proj(out.reshape(batch, seq, self.heads * self.v_dim))
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -101,6 +101,12 @@ class MLASpec(AttentionSpec):
     @property
     def nope_dim(self) -> int:
         return self.qk_head_dim - self.rope_dim
+
+    @property
+    def k_width(self) -> int:
+        """The key as the core receives it: per-head non-rotary parts and the one shared rotary part
+        (which Ulysses sends to each of the D ranks once: D x rope, not counted here)."""
+        return self.heads * self.nope_dim + self.rope_dim
 
     @property
     def matmul_parameters(self) -> int:
