@@ -64,12 +64,14 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(batch, seq, self.kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self._rotate(q, position_ids), self._rotate(k, position_ids)
+        # one pair of tables for q and k: autograd saves them once per layer, not twice
+        cos, sin = rope_cos_sin(position_ids, default_inv_freq(self.rotary_dim, self.rope_theta, position_ids.device),
+                                q.dtype)
+        q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
         out = self.core(q, k, v, documents)
         return self.o_proj(out.reshape(batch, seq, self.heads * self.head_dim))
 
-    def _rotate(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        cos, sin = rope_cos_sin(position_ids, default_inv_freq(self.rotary_dim, self.rope_theta, position_ids.device), x.dtype)
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.rotary_dim == self.head_dim:
             return apply_rope(x, cos, sin)
         turned, kept = x.split([self.rotary_dim, self.head_dim - self.rotary_dim], dim=-1)
