@@ -197,3 +197,19 @@ def test_auxiliary_loss_free_balancing_moves_each_layers_bias_against_its_load()
     assert torch.equal(biases[0], torch.tensor([0.1, 0.1, -0.1, -0.1])) and torch.equal(biases[1], torch.zeros(4))
     frozen = build_model(dataclasses.replace(cfg, options=dataclasses.replace(cfg.options, router_bias_update_rate=0.0)), 0)
     assert not frozen.balances_router_biases and model.balances_router_biases
+
+
+@pytest.mark.slow
+def test_bf16_in_the_mop_layout_stays_within_the_bf16_tolerance_of_the_bf16_reference(tmp_path):
+    """bf16 working weights with fp32 host masters on both sides; a layout changes only the order of
+    fp32 sums and where partial sums round to bf16: losses and gradient norms within 2^-8 relative
+    (the bound `tests/test_layouts.py` states)."""
+    from test_layouts import BF16, BF16_RTOL
+    from test_train import losses, run
+
+    reference = run(tmp_path, "reference", *DEEPSEEK_RUN, *BF16)
+    records = run(tmp_path, "mop", *DEEPSEEK_RUN, *BF16, "--parallel.strategy=mop", "--parallel.nproc=2",
+                  "--parallel.sequence=2", "--parallel.expert=2", "--parallel.vocab=2", "--parallel.expert_balance=llep",
+                  "--train.activation_checkpointing=full")
+    assert losses(records) == pytest.approx(losses(reference), rel=BF16_RTOL)
+    assert [r["grad_norm"] for r in records] == pytest.approx([r["grad_norm"] for r in reference], rel=BF16_RTOL)
