@@ -26,7 +26,6 @@ from mop import build, evaluation
 from mop.config import Config, ConfigError, check_fields
 from mop.optim import optimizer, schedule
 from mop.parallel import baseline, checkpointing, llep, ulysses, vocab
-from mop.parallel.llep import expert_parallel_applies
 from mop.parallel.mesh import Layout
 
 # Each part's own cross-field checks, `check_settings(config, world)`, in this order.
@@ -96,7 +95,7 @@ def _decide(config: Config, world: int | None, local_world: int | None) -> Resol
         p, nproc=nproc,
         sequence=p.sequence or largest(lambda n: heads % n == 0 and config.data.seq_len % n == 0
                                        and (heads // n) % max(p.attention_head_chunks, 1) == 0),
-        expert=p.expert or largest(lambda n: m.experts % n == 0 and (n == 1 or expert_parallel_applies(m))),
+        expert=p.expert or largest(lambda n: m.experts % n == 0),
         vocab=p.vocab or largest(lambda n: not m.tie_embeddings),
         expert_balance=p.expert_balance if p.expert_balance != "auto" else ("llep" if mop else "ep"))
     optim = dataclasses.replace(config.optim, offload=mop if config.optim.offload == "auto" else config.optim.offload)

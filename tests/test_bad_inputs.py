@@ -306,8 +306,6 @@ CONFIG = [
          "train.offload_activations"),
     case("fsdp2-vocab-parallel", lambda s: s.launch("--parallel.strategy=fsdp2", "--parallel.vocab=2"),
          "parallel.vocab", "fsdp2"),
-    case("expert-parallel-gpt-oss", lambda s: s.launch("--model.family=gpt_oss", "--model.qk_norm=false",
-                                                       "--parallel.expert=2"), "parallel.expert", "gpt_oss"),
     case("fsdp2-llep", lambda s: s.launch("--parallel.strategy=fsdp2", "--parallel.expert_balance=llep"),
          "parallel.expert_balance"),
     case("fsdp2-host-optimizer", lambda s: s.launch("--parallel.strategy=fsdp2", "--optim.offload=true"),

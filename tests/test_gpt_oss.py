@@ -2,7 +2,8 @@
 same weights (copied by name, independently of the HF mapping, and through `load_hf` / `save_hf`)
 over GQA ratios, odd heads, windows shorter and longer than the sequence, YaRN on and off, top-2
 and top-3, a binding SwiGLU clamp; packed documents against each document alone; the sink and
-window core against a dense-mask oracle; and the grouped experts against the per-expert loop."""
+window core against a dense-mask oracle; the grouped experts against the per-expert loop; the
+experts under EP, LLEP and chunked LLEP on 2 gloo ranks against the single process."""
 
 import dataclasses
 import json
@@ -14,7 +15,7 @@ import torch
 from mop.models import documents as documents_module
 from mop.models.documents import Documents
 from mop.models.gpt_oss.attention import SinkWindowCore
-from mop.models.gpt_oss.experts import GptOssExperts
+from mop.models.gpt_oss.experts import NAMES, GptOssExperts
 from mop.models.hf import HFConversionError, config_from_hf, load_hf, save_hf
 from mop.models.transformer import build_model
 from test_hf import HF_TO_MOP, SEQ, batch, copy_weights_by_name, randomize, shifted
@@ -190,6 +191,115 @@ def test_grouped_experts_equal_the_per_expert_loop(grouped, align):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
 
 
+EP_CASES = [("ep", 1), ("llep", 1), ("llep", 2)]  # (expert_balance, llep_chunks)
+
+
+def ep_config():
+    from mop.models.config import ModelConfig
+
+    return ModelConfig(family="gpt_oss", hidden=16, experts=8, top_k=2, expert_intermediate=8, qk_norm=False,
+                       options={"swiglu_limit": 1.0})
+
+
+def random_experts() -> GptOssExperts:
+    """Every tensor random, the biases included (a model starts them at zero), the clamp binding."""
+    experts = GptOssExperts(ep_config())
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in experts.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+    return experts
+
+
+def ep_inputs(world: int, kind: str):
+    """Every rank's tokens, routing and output gradient, `[world, TOKENS, ...]`."""
+    from test_llep import TOKENS, routing
+
+    ids, weights = routing(kind, world, 2, seed=3)
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(world, TOKENS, 16, generator=generator)
+    return x, ids, weights, torch.randn(world, TOKENS, 16, generator=generator)
+
+
+def expert_parallel_rank(rank, world, kinds):
+    from mop.parallel import DistLayout, Layout
+    from mop.parallel.experts import shard_experts
+    from mop.parallel.llep import BalanceOptions
+    from mop.testing import rank_device
+    from test_llep import _Holder
+
+    layout = DistLayout(Layout(world, expert=world), rank_device())
+    results = []
+    for kind in kinds:
+        for mode, chunks in EP_CASES:
+            holder = _Holder(random_experts().to(layout.device))
+            shard_experts(holder, layout, BalanceOptions(mode, gate=1.0, alpha=1.0, min_chunk=2, chunks=chunks),
+                          torch.float32)
+            module = holder.layers[0].mlp.experts
+            x_all, ids, weights, upstream = ep_inputs(world, kind)
+            x = x_all[rank].to(layout.device).requires_grad_()
+            w = weights[rank].to(layout.device).requires_grad_()
+            out = module(x, ids[rank].to(layout.device), w)
+            (out * upstream[rank].to(layout.device)).sum().backward()
+            grads = {name: p.grad.full_tensor().cpu() for name, p in module.named_parameters()}
+            results.append((out.detach().cpu(), x.grad.cpu(), w.grad.cpu(), grads, module.records[0]["llep_active"]))
+    return results
+
+
+@pytest.mark.parametrize("kind", ["skewed", "empty"])
+def test_expert_parallelism_of_the_experts_equals_the_single_process(kind):
+    """EP, LLEP forced to spill (gate 1.0, chunks of 2 rows) and chunked LLEP (2 chunks) on 2 gloo
+    ranks: each rank's outputs and the gradients of its tokens and routing weights, and every expert
+    tensor's gradient (the biases included, the partitions gathered from their FSDP2 shards), equal
+    the single-process experts on all the tokens."""
+    from mop.testing import run_distributed
+    from test_llep import TOKENS
+
+    world = 2
+    results = run_distributed(expert_parallel_rank, world, [kind])
+    experts = random_experts()
+    x_all, ids, weights, upstream = ep_inputs(world, kind)
+    x = x_all.reshape(-1, 16).requires_grad_()
+    w = weights.reshape(-1, 2).clone().requires_grad_()
+    out = experts(x, ids.reshape(-1, 2), w)
+    (out * upstream.reshape(-1, 16)).sum().backward()
+    per = experts.num_experts // world
+    for index, (mode, chunks) in enumerate(EP_CASES):
+        for rank, (r_out, r_x, r_w, grads, spilled) in enumerate(r[index] for r in results):
+            label = f"{kind} {mode} chunks={chunks} rank {rank}"
+            rows = slice(rank * TOKENS, (rank + 1) * TOKENS)
+            torch.testing.assert_close(r_out, out.detach()[rows], atol=1e-5, rtol=1e-5, msg=f"output {label}")
+            torch.testing.assert_close(r_x, x.grad[rows], atol=1e-5, rtol=1e-5, msg=f"input grad {label}")
+            torch.testing.assert_close(r_w, w.grad[rows], atol=1e-5, rtol=1e-5, msg=f"routing weight grad {label}")
+            assert tuple(grads) == NAMES, label  # the unwrapped model's names: checkpoints and views see them
+            owned = slice(rank * per, (rank + 1) * per)
+            for name in NAMES:
+                expected = getattr(experts, name).grad[owned]
+                torch.testing.assert_close(grads[name], expected, atol=1e-5, rtol=1e-5, msg=f"{name} {label}")
+            assert spilled if mode == "llep" else not spilled, label  # gate 1.0: LLEP spills any imbalance
+
+
+def test_the_probe_is_the_product_with_the_output_and_its_backward_the_experts_backward():
+    """`gpt_oss_experts(probe=g)` (the chunked backward's product, without the down projection's
+    forward) is `<g, expert(x)>` per row, and its backward for row weights w is the experts'
+    backward for the output gradient `w * g`, in the per-expert and the grouped form (padded too)."""
+    from mop.models.gpt_oss.experts import gpt_oss_experts
+
+    experts = random_experts()
+    generator = torch.Generator().manual_seed(2)
+    counts = [3, 0, 5, 1, 0, 4, 2, 1]
+    x = torch.randn(sum(counts), 16, generator=generator, requires_grad=True)
+    probe, w = torch.randn(sum(counts), 16, generator=generator), torch.rand(sum(counts), generator=generator)
+    stacked = tuple(getattr(experts, name) for name in NAMES)
+    out = gpt_oss_experts(x, counts, stacked, experts.alpha, experts.limit, grouped=False)
+    expected = torch.autograd.grad(out, (x, *stacked), w.unsqueeze(-1) * probe)
+    for grouped, align in ((False, None), (True, None), (True, 8)):
+        product = gpt_oss_experts(x, counts, stacked, experts.alpha, experts.limit, grouped, align, probe)
+        torch.testing.assert_close(product, (out * probe).sum(-1), atol=1e-5, rtol=1e-5)
+        for a, b in zip(torch.autograd.grad(product, (x, *stacked), w), expected):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 def test_what_the_mapping_refuses_it_says_in_one_line():
     config = hf_config().to_dict()
     with pytest.raises(HFConversionError, match="layer_types"):
@@ -209,31 +319,35 @@ GPT_OSS_RUN = ["--model.family=gpt_oss", "--model.heads=4", "--model.kv_heads=2"
 
 
 @pytest.mark.slow
-def test_the_mop_layout_without_expert_parallelism_trains_like_the_reference(tmp_path):
-    """Ulysses with sinks over sliding and full blocks in two head chunks, the vocabulary ring, block
-    checkpointing with offload and the host optimizer; the experts FSDP2-sharded with the blocks."""
+def test_the_mop_layout_with_chunked_llep_trains_like_the_reference(tmp_path):
+    """On 4 ranks: the experts partitioned over 4 ranks under chunked LLEP forced to spill (gate 1.0,
+    chunks of 4 rows, 2 chunks), Ulysses with sinks over sliding and full blocks in two head
+    chunks, the vocabulary ring, block checkpointing with offload and the host optimizer."""
     from test_train import losses, run
 
     reference = run(tmp_path, "reference", *GPT_OSS_RUN)
-    records = run(tmp_path, "all", *GPT_OSS_RUN, "--parallel.strategy=mop", "--parallel.nproc=2",
-                  "--parallel.sequence=2", "--parallel.expert=1", "--parallel.vocab=2",
-                  "--parallel.attention_head_chunks=2", "--train.activation_checkpointing=full",
-                  "--train.offload_activations=true", "--optim.offload=true")
+    records = run(tmp_path, "all", *GPT_OSS_RUN, "--parallel.strategy=mop", "--parallel.nproc=4",
+                  "--parallel.sequence=2", "--parallel.expert=4", "--parallel.vocab=2",
+                  "--parallel.expert_balance=llep", "--parallel.llep_gate=1.0", "--parallel.llep_min_chunk=4",
+                  "--parallel.llep_chunks=2", "--parallel.attention_head_chunks=2",
+                  "--train.activation_checkpointing=full", "--train.offload_activations=true",
+                  "--optim.offload=true")
     assert losses(records) == pytest.approx(losses(reference), rel=1e-5)
     assert [r["grad_norm"] for r in records] == pytest.approx([r["grad_norm"] for r in reference], rel=1e-4)
+    assert sum(r["llep_active"] for r in records) > 0  # the spill ran
 
 
-def test_the_debug_config_resolves_without_expert_parallelism():
-    """gpt_oss's experts have no expert-parallel path: its debug config says parallel.expert = 1, and
-    an automatic expert degree resolves to 1 for it too (the other techniques stay automatic)."""
+def test_the_debug_config_resolves_with_expert_parallelism():
+    """gpt_oss's debug config leaves every degree automatic: on 2 ranks, expert parallelism (LLEP),
+    Ulysses and the vocabulary ring each take both."""
     from pathlib import Path
 
     from mop.config import load_config
     from mop.resolve import resolve
 
-    config = load_config(Path(__file__).resolve().parents[1] / "configs/debug-gpt-oss.toml", ["--parallel.expert=0"])
-    resolved = resolve(config)
-    assert (resolved.parallel.expert, resolved.parallel.sequence, resolved.parallel.vocab) == (1, 2, 2)
+    resolved = resolve(load_config(Path(__file__).resolve().parents[1] / "configs/debug-gpt-oss.toml", []))
+    p = resolved.parallel
+    assert (p.expert, p.sequence, p.vocab, p.expert_balance) == (2, 2, 2, "llep")
 
 
 def quantize_mxfp4(folder) -> dict:
@@ -285,3 +399,17 @@ def test_mxfp4_experts_load_dequantized_expert_by_expert(tmp_path):
         name = "layers.1.mlp.experts.down_weight"
         full = dict(mop.named_parameters())[name]
         torch.testing.assert_close(read.rows(name, full.shape, 3, 4), full[3:7].detach(), atol=0, rtol=0)
+
+
+@pytest.mark.slow
+def test_bf16_in_the_mop_layout_stays_within_the_bf16_tolerance_of_the_bf16_reference(tmp_path):
+    """As deepseek_v3's: losses and gradient norms within 2^-8 relative of the bf16 reference."""
+    from test_layouts import BF16, BF16_RTOL
+    from test_train import losses, run
+
+    reference = run(tmp_path, "reference", *GPT_OSS_RUN, *BF16)
+    records = run(tmp_path, "mop", *GPT_OSS_RUN, *BF16, "--parallel.strategy=mop", "--parallel.nproc=2",
+                  "--parallel.sequence=2", "--parallel.expert=1", "--parallel.vocab=2",
+                  "--train.activation_checkpointing=full")
+    assert losses(records) == pytest.approx(losses(reference), rel=BF16_RTOL)
+    assert [r["grad_norm"] for r in records] == pytest.approx([r["grad_norm"] for r in reference], rel=BF16_RTOL)

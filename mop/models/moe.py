@@ -9,7 +9,10 @@ then up rows) and `w_down [E, H, I]`, the layout of Hugging Face transformers v5
 expert partition is a slice along E and one GEMM per expert reads contiguous memory.
 
 `Experts.forward` is the seam expert parallelism replaces: it receives the tokens of this rank
-with their routing decisions and returns their combined expert outputs.
+with their routing decisions and returns their combined expert outputs. What expert parallelism
+needs of an experts module is its `ExpertKind` (`kind`): the names of its stacked parameters
+(dim 0 the expert) and the function computing the experts on rows sorted by expert; a family with
+other experts (gpt_oss's biased ones) gives its own kind, and model code holds no collectives.
 
 The layer also returns `RouterStats`, the per-sequence sums the load-balancing loss is built
 from (see `load_balancing_loss`); keeping sums rather than means is what lets a parallel layout
@@ -18,6 +21,7 @@ reduce them over exactly the tokens of a sequence and reproduce the single-devic
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -226,7 +230,7 @@ def swiglu_experts(x_sorted: torch.Tensor, counts: list[int], w_gate_up: torch.T
     return _grouped_swiglu(pad(x_sorted), padded, w_gate_up, w_down, pad(probe))[rows]
 
 
-def _product(probe_down: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+def row_product(probe_down: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
     """Per row `<probe W_down, hidden>` (= `<probe, hidden W_down^T>`), summed in fp32."""
     return (probe_down * hidden).sum(-1, dtype=torch.float32)
 
@@ -237,7 +241,7 @@ def _grouped_swiglu(x_sorted, counts: list[int], w_gate_up, w_down, probe=None) 
     hidden = F.silu(gate) * up
     if probe is None:
         return torch._grouped_mm(hidden, w_down.transpose(1, 2), offs=offsets)
-    return _product(torch._grouped_mm(probe, w_down, offs=offsets), hidden)
+    return row_product(torch._grouped_mm(probe, w_down, offs=offsets), hidden)
 
 
 def _expert_loop(x_sorted, counts: list[int], w_gate_up, w_down, probe=None) -> torch.Tensor:
@@ -252,14 +256,47 @@ def _expert_loop(x_sorted, counts: list[int], w_gate_up, w_down, probe=None) -> 
         gate, up = F.linear(rows, gate_up_weight).chunk(2, dim=-1)
         hidden = F.silu(gate) * up
         outputs.append(F.linear(hidden, down_weight) if rows_probe is None
-                       else _product(rows_probe @ down_weight, hidden))
+                       else row_product(rows_probe @ down_weight, hidden))
     if outputs:
         return torch.cat(outputs)
     # With no rows at all, an empty slice of the input keeps the output on the autograd graph.
     return x_sorted[:0, : w_down.shape[1]] if probe is None else x_sorted[:0, 0].float()
 
 
+@dataclass(frozen=True)
+class ExpertKind:
+    """An experts module as expert parallelism sees it (`mop.parallel.llep`), with no collectives.
+
+    `names`: its stacked parameters, in order, each with the expert on dim 0: a partition is a
+    slice of each along dim 0, and shipping expert e ships index e of each.
+    `compute(x_sorted, counts, stacked, probe=None)`: the experts whose stacked tensors are
+    `stacked` (one per name, E' experts each) applied to rows sorted by expert, `counts[e]` rows
+    for expert e (a host list); with `probe` (`[rows, H]`), each row's fp32 `<probe, expert(x)>`
+    instead, whose backward for per-row weights w is the experts' backward for the output gradient
+    `w * probe` (see `swiglu_experts`; the chunked path's backward relies on it).
+    """
+
+    names: tuple[str, ...]
+    compute: Callable[..., torch.Tensor]
+
+    def stacked(self, module: nn.Module) -> tuple[torch.Tensor, ...]:
+        """`module`'s stacked parameters in `names`' order."""
+        return tuple(getattr(module, name) for name in self.names)
+
+
+def stacked_swiglu(x_sorted: torch.Tensor, counts: list[int], stacked: tuple[torch.Tensor, ...],
+                   probe: torch.Tensor | None = None) -> torch.Tensor:
+    """`swiglu_experts` on the stacked `(w_gate_up, w_down)`: the shared experts' `ExpertKind.compute`."""
+    w_gate_up, w_down = stacked
+    return swiglu_experts(x_sorted, counts, w_gate_up, w_down, probe=probe)
+
+
+SWIGLU_KIND = ExpertKind(("w_gate_up", "w_down"), stacked_swiglu)
+
+
 class Experts(nn.Module):
+    kind = SWIGLU_KIND
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_experts = cfg.experts

@@ -3,6 +3,11 @@
 Layout. The E experts are partitioned contiguously over the Ep ranks of an expert group: the rank
 at position p of its group owns experts `[p*E/Ep, (p+1)*E/Ep)` (`mop.parallel.experts` shards
 that partition over its expert-replica group with FSDP2). Every rank routes its own tokens.
+The experts are whatever the family's experts module is, through its `ExpertKind`
+(`mop.models.moe`): an ordered tuple of stacked tensors with the expert on dim 0 (the shared
+SwiGLU's `w_gate_up, w_down`; gpt_oss's `gate_up_weight, gate_up_bias, down_weight, down_bias`),
+each partitioned alike and kept under its own name (so checkpoints, placement and the global views
+see the unwrapped model's names), and the function that computes experts on rows sorted by expert.
 
 Phases of one forward (one MoE layer):
 1. counts: each rank sorts its token-expert assignments by expert (on the device) and all-gathers
@@ -15,15 +20,16 @@ Phases of one forward (one MoE layer):
    matrix alone (`build_routing`, per segment on the host, the row permutations expanded on the
    device). A checkpointed block's recomputation reuses the forward's route (`LayerRoute`).
 3. dispatch: one uneven all-to-all moves each assignment's token row to the rank computing it;
-   the expert weights a helper needs travel owner -> helper by `batch_isend_irecv` on the
-   separate p2p group, issued before the token all-to-all and waited after it (overlap).
-4. compute: the owned experts in one grouped GEMM over the local partition, the shipped foreign
-   experts in another.
+   the experts a helper needs (index e of each stacked tensor) travel owner -> helper by
+   `batch_isend_irecv` on the separate p2p group, issued before the token all-to-all and waited
+   after it (overlap).
+4. compute: the kind's function on the owned experts' rows (one grouped GEMM per projection over
+   the local partition), then on the shipped foreign experts' rows.
 5. combine: the inverse all-to-all returns each output row to its source, which weights it by
    the router probability and sums the k rows of each token.
 Backward mirrors it: the combine's inverse, the experts' backward, then (in the dispatch's
 backward, so every rank does it at the same point) the token gradients go back by the inverse
-all-to-all while each helper returns its foreign weights' gradients to their owner, which adds
+all-to-all while each helper returns its foreign experts' gradients to their owner, which adds
 them to its own before FSDP2 reduces the partition's gradient.
 
 Invariants: the expert computation per assignment row is the single-device one, only placed
@@ -40,9 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mop.config import Config, ConfigError
-from mop.models.config import ModelConfig
-from mop.models.families import family_of
-from mop.models.moe import Experts, device_ints, expert_order
+from mop.models.moe import device_ints, expert_order
 from mop.parallel.checkpointing import KeepsForwardOutputs
 from mop.parallel.comms import all_gather_rows, all_to_all
 from mop.parallel.llep_chunked import ChunkedExperts, ChunkJob, chunk_job
@@ -94,7 +98,7 @@ class _Dispatch(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x_send, owned: tuple[torch.Tensor, torch.Tensor], exchange: Exchange):
+    def forward(ctx, x_send, owned: tuple[torch.Tensor, ...], exchange: Exchange):
         ctx.exchange, ctx.owned = exchange, owned
         foreign, works = start_weight_shipping(owned, exchange)
         received = x_send.new_empty((sum(exchange.recv_splits), x_send.shape[1]))
@@ -105,10 +109,10 @@ class _Dispatch(torch.autograd.Function):
         return received, *foreign
 
     @staticmethod
-    def backward(ctx, grad_received, grad_foreign_gate_up, grad_foreign_down):
+    def backward(ctx, grad_received, *grad_foreign):
         exchange, owned = ctx.exchange, ctx.owned
         foreign_grads = [g if g is not None else grad_received.new_zeros((len(exchange.receive), *w.shape[1:]))
-                         for g, w in zip((grad_foreign_gate_up, grad_foreign_down), owned)]
+                         for g, w in zip(grad_foreign, owned)]
         returned, works = start_gradient_return(foreign_grads, owned, exchange)
         grad_x = grad_received.new_empty((sum(exchange.send_splits), grad_received.shape[1]))
         dist.all_to_all_single(grad_x, grad_received.contiguous(), exchange.send_splits, exchange.recv_splits,
@@ -118,17 +122,18 @@ class _Dispatch(torch.autograd.Function):
 
 
 class ExpertParallel(KeepsForwardOutputs, nn.Module):
-    """Drop-in `Experts` for one rank of an expert group; see the module docstring."""
+    """Drop-in experts module for one rank of an expert group; see the module docstring."""
 
-    def __init__(self, experts: Experts, layout: DistLayout, options: BalanceOptions):
+    def __init__(self, experts: nn.Module, layout: DistLayout, options: BalanceOptions):
         super().__init__()
+        self.kind = experts.kind
         self.ranks = layout.layout.expert
         self.rank = layout.layout.expert_partition(layout.rank)
         self.num_experts = experts.num_experts
         self.per_rank = self.num_experts // self.ranks
         owned = slice(self.rank * self.per_rank, (self.rank + 1) * self.per_rank)
-        self.w_gate_up = nn.Parameter(experts.w_gate_up.detach()[owned].clone())
-        self.w_down = nn.Parameter(experts.w_down.detach()[owned].clone())
+        for name, full in zip(self.kind.names, self.kind.stacked(experts)):
+            self.register_parameter(name, nn.Parameter(full.detach()[owned].clone()))
         self.group, self.p2p_group = layout.expert_group, layout.expert_p2p_group
         self.options = options
         self.records: list[dict] = []
@@ -151,16 +156,16 @@ class ExpertParallel(KeepsForwardOutputs, nn.Module):
             forward_counts = device_ints(route.count_matrix[self.rank], counts.device, counts.dtype)
             torch._assert_async((counts == forward_counts).all(),
                                 "the recomputed routing differs from the forward's")
+        owned = self.kind.stacked(self)
         if route.job is not None:
-            out = ChunkedExperts.apply(x, weights.reshape(-1), (self.w_gate_up, self.w_down), route.job, kept_out)
+            out = ChunkedExperts.apply(x, weights.reshape(-1), owned, self.kind.compute, route.job, kept_out)
             self.keep_output((route, out))
             return out
         self.keep_output((route, None))
         routing, exchange = route.routing, route.exchange
         assignment = order[routing.send_rows]
-        received, foreign_gate_up, foreign_down = _Dispatch.apply(
-            x[assignment // top_k], (self.w_gate_up, self.w_down), exchange)
-        y = expert_outputs(received, routing, (self.w_gate_up, self.w_down, foreign_gate_up, foreign_down))
+        received, *foreign = _Dispatch.apply(x[assignment // top_k], owned, exchange)
+        y = expert_outputs(received, routing, self.kind.compute, owned, tuple(foreign))
         back = all_to_all(y, exchange.send_splits, exchange.recv_splits, self.group)
         y = back * weights.reshape(-1)[assignment].unsqueeze(-1).to(back.dtype)
         return torch.zeros_like(x).index_add_(0, assignment // top_k, y.to(x.dtype))
@@ -195,7 +200,7 @@ class ExpertParallel(KeepsForwardOutputs, nn.Module):
         native = plan_ep(loads, self.ranks).rank_loads()
         after = plan.rank_loads()
         element = x.element_size()
-        weight_bytes = (self.w_gate_up[0].numel() + self.w_down[0].numel()) * element
+        weight_bytes = sum(t[0].numel() for t in self.kind.stacked(self)) * element
         self.records.append({
             "expert_load_imbalance": imbalance(loads),
             "rank_load_imbalance_before": imbalance(native),
@@ -213,12 +218,6 @@ def apply_expert_parallel(model, layout: DistLayout, options: BalanceOptions) ->
             block.mlp.experts = ExpertParallel(block.mlp.experts, layout, options)
 
 
-def expert_parallel_applies(model: ModelConfig) -> bool:
-    """Whether the family's routed experts are the shared stacked SwiGLU `Experts`, which EP and LLEP
-    partition and ship (gpt_oss's biased experts are not)."""
-    return family_of(model).experts is Experts
-
-
 def check_settings(config: Config, world: int) -> None:
     """Expert parallelism's own settings: whole experts per partition, positive LLEP thresholds."""
     p = config.parallel
@@ -227,7 +226,3 @@ def check_settings(config: Config, world: int) -> None:
             raise ConfigError(f"parallel.{key}", f"must be > 0, got {getattr(p, key)}")
     if config.model.experts % p.expert:
         raise ConfigError("parallel.expert", f"{p.expert} does not divide model.experts={config.model.experts}")
-    if p.expert > 1 and not expert_parallel_applies(config.model):
-        raise ConfigError("parallel.expert", f"{p.expert}: model.family={config.model.family!r}'s experts (biased, "
-                          "clamped SwiGLU) have no expert-parallel path yet (not built); set it to 1, which "
-                          "FSDP2-shards them with their blocks")

@@ -7,7 +7,8 @@ same placement (same helpers, same shipped weights) and carries about 1/C of eve
 and computed rows.
 
 Forward, one autograd node for the whole expert computation of the layer:
-- the shipped expert weights move once (p2p, overlapped with the first token exchange);
+- the shipped experts (index e of each of the kind's stacked tensors, `mop.models.moe.ExpertKind`)
+  move once (p2p, overlapped with the first token exchange);
 - chunk c: its token rows are gathered from the input and dispatched by an async all-to-all,
   chunk c+1's dispatch is started before chunk c's experts run, chunk c's outputs go back by an
   async combine all-to-all that runs while chunk c+1 computes, and are then weighted and summed
@@ -17,12 +18,13 @@ Backward, per chunk, pipelined the same way (chunk c+1's rows travel and chunk c
 back while chunk c computes): the source sends [token rows | their output gradients g | routing
 weights w] in one all-to-all; the computing rank recomputes the gate and up projections only and
 takes the experts' gradients for the output gradients w * g from the per-row product
-`<g W_down, hidden> = <g, expert output>`, which is also the routing weight's gradient
-(`swiglu_experts(probe=...)`): the down projection's forward is not re-run, so the chunked layer
-recomputes two thirds of the expert forward's FLOPs (the gate and up GEMM), not all of it. It
-returns [row gradients | routing-weight gradients] in one all-to-all. The foreign experts' weight
-gradients accumulate over the chunks and return to their owners once, at the end, as in the
-unchunked path.
+`<g, expert output>` computed without the down projection's forward (the kind's compute with a
+probe: `<g W_down, hidden>` for the SwiGLU experts, `swiglu_experts`; plus `<g, d_e>` for
+gpt_oss's down bias), which is also the routing weight's gradient: the chunked layer recomputes two
+thirds of the expert forward's FLOPs (the gate and up GEMM), not all of it. It returns [row
+gradients | routing-weight gradients] in one all-to-all. The foreign experts' gradients (every
+stacked tensor's) accumulate over the chunks and return to their owners once, at the end, as in
+the unchunked path.
 In a checkpointed block's recomputation the node is given the forward's output (`kept`): it only
 ships the foreign weights again (its backward needs them) and returns it, so the expert forward
 runs once and its gate and up projections once more in the backward, checkpointed or not
@@ -90,13 +92,14 @@ def _exchange_rows(rows: torch.Tensor, out_splits: list[int], in_splits: list[in
 
 
 class ChunkedExperts(torch.autograd.Function):
-    """The whole chunked expert computation of a layer as one node; weight gradients are added to
-    the owned parameters' `.grad` directly (`add_to_grad`), chunk by chunk."""
+    """The whole chunked expert computation of a layer as one node; the experts' gradients are added
+    to the owned parameters' `.grad` directly (`add_to_grad`), chunk by chunk. `owned`: the owned
+    partition's stacked tensors; `compute`: their kind's function (`ExpertKind`)."""
 
     @staticmethod
-    def forward(ctx, x, weights_flat, owned: tuple[torch.Tensor, torch.Tensor], job: ChunkJob, kept):
+    def forward(ctx, x, weights_flat, owned: tuple[torch.Tensor, ...], compute, job: ChunkJob, kept):
         ex = job.exchange
-        ctx.job, ctx.owned, ctx.autocast = job, owned, forward_autocast(x.device)
+        ctx.job, ctx.owned, ctx.compute, ctx.autocast = job, owned, compute, forward_autocast(x.device)
         foreign, weight_works = start_weight_shipping(owned, ex)
         if kept is not None:  # a checkpointed block's recomputation: the backward needs the shipped weights only
             for work in weight_works:
@@ -107,7 +110,7 @@ class ChunkedExperts(torch.autograd.Function):
         pending = _dispatch(x, job, 0)
         for work in weight_works:
             work.wait()
-        weights = (*(w.detach() for w in owned), *foreign)
+        detached = tuple(w.detach() for w in owned)
         combining = None  # chunk c-1's combine, in flight while chunk c computes
         for c, routing in enumerate(job.routings):
             received, work = pending
@@ -116,7 +119,7 @@ class ChunkedExperts(torch.autograd.Function):
             pending = work = None
             if c + 1 < len(job.routings):
                 pending = _dispatch(x, job, c + 1)
-            y = expert_outputs(received, routing, weights)
+            y = expert_outputs(received, routing, compute, detached, tuple(foreign))
             del received
             if combining is not None:
                 _add_combined(out, weights_flat, job, *combining)
@@ -129,7 +132,7 @@ class ChunkedExperts(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, weights_flat, *foreign = ctx.saved_tensors
-        job, ex, owned = ctx.job, ctx.job.exchange, ctx.owned
+        job, ex, owned, n = ctx.job, ctx.job.exchange, ctx.owned, len(ctx.owned)
         hidden = x.shape[1]
         for param in owned:
             if param.grad is None:
@@ -171,13 +174,14 @@ class ChunkedExperts(torch.autograd.Function):
             grouped = received[routing.compute_rows]
             del received
             rows = grouped[:, :hidden].detach().requires_grad_()
-            used = [rows] + (leaves[:2] if sum(routing.native_counts) else []) + (
-                leaves[2:] if sum(routing.foreign_counts) else [])
+            used = [rows] + (leaves[:n] if sum(routing.native_counts) else []) + (
+                leaves[n:] if sum(routing.foreign_counts) else [])
             with torch.enable_grad(), ctx.autocast():
                 # Per row <g, expert(x)> (the routing weight's gradient), without the down
                 # projection's forward; its backward for the weights w is the experts' backward
-                # for output gradients w * g (`swiglu_experts`).
-                products = grouped_expert_outputs(rows, routing, leaves, probe=grouped[:, hidden:2 * hidden])
+                # for output gradients w * g (`ExpertKind.compute`).
+                products = grouped_expert_outputs(rows, routing, ctx.compute, tuple(leaves[:n]), tuple(leaves[n:]),
+                                                  probe=grouped[:, hidden:2 * hidden])
                 torch.autograd.backward(products, grouped[:, 2 * hidden].float(), inputs=used)
             # [row gradients | products] back in arrival order, as the sources sent the rows.
             sent = rows.grad.new_empty((rows.shape[0], hidden + 1))
@@ -190,9 +194,9 @@ class ChunkedExperts(torch.autograd.Function):
             returning = (c, sent, *_exchange_rows(sent, routing.send_splits, routing.recv_splits, ex.group,
                                                   async_op=True))
         take_back(*returning)
-        returned, works = start_gradient_return([leaf.grad for leaf in leaves[2:]], owned, ex)
+        returned, works = start_gradient_return([leaf.grad for leaf in leaves[n:]], owned, ex)
         finish_gradient_return(owned, ex, returned, works)
-        return grad_x, grad_weights, None, None, None
+        return grad_x, grad_weights, None, None, None, None
 
 
 def _add_combined(out: torch.Tensor, weights_flat: torch.Tensor, job: ChunkJob, c: int, sent: torch.Tensor,

@@ -10,7 +10,10 @@ O(Ep x (E + plan slices)) host integers, never one per token); the two row permu
 expanded on the device from the segments' starts and lengths (`row_ranges`: `repeat_interleave` +
 `arange`, no host synchronisation), so the host does no per-token work.
 Owners and helpers enumerate weight transfers in the plan's sorted order, so point-to-point
-messages between two ranks pair up without any handshake.
+messages between two ranks pair up without any handshake. A transfer moves one expert: index e
+of each of the experts' stacked tensors (their `ExpertKind`, `mop.models.moe`: SwiGLU's
+`(w_gate_up, w_down)`, gpt_oss's two weights and two biases), one message per tensor, in the
+kind's order; its gradients return the same way.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from mop.models.moe import device_ints, row_ranges, swiglu_experts
+from mop.models.moe import device_ints, row_ranges
 from mop.parallel.llep_plan import Plan
 
 
@@ -149,8 +152,9 @@ def add_to_grad(param: torch.Tensor, index: torch.Tensor | None, grad: torch.Ten
         param.grad.index_add_(0, index, grad.to(param.grad.dtype))
 
 
-def start_weight_shipping(owned: tuple[torch.Tensor, torch.Tensor], exchange: Exchange):
-    """Owner -> helper: start moving the shipped experts' weights; returns (foreign weights, works)."""
+def start_weight_shipping(owned: tuple[torch.Tensor, ...], exchange: Exchange):
+    """Owner -> helper: start moving the shipped experts' stacked tensors (each of `owned`, in order);
+    returns (foreign tensors, one per owned one, works)."""
     foreign = [w.new_empty((len(exchange.receive), *w.shape[1:])) for w in owned]
     works = point_to_point([(w.detach()[local], helper) for local, helper in exchange.ship for w in owned],
                            [(w[i], owner) for i, (_, owner) in enumerate(exchange.receive) for w in foreign],
@@ -158,7 +162,7 @@ def start_weight_shipping(owned: tuple[torch.Tensor, torch.Tensor], exchange: Ex
     return foreign, works
 
 
-def start_gradient_return(foreign_grads: list[torch.Tensor], owned: tuple[torch.Tensor, torch.Tensor],
+def start_gradient_return(foreign_grads: list[torch.Tensor], owned: tuple[torch.Tensor, ...],
                           exchange: Exchange):
     """Helper -> owner: start returning the foreign experts' weight gradients; returns (buffers, works)."""
     returned = [w.new_empty((len(exchange.ship), *w.shape[1:])) for w in owned]
@@ -168,7 +172,7 @@ def start_gradient_return(foreign_grads: list[torch.Tensor], owned: tuple[torch.
     return returned, works
 
 
-def finish_gradient_return(owned: tuple[torch.Tensor, torch.Tensor], exchange: Exchange, returned, works) -> None:
+def finish_gradient_return(owned: tuple[torch.Tensor, ...], exchange: Exchange, returned, works) -> None:
     """Wait for the returned gradients and add them to the owned experts' gradients."""
     for work in works:
         work.wait()
@@ -178,26 +182,27 @@ def finish_gradient_return(owned: tuple[torch.Tensor, torch.Tensor], exchange: E
             add_to_grad(param, local, grad)
 
 
-def expert_outputs(received: torch.Tensor, routing: Routing, weights) -> torch.Tensor:
+def expert_outputs(received: torch.Tensor, routing: Routing, compute, owned: tuple[torch.Tensor, ...],
+                   foreign: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """Expert outputs of the received rows, in arrival order (as the combine sends them back).
 
-    `weights`: (owned gate_up, owned down, foreign gate_up, foreign down).
+    `compute`: the experts' `ExpertKind.compute`; `owned`, `foreign`: the owned partition's and
+    the shipped experts' stacked tensors, in the kind's order.
     """
-    compute = routing.compute_rows
-    y = grouped_expert_outputs(received[compute], routing, weights)
+    compute_rows = routing.compute_rows
+    y = grouped_expert_outputs(received[compute_rows], routing, compute, owned, foreign)
     # Arrival position compute_rows[i] holds y[i].
-    return y[torch.argsort(compute)]
+    return y[torch.argsort(compute_rows)]
 
 
-def grouped_expert_outputs(rows: torch.Tensor, routing: Routing, weights, probe: torch.Tensor | None = None):
+def grouped_expert_outputs(rows: torch.Tensor, routing: Routing, compute, owned: tuple[torch.Tensor, ...],
+                           foreign: tuple[torch.Tensor, ...], probe: torch.Tensor | None = None):
     """Expert outputs of rows already in compute order (`rows = received[routing.compute_rows]`):
-    owned experts first, then foreign ones, one grouped GEMM each. With `probe` (one row per row),
-    each row's `<probe, output>` instead (`swiglu_experts`)."""
-    w_gate_up, w_down, foreign_gate_up, foreign_down = weights
+    owned experts first, then foreign ones, one `compute` call (grouped GEMMs) each. With `probe`
+    (one row per row), each row's `<probe, output>` instead (`ExpertKind.compute`)."""
     native = sum(routing.native_counts)
-    y = swiglu_experts(rows[:native], routing.native_counts, w_gate_up, w_down,
-                       probe=None if probe is None else probe[:native])
+    y = compute(rows[:native], routing.native_counts, owned, probe=None if probe is None else probe[:native])
     if sum(routing.foreign_counts):
-        y = torch.cat([y, swiglu_experts(rows[native:], routing.foreign_counts, foreign_gate_up, foreign_down,
-                                         probe=None if probe is None else probe[native:])])
+        y = torch.cat([y, compute(rows[native:], routing.foreign_counts, foreign,
+                                  probe=None if probe is None else probe[native:])])
     return y

@@ -4,8 +4,9 @@ Order (each step touches only the modules it owns; later steps wrap what earlier
 1. Ulysses sequence parallelism swaps every `Attention.core` and the model's `documents` (the
    document spans of whole sequences, from ids gathered once per forward) (when
    parallel.sequence > 1);
-2. expert parallelism swaps `Experts` for `ExpertParallel` (EP or LLEP over the expert group) and
-   FSDP2-shards each expert partition over its expert-replica group (when parallel.expert > 1);
+2. expert parallelism swaps the experts module for `ExpertParallel` (EP or LLEP over the expert
+   group) and FSDP2-shards each expert partition over its expert-replica group (when
+   parallel.expert > 1);
 3. the vocabulary-parallel loss swaps `LMHead` for a row shard over the vocabulary group and the
    ring cross-entropy (when parallel.vocab > 1); the shard stays out of FSDP2;
 4. activation checkpointing (and offload) wraps each block, so the recomputation includes the

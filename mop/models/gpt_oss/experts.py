@@ -14,24 +14,34 @@ Storage: the reference's layout, stacked along E so an expert partition is a sli
 `gate_up_weight [E, H, 2I]` (x @ W, columns interleaved), `gate_up_bias [E, 2I]`,
 `down_weight [E, I, H]`, `down_bias [E, H]`. Keeping HF's orientation and interleaving makes every
 checkpoint tensor one whole parameter (load reads expert rows as slices; no permutation on load or
-save), and the names differ from the shared `Experts`' `w_gate_up [E, 2I, H]` on purpose: code that
-knows only that layout (the expert-parallel layouts) fails by name instead of misreading these.
+save). The four tensors, in that order, are the module's `ExpertKind` (`mop.models.moe`), which
+expert parallelism partitions and ships under these same names; `gpt_oss_experts` is its compute.
 
-Computation: tokens sorted by expert (`mop.models.moe.expert_order`), then one grouped GEMM per
-projection where `torch._grouped_mm` applies, else one GEMM pair per expert (the two agree; the
-tests compare them). Each row's biases are gathered by its expert id (no per-expert host work);
-on CUDA the groups are padded with zero rows to CUDA_GROUP_ROWS, whose biases are zero too, so a
-padding row's hidden activation is (0 + 1) * 0 * sigmoid(0) = 0 and its output is dropped.
+Computation (`gpt_oss_experts`): rows sorted by expert (`mop.models.moe.expert_order`), then one
+grouped GEMM per projection where `torch._grouped_mm` applies, else one GEMM pair per expert (the
+two agree; the tests compare them). Each row's biases are gathered by its expert id, expanded on
+the device from the per-expert counts (no host synchronisation, no per-expert host work); on CUDA
+the groups are padded with zero rows to CUDA_GROUP_ROWS, whose biases are zero too, so a padding
+row's hidden activation is (0 + 1) * 0 * sigmoid(0) = 0 and its output is dropped.
+With a `probe` (the chunked expert-parallel backward's, see `mop.models.moe.swiglu_experts`), each
+row's fp32 `<probe, h D_e + d_e> = <probe D_e^T, h> + <probe, d_e>`, without the down
+projection's forward: its backward for the row weight w is `w * probe D_e^T` into h,
+`h^T (w * probe)` into D_e and `sum w * probe` into d_e, the experts' backward for the output
+gradient `w * probe`.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from mop.models.config import ModelConfig
-from mop.models.moe import CUDA_GROUP_ROWS, device_ints, expert_order, row_ranges
+from mop.models.moe import CUDA_GROUP_ROWS, ExpertKind, device_ints, expert_order, row_product, row_ranges
+
+NAMES = ("gate_up_weight", "gate_up_bias", "down_weight", "down_bias")
 
 
 class GptOssRouter(nn.Module):
@@ -55,6 +65,73 @@ def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.T
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
+def grouped_gemm_applies(rows: torch.Tensor, stacked: tuple[torch.Tensor, ...]) -> bool:
+    """`torch._grouped_mm` takes fp32/bf16/fp16 with 16-byte-aligned rows (H and I)."""
+    gate_up_weight, _, down_weight, _ = stacked
+    if rows.dtype not in (torch.float32, torch.bfloat16, torch.float16) or gate_up_weight.dtype != rows.dtype:
+        return False
+    align = 16 // rows.element_size()
+    return rows.shape[-1] % align == 0 and down_weight.shape[1] % align == 0
+
+
+def gpt_oss_experts(x_sorted: torch.Tensor, counts: list[int], stacked: tuple[torch.Tensor, ...], alpha: float,
+                    limit: float, grouped: bool | None = None, align: int | None = None,
+                    probe: torch.Tensor | None = None) -> torch.Tensor:
+    """Expert e of `stacked` (`NAMES`' tensors) on its contiguous run of `counts[e]` rows of
+    `x_sorted`, or with `probe` each row's `<probe, expert(x)>` (module docstring). `grouped`
+    (None: where it applies) and `align` (None: the device's) as `mop.models.moe.swiglu_experts`."""
+    if grouped is None:
+        grouped = grouped_gemm_applies(x_sorted, stacked)
+    if grouped:
+        return _grouped(x_sorted, counts, stacked, alpha, limit, align, probe)
+    return _loop(x_sorted, counts, stacked, alpha, limit, probe)
+
+
+def _expert_of_rows(counts: list[int], device) -> torch.Tensor:
+    """Each sorted row's expert index, `repeat_interleave(arange(E), counts)`, built on the device."""
+    return torch.repeat_interleave(torch.arange(len(counts), device=device), device_ints(counts, device),
+                                   output_size=sum(counts))
+
+
+def _grouped(rows, counts: list[int], stacked, alpha: float, limit: float, align: int | None, probe) -> torch.Tensor:
+    gate_up_weight, gate_up_bias, down_weight, down_bias = stacked
+    expert_of = _expert_of_rows(counts, rows.device)
+    align = align or (CUDA_GROUP_ROWS if rows.is_cuda else 1)
+    padded = [-(-count // align) * align for count in counts]
+    where = row_ranges([sum(padded[:e]) for e in range(len(padded))], counts, rows.device) if align > 1 else None
+
+    def pad(t):
+        return t if where is None else t.new_zeros((sum(padded), t.shape[1])).index_copy(0, where, t)
+
+    def unpad(t):
+        return t if where is None else t[where]
+
+    offsets = device_ints(padded, rows.device).cumsum(0).to(torch.int32)
+    gate_up = torch._grouped_mm(pad(rows), gate_up_weight, offs=offsets) + pad(gate_up_bias[expert_of])
+    hidden = clamped_swiglu(gate_up, alpha, limit)
+    if probe is None:
+        return unpad(torch._grouped_mm(hidden, down_weight, offs=offsets)) + down_bias[expert_of]
+    probe_down = torch._grouped_mm(pad(probe), down_weight.transpose(1, 2), offs=offsets)
+    return unpad(row_product(probe_down, hidden)) + row_product(probe, down_bias[expert_of])
+
+
+def _loop(rows, counts: list[int], stacked, alpha: float, limit: float, probe) -> torch.Tensor:
+    outputs = []
+    probes = probe.split(counts) if probe is not None else [None] * len(counts)
+    # unbind once: its backward stacks the per-expert gradients (see `mop.models.moe._expert_loop`)
+    for part, part_probe, w_in, b_in, w_out, b_out in zip(rows.split(counts), probes,
+                                                          *(t.unbind(0) for t in stacked)):
+        if not part.shape[0]:
+            continue
+        hidden = clamped_swiglu(part @ w_in + b_in, alpha, limit)
+        outputs.append(hidden @ w_out + b_out if part_probe is None
+                       else row_product(part_probe @ w_out.T, hidden) + row_product(part_probe, b_out))
+    if outputs:
+        return torch.cat(outputs)
+    # with no rows at all, an empty slice of the input keeps the output on the autograd graph
+    return rows[:0] if probe is None else rows[:0, 0].float()
+
+
 class GptOssExperts(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -65,6 +142,7 @@ class GptOssExperts(nn.Module):
         self.down_weight = nn.Parameter(torch.empty(experts, inter, hidden))
         self.down_bias = nn.Parameter(torch.empty(experts, hidden))
         self.alpha, self.limit = cfg.options.swiglu_alpha, cfg.options.swiglu_limit
+        self.kind = ExpertKind(NAMES, partial(gpt_oss_experts, alpha=self.alpha, limit=self.limit))
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
                 grouped: bool | None = None, align: int | None = None) -> torch.Tensor:
@@ -73,41 +151,7 @@ class GptOssExperts(nn.Module):
         top_k = expert_ids.shape[-1]
         order, counts = expert_order(expert_ids, self.num_experts)
         token_of = order // top_k
-        rows = x[token_of]
-        expert_of = expert_ids.reshape(-1)[order]
-        if grouped is None:
-            grouped = self.grouped_gemm_applies(rows)
-        y = self._grouped(rows, counts.tolist(), expert_of, align) if grouped else self._loop(rows, counts.tolist())
+        y = gpt_oss_experts(x[token_of], counts.tolist(), self.kind.stacked(self), self.alpha, self.limit,
+                            grouped, align)
         y = y * weights.reshape(-1)[order].unsqueeze(-1).to(y.dtype)
         return torch.zeros_like(x).index_add_(0, token_of, y.to(x.dtype))
-
-    def grouped_gemm_applies(self, rows: torch.Tensor) -> bool:
-        """`torch._grouped_mm` takes fp32/bf16/fp16 with 16-byte-aligned rows (H and I)."""
-        if rows.dtype not in (torch.float32, torch.bfloat16, torch.float16) or self.gate_up_weight.dtype != rows.dtype:
-            return False
-        align = 16 // rows.element_size()
-        return rows.shape[-1] % align == 0 and self.down_weight.shape[1] % align == 0
-
-    def _grouped(self, rows, counts: list[int], expert_of, align: int | None) -> torch.Tensor:
-        align = align or (CUDA_GROUP_ROWS if rows.is_cuda else 1)
-        padded = [-(-count // align) * align for count in counts]
-        where = row_ranges([sum(padded[:e]) for e in range(len(padded))], counts, rows.device) if align > 1 else None
-
-        def pad(t):
-            return t if where is None else t.new_zeros((sum(padded), t.shape[1])).index_copy(0, where, t)
-
-        offsets = device_ints(padded, rows.device).cumsum(0).to(torch.int32)
-        gate_up = torch._grouped_mm(pad(rows), self.gate_up_weight, offs=offsets) + pad(self.gate_up_bias[expert_of])
-        out = torch._grouped_mm(clamped_swiglu(gate_up, self.alpha, self.limit), self.down_weight, offs=offsets)
-        return (out if where is None else out[where]) + self.down_bias[expert_of]
-
-    def _loop(self, rows, counts: list[int]) -> torch.Tensor:
-        outputs = []
-        # unbind once: its backward stacks the per-expert gradients (see `mop.models.moe._expert_loop`)
-        for part, w_in, b_in, w_out, b_out in zip(rows.split(counts), self.gate_up_weight.unbind(0),
-                                                  self.gate_up_bias.unbind(0), self.down_weight.unbind(0),
-                                                  self.down_bias.unbind(0)):
-            if part.shape[0]:
-                outputs.append(clamped_swiglu(part @ w_in + b_in, self.alpha, self.limit) @ w_out + b_out)
-        # with no rows at all, an empty slice of the input keeps the output on the autograd graph
-        return torch.cat(outputs) if outputs else rows[:0]
