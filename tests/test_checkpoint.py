@@ -80,6 +80,28 @@ def test_resume_across_layouts_and_world_sizes(tmp_path, straight):
         assert losses(resumed) == pytest.approx(losses(records)[4:], rel=1e-4)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss"])
+def test_a_family_resumes_across_layouts(tmp_path, family):
+    """Latent attention with auxiliary-loss-free balancing on (the moving score-correction biases are
+    buffers the checkpoint keeps), and gpt-oss (sinks, windows, biased experts): saved by the full
+    layout on 2 ranks, resumed by the reference, and the other way round, both continue the
+    uninterrupted run."""
+    from test_deepseek_v3 import DEEPSEEK_RUN
+    from test_gpt_oss import GPT_OSS_RUN
+
+    model = {"deepseek_v3": DEEPSEEK_RUN, "gpt_oss": GPT_OSS_RUN}[family]
+    straight = train(tmp_path / "straight", *STEPS, *model)
+    on_two = train(tmp_path / "mop2", *STEPS, *model, *MOP_W2)
+    assert losses(on_two) == pytest.approx(losses(straight), rel=1e-4)
+    by_reference = train(tmp_path / "ref", *STEPS, *model, f"--checkpoint.resume={tmp_path / 'mop2/checkpoints/step_4'}")
+    back_to_two = train(tmp_path / "back", *STEPS, *model, *MOP_W2,
+                        f"--checkpoint.resume={tmp_path / 'straight/checkpoints/step_4'}")
+    for resumed in (by_reference, back_to_two):
+        assert [r["step"] for r in resumed] == [4, 5, 6, 7]
+        assert losses(resumed) == pytest.approx(losses(straight)[4:], rel=1e-4)
+
+
 def _tiny_model_and_optimizer():
     model = build_model(ModelConfig(vocab_size=32, hidden=16, layers=1, heads=2, kv_heads=1, head_dim=8, experts=2,
                                     expert_intermediate=8), seed=0)
