@@ -94,18 +94,33 @@ GLM_RUN = ["--model.family=glm4_moe", "--model.options.attention_bias=true", "--
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("offload", ["false", "true"])
-def test_every_technique_at_once_trains_like_the_reference(tmp_path, offload):
+@pytest.mark.parametrize("ranks, offload", [(2, "false"), (4, "true")])
+def test_every_technique_at_once_trains_like_the_reference(tmp_path, ranks, offload):
     from test_train import losses, run
 
-    reference = run(tmp_path, "reference", *GLM_RUN)
-    records = run(tmp_path, "all", *GLM_RUN, "--parallel.strategy=mop", "--parallel.nproc=2",
-                  "--parallel.sequence=2", "--parallel.expert=2", "--parallel.vocab=2",
-                  "--parallel.expert_balance=llep", "--parallel.llep_min_chunk=4", "--parallel.llep_gate=1.0",
-                  "--parallel.llep_chunks=2", "--train.activation_checkpointing=full",
+    model = ["--model.heads=4", "--model.kv_heads=2", "--model.options.router_bias_update_rate=0.05"]
+    reference = run(tmp_path, "reference", *GLM_RUN, *model)
+    records = run(tmp_path, "all", *GLM_RUN, *model, "--parallel.strategy=mop",
+                  f"--parallel.nproc={ranks}", f"--parallel.sequence={ranks}", f"--parallel.expert={ranks}",
+                  f"--parallel.vocab={ranks}", "--parallel.expert_balance=llep", "--parallel.llep_min_chunk=4",
+                  "--parallel.llep_gate=1.0", "--parallel.llep_chunks=2", "--train.activation_checkpointing=full",
                   "--train.offload_activations=true", f"--optim.offload={offload}")
     assert losses(records) == pytest.approx(losses(reference), rel=1e-5)
     assert [r["grad_norm"] for r in records] == pytest.approx([r["grad_norm"] for r in reference], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_bf16_in_the_mop_layout_stays_within_the_bf16_tolerance_of_the_bf16_reference(tmp_path):
+    """As deepseek_v3's: losses and gradient norms within 2^-8 relative of the bf16 reference."""
+    from test_layouts import BF16, BF16_RTOL
+    from test_train import losses, run
+
+    reference = run(tmp_path, "reference", *GLM_RUN, *BF16)
+    records = run(tmp_path, "mop", *GLM_RUN, *BF16, "--parallel.strategy=mop", "--parallel.nproc=2",
+                  "--parallel.sequence=2", "--parallel.expert=2", "--parallel.vocab=2", "--parallel.expert_balance=llep",
+                  "--train.activation_checkpointing=full")
+    assert losses(records) == pytest.approx(losses(reference), rel=BF16_RTOL)
+    assert [r["grad_norm"] for r in records] == pytest.approx([r["grad_norm"] for r in reference], rel=BF16_RTOL)
 
 
 def test_multi_token_prediction_layers_are_left_out_and_said(tmp_path, capsys):
