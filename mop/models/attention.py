@@ -1,4 +1,5 @@
-"""Grouped-query self-attention with optional q/k RMSNorm, RoPE and packed documents.
+"""Grouped-query self-attention with optional q/k RMSNorm, biases, RoPE (default, YaRN, partial),
+per-head sinks and packed documents.
 
 `Attention` does the projections, the q/k norms and RoPE on whatever tokens it is given (with
 their global positions), and delegates the sequence-mixing step to `self.core`, an
@@ -18,7 +19,7 @@ from torch import nn
 from mop.models.config import ModelConfig
 from mop.models.documents import Documents, document_attention
 from mop.models.layers import RMSNorm
-from mop.models.rope import apply_rope, default_inv_freq, rope_cos_sin
+from mop.models.rope import YarnOptions, apply_rope, rope_cos_sin
 from mop.models.spec import AttentionSpec, core_saved_bytes, norm_saved_bytes
 
 
@@ -43,19 +44,24 @@ class AttentionCore(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, qkv_bias: bool = False, rotary_dim: int | None = None):
-        """`qkv_bias`: biases on the q, k and v projections (never on o); `rotary_dim`: RoPE turns only
-        the first `rotary_dim` dims of each head (partial rotary; default all of them)."""
+    def __init__(self, cfg: ModelConfig, qkv_bias: bool = False, o_bias: bool = False, rotary_dim: int | None = None,
+                 rope: YarnOptions | None = None, sinks: bool = False, core: AttentionCore | None = None):
+        """`qkv_bias`, `o_bias`: biases on the q, k and v projections, on o; `rotary_dim`: RoPE turns
+        only the first `rotary_dim` dims of each head (partial rotary; default all of them); `rope`:
+        YaRN settings (None: the default RoPE); `sinks`: a learned sink logit per query head, which
+        the core takes after the documents (gpt-oss's `SinkWindowCore`); `core`: the sequence-mixing
+        core (default `AttentionCore`)."""
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = cfg.heads, cfg.kv_heads, cfg.head_dim
-        self.rope_theta, self.rotary_dim = cfg.rope_theta, rotary_dim or cfg.head_dim
+        self.rope_theta, self.rotary_dim, self.rope = cfg.rope_theta, rotary_dim or cfg.head_dim, rope or YarnOptions()
         self.q_proj = nn.Linear(cfg.hidden, cfg.heads * cfg.head_dim, bias=qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=False)
+        self.o_proj = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        self.core = AttentionCore()
+        self.sinks = nn.Parameter(torch.empty(cfg.heads)) if sinks else None
+        self.core = core or AttentionCore()
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, documents: Documents | None):
         batch, seq, _ = x.shape
@@ -65,10 +71,10 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         # one pair of tables for q and k: autograd saves them once per layer, not twice
-        cos, sin = rope_cos_sin(position_ids, default_inv_freq(self.rotary_dim, self.rope_theta, position_ids.device),
-                                q.dtype)
+        inv_freq = self.rope.inv_freq(self.rotary_dim, self.rope_theta, position_ids.device)
+        cos, sin = rope_cos_sin(position_ids, inv_freq, q.dtype, self.rope.attention_factor())
         q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-        out = self.core(q, k, v, documents)
+        out = self.core(q, k, v, documents, *(() if self.sinks is None else (self.sinks,)))
         return self.o_proj(out.reshape(batch, seq, self.heads * self.head_dim))
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -80,18 +86,25 @@ class Attention(nn.Module):
 
 @dataclass(frozen=True)
 class GQASpec(AttentionSpec):
-    """`Attention`'s shape: q/k/v/o projections without bias, optional q/k RMSNorm over head_dim."""
+    """`Attention`'s shape: q/k/v/o projections, optional q/k RMSNorm over head_dim, biases, sinks."""
 
     hidden: int
     qk_norm: bool
+    qkv_bias: bool = False
+    o_bias: bool = False
+    sinks: bool = False
 
     @classmethod
-    def of(cls, cfg: ModelConfig) -> "GQASpec":
-        return cls(cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.head_dim, cfg.hidden, cfg.qk_norm)
+    def of(cls, cfg: ModelConfig, qkv_bias: bool = False, o_bias: bool = False, sinks: bool = False) -> "GQASpec":
+        return cls(cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.head_dim, cfg.hidden, cfg.qk_norm, qkv_bias, o_bias,
+                   sinks)
 
     @property
     def parameters(self) -> int:
-        return self.matmul_parameters + (2 * self.qk_head_dim if self.qk_norm else 0)
+        norms = 2 * self.qk_head_dim if self.qk_norm else 0
+        biases = ((self.q_width + self.k_width + self.v_width) if self.qkv_bias else 0) + (
+            self.hidden if self.o_bias else 0)
+        return self.matmul_parameters + norms + biases + (self.heads if self.sinks else 0)
 
     @property
     def matmul_parameters(self) -> int:

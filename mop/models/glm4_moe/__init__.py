@@ -34,26 +34,9 @@ def rotary_dim(cfg: ModelConfig) -> int:
     return int(cfg.head_dim * cfg.options.partial_rotary_factor)
 
 
-@dataclass(frozen=True)
-class GLMAttentionSpec(GQASpec):
-    """GQA with optional q/k/v biases."""
-
-    qkv_bias: bool = False
-
-    @classmethod
-    def of(cls, cfg: ModelConfig) -> "GLMAttentionSpec":
-        gqa = GQASpec.of(cfg)
-        return cls(gqa.heads, gqa.kv_heads, gqa.qk_head_dim, gqa.v_head_dim, gqa.hidden, gqa.qk_norm,
-                   cfg.options.attention_bias)
-
-    @property
-    def parameters(self) -> int:
-        return super().parameters + ((self.q_width + self.k_width + self.v_width) if self.qkv_bias else 0)
-
-
 FAMILY = Family(
     "glm4_moe",
     attention=lambda cfg, layer: Attention(cfg, qkv_bias=cfg.options.attention_bias, rotary_dim=rotary_dim(cfg)),
-    spec=lambda cfg: ModelSpec(cfg, GLMAttentionSpec.of(cfg)), hf=hf,
+    spec=lambda cfg: ModelSpec(cfg, GQASpec.of(cfg, qkv_bias=cfg.options.attention_bias)), hf=hf,
     router=lambda cfg: cfg.options.router(cfg),
     options=Options)

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from mop.models.config import ModelConfig
 from mop.models.family import Family
 from mop.models.gpt_oss import hf
-from mop.models.gpt_oss.attention import GptOssAttention, GptOssAttentionSpec, layer_window
+from mop.models.attention import GQASpec
+from mop.models.gpt_oss.attention import gpt_oss_attention, layer_window
 from mop.models.gpt_oss.experts import GptOssExperts, GptOssRouter
 from mop.models.rope import YarnOptions
 from mop.models.spec import ModelSpec
@@ -62,5 +63,7 @@ class GptOssSpec(ModelSpec):
         return [layer_window(self.cfg, layer) for layer in range(self.cfg.layers)]
 
 
-FAMILY = Family("gpt_oss", attention=GptOssAttention, spec=lambda cfg: GptOssSpec(cfg, GptOssAttentionSpec.of(cfg)),
+FAMILY = Family("gpt_oss", attention=gpt_oss_attention,
+                spec=lambda cfg: GptOssSpec(cfg, GQASpec.of(cfg, qkv_bias=cfg.options.attention_bias,
+                                                          o_bias=cfg.options.attention_bias, sinks=True)),
                 hf=hf, router=GptOssRouter, experts=GptOssExperts, options=Options)

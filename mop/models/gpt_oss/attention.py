@@ -1,7 +1,8 @@
 """gpt-oss attention: grouped-query attention with biases, learned sinks and alternating windows.
 
-Per block: q, k, v = biased projections; q and k turned by RoPE (YaRN without truncation,
-`mop.models.rope`); `out = o_proj(core(q, k, v, documents, sinks))`, o biased too. Blocks whose
+Per block (the shared `mop.models.attention.Attention`, built by `gpt_oss_attention`): q, k, v =
+biased projections; q and k turned by RoPE (YaRN without truncation, `mop.models.rope`);
+`out = o_proj(core(q, k, v, documents, sinks))`, o biased too. Blocks whose
 index is even are sliding-window layers (a query at position p sees keys p - W + 1 .. p of its own
 document, W = `options.sliding_window`), the odd ones attend causally to the whole document.
 
@@ -39,16 +40,11 @@ the attention's sinks and return their gradient; `mop.parallel.ulysses` does not
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-from torch import nn
 
-from mop.models.attention import AttentionCore, GQASpec
+from mop.models.attention import Attention, AttentionCore
 from mop.models.config import ModelConfig
 from mop.models.documents import Documents, Segment
-from mop.models.layers import RMSNorm
-from mop.models.rope import apply_rope, rope_cos_sin
 
 _forward_kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _backward_kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -156,47 +152,9 @@ def layer_window(cfg: ModelConfig, layer: int) -> int | None:
     return cfg.options.sliding_window if layer % 2 == 0 else None
 
 
-class GptOssAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
-        super().__init__()
-        o = cfg.options
-        self.heads, self.kv_heads, self.head_dim = cfg.heads, cfg.kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden, cfg.heads * cfg.head_dim, bias=o.attention_bias)
-        self.k_proj = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=o.attention_bias)
-        self.v_proj = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=o.attention_bias)
-        self.o_proj = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=o.attention_bias)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        self.sinks = nn.Parameter(torch.empty(cfg.heads))
-        self.rope_options, self.rope_theta = o, cfg.rope_theta
-        self.core = SinkWindowCore(layer_window(cfg, layer))
-
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, documents: Documents | None):
-        batch, seq, _ = x.shape
-        q = self.q_proj(x).view(batch, seq, self.heads, self.head_dim)
-        k = self.k_proj(x).view(batch, seq, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(batch, seq, self.kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        inv_freq = self.rope_options.inv_freq(self.head_dim, self.rope_theta, position_ids.device)
-        cos, sin = rope_cos_sin(position_ids, inv_freq, x.dtype, self.rope_options.attention_factor())
-        out = self.core(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, documents, self.sinks)
-        return self.o_proj(out.reshape(batch, seq, self.heads * self.head_dim))
-
-
-@dataclass(frozen=True)
-class GptOssAttentionSpec(GQASpec):
-    """GQA with optional biases on q, k, v and o, and one sink logit per query head."""
-
-    bias: bool = True
-
-    @classmethod
-    def of(cls, cfg: ModelConfig) -> "GptOssAttentionSpec":
-        gqa = GQASpec.of(cfg)
-        return cls(gqa.heads, gqa.kv_heads, gqa.qk_head_dim, gqa.v_head_dim, gqa.hidden, gqa.qk_norm,
-                   cfg.options.attention_bias)
-
-    @property
-    def parameters(self) -> int:
-        biases = self.q_width + self.k_width + self.v_width + self.hidden if self.bias else 0
-        return super().parameters + biases + self.heads
+def gpt_oss_attention(cfg: ModelConfig, layer: int) -> Attention:
+    """Block `layer`'s attention: the shared GQA `Attention` with biases on q, k, v and o, YaRN, one
+    sink per head and the sink/window core of its block."""
+    o = cfg.options
+    return Attention(cfg, qkv_bias=o.attention_bias, o_bias=o.attention_bias, rope=o, sinks=True,
+                     core=SinkWindowCore(layer_window(cfg, layer)))
