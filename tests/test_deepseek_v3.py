@@ -204,12 +204,8 @@ def test_bf16_in_the_mop_layout_stays_within_the_bf16_tolerance_of_the_bf16_refe
     """bf16 working weights with fp32 host masters on both sides; a layout changes only the order of
     fp32 sums and where partial sums round to bf16: losses and gradient norms within 2^-8 relative
     (the bound `tests/test_layouts.py` states)."""
-    from test_layouts import BF16, BF16_RTOL
-    from test_train import losses, run
+    from test_layouts import check_bf16_mop_layout_against_the_bf16_reference
 
-    reference = run(tmp_path, "reference", *DEEPSEEK_RUN, *BF16)
-    records = run(tmp_path, "mop", *DEEPSEEK_RUN, *BF16, "--parallel.strategy=mop", "--parallel.nproc=2",
-                  "--parallel.sequence=2", "--parallel.expert=2", "--parallel.vocab=2", "--parallel.expert_balance=llep",
-                  "--train.activation_checkpointing=full")
-    assert losses(records) == pytest.approx(losses(reference), rel=BF16_RTOL)
-    assert [r["grad_norm"] for r in records] == pytest.approx([r["grad_norm"] for r in reference], rel=BF16_RTOL)
+    check_bf16_mop_layout_against_the_bf16_reference(tmp_path, DEEPSEEK_RUN, [
+        "--parallel.nproc=2", "--parallel.sequence=2", "--parallel.expert=2", "--parallel.vocab=2",
+        "--parallel.expert_balance=llep", "--train.activation_checkpointing=full"])

@@ -404,12 +404,8 @@ def test_mxfp4_experts_load_dequantized_expert_by_expert(tmp_path):
 @pytest.mark.slow
 def test_bf16_in_the_mop_layout_stays_within_the_bf16_tolerance_of_the_bf16_reference(tmp_path):
     """As deepseek_v3's: losses and gradient norms within 2^-8 relative of the bf16 reference."""
-    from test_layouts import BF16, BF16_RTOL
-    from test_train import losses, run
+    from test_layouts import check_bf16_mop_layout_against_the_bf16_reference
 
-    reference = run(tmp_path, "reference", *GPT_OSS_RUN, *BF16)
-    records = run(tmp_path, "mop", *GPT_OSS_RUN, *BF16, "--parallel.strategy=mop", "--parallel.nproc=2",
-                  "--parallel.sequence=2", "--parallel.expert=1", "--parallel.vocab=2",
-                  "--train.activation_checkpointing=full")
-    assert losses(records) == pytest.approx(losses(reference), rel=BF16_RTOL)
-    assert [r["grad_norm"] for r in records] == pytest.approx([r["grad_norm"] for r in reference], rel=BF16_RTOL)
+    check_bf16_mop_layout_against_the_bf16_reference(tmp_path, GPT_OSS_RUN, [
+        "--parallel.nproc=2", "--parallel.sequence=2", "--parallel.expert=1", "--parallel.vocab=2",
+        "--train.activation_checkpointing=full"])

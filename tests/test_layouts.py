@@ -83,6 +83,17 @@ BF16 = ["--train.dtype=bfloat16", "--optim.offload=true"]
 BF16_RTOL = 2**-8
 
 
+def check_bf16_mop_layout_against_the_bf16_reference(tmp_path, model: list[str], layout: list[str]) -> None:
+    """A family's run (`model` settings) in the mop `layout` against the bf16 reference: losses and
+    gradient norms within `BF16_RTOL`."""
+    from test_train import losses, run
+
+    reference = run(tmp_path, "reference", *model, *BF16)
+    records = run(tmp_path, "mop", *model, *BF16, "--parallel.strategy=mop", *layout)
+    assert losses(records) == pytest.approx(losses(reference), rel=BF16_RTOL)
+    assert [r["grad_norm"] for r in records] == pytest.approx([r["grad_norm"] for r in reference], rel=BF16_RTOL)
+
+
 @pytest.mark.slow
 def test_bf16_layouts_match_the_bf16_reference(tmp_path):
     reference_losses, reference_norms = curves(run(tmp_path, "reference", *FOUR[len(TINY):], *BF16))

@@ -73,17 +73,24 @@ def ulysses_cases(rank, world):
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_ulysses_matches_single_process_attention(world, device):
     per_rank = run_distributed(ulysses_cases, world, device=device)
-    tokens = SEQ // world
     for case, (heads, kv_heads, chunks, packed) in enumerate(cases(world)):
-        out, x_grad, weight_grads = run_case(*attention_case(heads, kv_heads, packed))
         label = f"D={world} heads={heads} kv_heads={kv_heads} chunks={chunks} packed={packed}"
-        for rank, results in enumerate(per_rank):
-            rows = slice(rank * tokens, (rank + 1) * tokens)
-            assert_close(results[case][0], out[:, rows], atol=1e-5, rtol=1e-5, msg=f"output {label}")
-            assert_close(results[case][1], x_grad[:, rows], atol=1e-5, rtol=1e-5, msg=f"input grad {label}")
-        for name, grad in weight_grads.items():
-            summed = sum(results[case][2][name] for results in per_rank)
-            assert_close(summed, grad, atol=1e-5, rtol=1e-5, msg=f"{name} grad {label}")
+        check_against_single_process([results[case] for results in per_rank],
+                                     run_case(*attention_case(heads, kv_heads, packed)), label)
+
+
+def check_against_single_process(per_rank, single, label):
+    """Each rank's output and input gradient are its slice of the single process's; the ranks'
+    weight gradients sum to its."""
+    out, x_grad, weight_grads = single
+    tokens = out.shape[1] // len(per_rank)
+    for rank, (rank_out, rank_x_grad, _) in enumerate(per_rank):
+        rows = slice(rank * tokens, (rank + 1) * tokens)
+        assert_close(rank_out, out[:, rows], atol=1e-5, rtol=1e-5, msg=f"output {label}")
+        assert_close(rank_x_grad, x_grad[:, rows], atol=1e-5, rtol=1e-5, msg=f"input grad {label}")
+    for name, grad in weight_grads.items():
+        summed = sum(grads[name] for _, _, grads in per_rank)
+        assert_close(summed, grad, atol=1e-5, rtol=1e-5, msg=f"{name} grad {label}")
 
 
 def test_each_kv_head_is_sent_only_where_it_is_read():
@@ -180,14 +187,7 @@ def family_cases(rank, world):
 
 def test_each_familys_attention_under_ulysses_matches_single_process():
     per_rank = run_distributed(family_cases, 2)
-    tokens = SEQ // 2
     for case, (family, layer, chunks, packed) in enumerate(FAMILY_CASES):
-        out, x_grad, weight_grads = run_case(*family_attention_case(family, layer, packed))
-        label = f"{family} layer {layer} chunks={chunks} packed={packed}"
-        for rank, results in enumerate(per_rank):
-            rows = slice(rank * tokens, (rank + 1) * tokens)
-            assert_close(results[case][0], out[:, rows], atol=1e-5, rtol=1e-5, msg=f"output {label}")
-            assert_close(results[case][1], x_grad[:, rows], atol=1e-5, rtol=1e-5, msg=f"input grad {label}")
-        for name, grad in weight_grads.items():
-            summed = sum(results[case][2][name] for results in per_rank)
-            assert_close(summed, grad, atol=1e-5, rtol=1e-5, msg=f"{name} grad {label}")
+        check_against_single_process([results[case] for results in per_rank],
+                                     run_case(*family_attention_case(family, layer, packed)),
+                                     f"{family} layer {layer} chunks={chunks} packed={packed}")
