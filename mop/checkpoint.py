@@ -272,13 +272,7 @@ def load(path: Path, model, optimizer: Optimizer | None, views: GlobalViews, wit
         return meta
     with_optimizer = with_optimizer and optimizer is not None and meta["has_optimizer"]
     state = _state(model, optimizer, views, with_optimizer=with_optimizer)
-    if not (path / DCP_METADATA).is_file():  # else DCP logs two tracebacks of its fallbacks before failing
-        raise damaged(path, FileNotFoundError(f"no {DCP_METADATA}, the index of its shards"))
-    try:
-        with _quiet_if_single_process():
-            dcp.load(state, storage_reader=FileSystemReader(path), no_dist=not dist.is_initialized())
-    except (Exception, CheckpointException) as err:  # DCP's own exception is a BaseException
-        raise damaged(path, err) from None
+    _dcp_load(path, state)
     torch.set_rng_state(state["rng"]["cpu"])
     if optimizer is not None:
         optimizer.weights_written()
@@ -299,14 +293,19 @@ def read_tensors(path: Path, meta: dict, shapes: dict[str, torch.Size], buffers:
     state = {"model": {n: t for n, t in out.items() if n not in buffers}}
     if buffers & out.keys():
         state["buffers"] = {n: t for n, t in out.items() if n in buffers}
-    if not (path / DCP_METADATA).is_file():
+    _dcp_load(path, state)
+    return out
+
+
+def _dcp_load(path: Path, state: dict) -> None:
+    """DCP reads `state`'s tensors (those it names, no others) from checkpoint `path`, in place."""
+    if not (path / DCP_METADATA).is_file():  # else DCP logs two tracebacks of its fallbacks before failing
         raise damaged(path, FileNotFoundError(f"no {DCP_METADATA}, the index of its shards"))
     try:
         with _quiet_if_single_process():
             dcp.load(state, storage_reader=FileSystemReader(path), no_dist=not dist.is_initialized())
-    except (Exception, CheckpointException) as err:
+    except (Exception, CheckpointException) as err:  # DCP's own exception is a BaseException
         raise damaged(path, err) from None
-    return out
 
 
 def _load_hf_weights(path: Path, meta: dict, model, optimizer: Optimizer | None, views: GlobalViews) -> None:

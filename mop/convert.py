@@ -79,11 +79,11 @@ def export(path: Path, out: Path, model_type: str | None, dtype: str | None,
     cfg = ModelConfig(**meta["config"]["model"])
     with torch.device("meta"):
         model = MoETransformer(cfg)
-    shapes = dict(model.state_dict().items())
+    shapes = {name: tensor.shape for name, tensor in model.state_dict().items()}
     buffers = set(checkpoint.named_buffers(model))
 
     def read(names: list[str]) -> dict[str, torch.Tensor]:  # one output file's tensors at a time
-        return checkpoint.read_tensors(path, meta, {name: shapes[name].shape for name in names}, buffers)
+        return checkpoint.read_tensors(path, meta, {name: shapes[name] for name in names}, buffers)
 
     make_directory(out, out)
     token_ids = export_tokenizer(path, meta, out)
