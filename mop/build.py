@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from mop.config import Config, ConfigError
-from mop.data import build_data, group_slice, load_batch, micro_batches, sequence_shard
+from mop.data import build_data, group_slice, load_batch, micro_batches, sequence_shard, source_options
 from mop.evaluation import HeldOut, held_out
 from mop.models.families import model_spec
 from mop.models.spec import ModelSpec
@@ -190,8 +190,8 @@ class TrainingRun:
 def build_run(config: Config, runtime: Runtime) -> TrainingRun:
     """Data, model shards, optimizer and gradient feed of one rank (see the module docstring)."""
     d = config.data
-    data = build_data(d.source, d.tokenizer, d.seq_len, config.train.seed, text_field=d.text_field, bin_dtype=d.bin_dtype,
-                      eos_token=d.eos_token or None)
+    data = build_data(d.source, d.tokenizer, d.seq_len, config.train.seed, eos_token=d.eos_token or None,
+                      **source_options(d))
     data, evaluation = held_out(config, data)
     if data.tokenizer.vocab_size > config.model.vocab_size:
         raise ConfigError("model.vocab_size", f"{config.model.vocab_size} is smaller than the tokenizer's "

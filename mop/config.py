@@ -97,7 +97,9 @@ class ParallelConfig:
 @dataclass(frozen=True)
 class DataConfig:
     source: str = "builtin"
-    """"builtin" (the shipped corpus) or a path to a .txt/.jsonl/.parquet/.bin file or a directory of them."""
+    """"builtin" (the shipped corpus) or a path to a .txt/.jsonl/.parquet/.bin file or a directory of them; with
+    data.format = "chat", a .jsonl/.parquet file of conversations, a folder of them, a datasets save_to_disk folder,
+    or a folder written by `mop data prepare` (it has a manifest.json)."""
     tokenizer: str = "byte"
     """"byte" (built-in byte-level) or a path to a Hugging Face tokenizer.json (or its directory).
     Checkpoints record it and carry a copy (step_<N>/tokenizer); resuming with another one is an
@@ -111,6 +113,21 @@ class DataConfig:
     eos_token: str = ""
     """The document separator of a Hugging Face tokenizer ("" : its tokenizer_config.json's eos_token,
     else a conventional end-of-text token it defines)."""
+    format: Literal["text", "chat"] = "text"
+    """"text": documents concatenated and cut every seq_len tokens, every token a target; "chat":
+    conversations (`messages` or ShareGPT `conversations`) rendered with the tokenizer's chat template,
+    each packed whole into one sequence, the loss on data.loss_on (mop.data.templates)."""
+    chat_template: str = ""
+    """With data.format = "chat": a Jinja template file used instead of data.tokenizer's chat template."""
+    loss_on: Literal["assistant", "all"] = "assistant"
+    """With data.format = "chat": the targets, the assistant turns' tokens (each turn's content and end-of-turn
+    token) or every token."""
+    overlong: Literal["drop", "truncate"] = "drop"
+    """With data.format = "chat": a conversation longer than seq_len is left out, or cut after the last assistant
+    turn that ends within seq_len (left out when none does); both are counted in the start line and records."""
+    skip_invalid: bool = False
+    """With data.format = "chat": count and skip a conversation that cannot be used (no assistant turn, an unknown
+    role, a template that fails on it) instead of stopping with a one-line error naming its row."""
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
 """Evaluation: the loss on held-out sequences, under the run's own layout.
 
 Split (`held_out`). With `eval.source` set, the held-out sequences are that corpus, read with
-the run's tokenizer and packed to `data.seq_len`. Otherwise the last `ceil(eval.fraction x N)`
+the run's tokenizer and packed to `data.seq_len` as `data.source` is (text or chat, `data.format`). Otherwise the last `ceil(eval.fraction x N)`
 of the N packed sequences of `data.source` are held out and the training stream permutes only
-the first ones (a document crossing the boundary is split between the two; the stream's
+the first ones (a text document crossing the boundary is split between the two, a conversation never is;
+the stream's
 sequence count is checkpointed, so a resume cannot change the split). Each evaluation reads
 the first `eval.sequences` held-out sequences, the same ones every time, so points of the curve
 compare like with like.
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from mop.config import Config, ConfigError
-from mop.data import Data, DataError, PackedDataset, SequenceStream, count_targets, load_token_stream, to_device
+from mop.data import ChatDataset, Data, DataError, PackedDataset, SequenceStream, count_targets, load_dataset, source_options, to_device
 from mop.metrics import drained_metrics
 from mop.runtime import sum_over_ranks
 
@@ -35,7 +36,7 @@ from mop.runtime import sum_over_ranks
 class HeldOut:
     """The sequences each evaluation reads: `indices` of `dataset`."""
 
-    dataset: PackedDataset
+    dataset: PackedDataset | ChatDataset
     indices: list[int]
 
 
@@ -47,9 +48,8 @@ def held_out(config: Config, data: Data) -> tuple[Data, HeldOut | None]:
         return data, None
     if e.source:
         try:
-            tokens, doc_starts = load_token_stream(e.source, data.tokenizer, config.data.text_field,
-                                                   config.data.bin_dtype)
-            dataset = PackedDataset(tokens, doc_starts, config.data.seq_len)
+            dataset = load_dataset(e.source, data.tokenizer, config.data.seq_len, config.train.seed,
+                                   **source_options(config.data))
         except DataError as err:  # the sources' messages name the setting they read, data.source
             raise DataError(str(err).replace("data.source", "eval.source")) from None
         first, where = 0, "eval.source"
@@ -80,7 +80,7 @@ def evaluate(run) -> float:
         for batch in batches:
             batch = to_device(batch, runtime.device)
             terms = run.model.loss_terms(batch["input_ids"], batch["labels"], batch["position_ids"],
-                                         batch["document_ids"])
+                                         batch["document_ids"], batch.get("padding"))
             ce_sum += terms.ce_sum.double()
     drained_metrics(run.model)  # the held-out forwards are no training step's routing
     ce, count = sum_over_ranks([ce_sum.item(), count_targets(batches)], runtime)

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from mop import checkpoint
 from mop.build import TrainingRun, build_run
 from mop.config import Config, ConfigError
-from mop.data import count_targets, to_device
+from mop.data import Data, count_targets, to_device
 from mop.evaluation import evaluate
 from mop.faults import Stopped, StopRequest, collective_timeout, quiet_exit_code
 from mop.flops import attended_keys, peak_flops
@@ -65,7 +65,8 @@ def worst_rank_state(run: TrainingRun) -> dict:
 
 def micro_batch_objective(model: MoETransformer, batch: dict, global_targets: int, global_batch: int):
     """Loss terms of one micro-batch and its share of the step objective (`MoETransformer.objective`)."""
-    terms = model.loss_terms(batch["input_ids"], batch["labels"], batch["position_ids"], batch["document_ids"])
+    terms = model.loss_terms(batch["input_ids"], batch["labels"], batch["position_ids"], batch["document_ids"],
+                             batch.get("padding"))
     return terms, model.objective(terms, global_targets, global_batch)
 
 
@@ -106,19 +107,21 @@ def forward_backward(model: MoETransformer, batches: list[dict], global_targets:
 
 def train_step(run: TrainingRun, batches: list[dict]) -> dict:
     """Forward/backward over this rank's micro-batches of a step; returns the globally reduced
-    losses and the step's model FLOPs (`mop.flops`)."""
+    losses, the step's targets, their share of its token positions, its tokens that are data (not
+    padding) and its model FLOPs (`mop.flops`)."""
     runtime = run.runtime
     local_targets = count_targets(batches)
     keys = run.spec.layer_keys(lambda window: sum(int(attended_keys(b["position_ids"], window).sum()) for b in batches))
     tokens = sum(b["input_ids"].numel() for b in batches)
-    global_targets, keys, tokens = sum_over_ranks([local_targets, keys, tokens], runtime)
+    padding = sum(int(b["padding"].sum()) for b in batches if b.get("padding") is not None)
+    global_targets, keys, tokens, padding = sum_over_ranks([local_targets, keys, tokens, padding], runtime)
     shares = forward_backward(run.model, batches, int(global_targets), run.config.train.global_batch, runtime,
                               run.autocast(), run.optimizer)
     ce_loss, aux_loss = sum_over_ranks(list(shares), runtime)
     # Every rank of a sequence group holds distinct tokens, so the sums count each token once.
     model_flops = run.spec.flops_per_token(keys / tokens) * tokens
     return {"loss": ce_loss + aux_loss, "ce_loss": ce_loss, "aux_loss": aux_loss, "targets": int(global_targets),
-            "model_flops": model_flops}
+            "target_share": global_targets / tokens, "tokens": int(tokens - padding), "model_flops": model_flops}
 
 
 def update(run: TrainingRun) -> dict:
@@ -132,7 +135,7 @@ class NothingToTrain(Exception):
     exit_code = 3
 
 
-def announce(config: Config, runtime: Runtime, run_dir: Path) -> None:
+def announce(config: Config, runtime: Runtime, run_dir: Path, data: Data) -> None:
     """Write the resolved configuration (every default filled in, the layout chosen) to the run
     directory as `config.json`, and say in one line what runs."""
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -141,7 +144,18 @@ def announce(config: Config, runtime: Runtime, run_dir: Path) -> None:
     layout = f"D={p.sequence} Ep={p.expert} P={p.vocab}" if p.strategy != "reference" else "one process"
     print(f"mop: {p.strategy} on {runtime.world} rank(s) ({layout}, {runtime.device.type}), {config.train.dtype}, "
           f"{'host' if config.optim.offload else 'torch'} AdamW, {config.train.steps} steps of "
-          f"{config.train.global_batch} x {config.data.seq_len} tokens; resolved settings in {run_dir / 'config.json'}")
+          f"{config.train.global_batch} x {config.data.seq_len} tokens of {describe_data(config, data)}; "
+          f"resolved settings in {run_dir / 'config.json'}")
+
+
+def describe_data(config: Config, data: Data) -> str:
+    """The start line's account of the data: its format, sequences and, for chat, what was left out."""
+    d, stats = config.data, data.dataset.stats
+    if d.format == "text":
+        return f"text ({data.stream.num_sequences} sequences)"
+    return (f"chat, loss on {d.loss_on} ({stats['data_conversations']} conversations in {data.stream.num_sequences} "
+            f"sequences, {stats['data_padding_share']:.1%} padding; overlong: {stats['data_overlong_dropped']} dropped, "
+            f"{stats['data_overlong_truncated']} truncated; {stats['data_skipped_invalid']} invalid skipped)")
 
 
 class SkippedSteps:
@@ -217,7 +231,7 @@ def _steps(run: TrainingRun, run_dir: Path, stop: StopRequest) -> list[dict]:
         raise NothingToTrain(f"the checkpoint resumed is at step {first_step} and train.steps is {config.train.steps}: "
                              f"nothing left to train; raise --train.steps to continue")
     if runtime.is_main:
-        announce(config, runtime, run_dir)
+        announce(config, runtime, run_dir, run.data)
 
     logger = MetricsLogger(run_dir, config.log.tensorboard, first_step) if runtime.is_main else None
     progress = StepProgress(run.model.layers, first_step, config.train.steps, run.micro_batches_per_step(),
@@ -243,7 +257,6 @@ def _loop(run: TrainingRun, run_dir: Path, stop: StopRequest, steps: range, reco
           logger: MetricsLogger | None, progress: StepProgress, skips: SkippedSteps, state_memory: dict) -> Stopped | None:
     """Run `steps`, appending each step's record to `records`; a `Stopped` when a signal ended them early."""
     config, runtime = run.config, run.runtime
-    tokens_per_step = config.train.global_batch * config.data.seq_len
     for step in steps:
         reset_peak_memory(runtime.device, run.offload_store)
         start = time.perf_counter()
@@ -253,9 +266,9 @@ def _loop(run: TrainingRun, run_dir: Path, stop: StopRequest, steps: range, reco
         outcome = update(run)
         elapsed = time.perf_counter() - start
         record = {"step": step, **losses, "lr": lr, **outcome,
-                  "tokens_per_s": tokens_per_step / elapsed, "step_time_s": elapsed,
+                  "tokens_per_s": losses["tokens"] / elapsed, "step_time_s": elapsed,
                   **utilisation(losses["model_flops"], elapsed, runtime),
-                  **step_memory(runtime, run.offload_store), **state_memory,
+                  **step_memory(runtime, run.offload_store), **state_memory, **run.data.dataset.stats,
                   **technique_metrics(run.model, runtime.world_group, runtime.device)}
         record.update(skips.count(step, outcome["skipped"]))
         done = step + 1

@@ -6,6 +6,7 @@ deterministic, layout-independent sequence order.
 in which training reads it (``loader``). Each module's docstring states its invariants.
 """
 
+from mop.data.chat_packing import ChatDataset
 from mop.data.errors import DataError
 from mop.data.loader import (
     Data,
@@ -15,8 +16,10 @@ from mop.data.loader import (
     count_targets,
     group_slice,
     load_batch,
+    load_dataset,
     micro_batches,
     sequence_shard,
+    source_options,
     to_device,
 )
 from mop.data.packing import IGNORE_INDEX, ConcatTokens, PackedDataset, fingerprint, pack_documents
@@ -27,6 +30,7 @@ __all__ = [
     "IGNORE_INDEX",
     "AnyTokenizer",
     "ByteTokenizer",
+    "ChatDataset",
     "ConcatTokens",
     "Data",
     "DataError",
@@ -40,6 +44,7 @@ __all__ = [
     "group_slice",
     "iter_documents",
     "load_batch",
+    "load_dataset",
     "load_token_stream",
     "load_tokenizer",
     "micro_batches",
@@ -47,6 +52,7 @@ __all__ = [
     "read_bin",
     "read_texts",
     "sequence_shard",
+    "source_options",
     "to_device",
     "source_files",
 ]

@@ -21,8 +21,10 @@ from typing import NamedTuple
 
 import torch
 
+from mop.data.chat_packing import ChatDataset
 from mop.data.errors import DataError
-from mop.data.packing import IGNORE_INDEX, PackedDataset, fingerprint
+from mop.data.packing import IGNORE_INDEX, PackedDataset
+from mop.data.prepared import ChatSettings, is_prepared, load_chat
 from mop.data.sources import load_token_stream
 from mop.data.tokenizer import AnyTokenizer, load_tokenizer
 
@@ -154,19 +156,41 @@ class Data(NamedTuple):
     stream: SequenceStream
 
 
+def source_options(d) -> dict:
+    """The ``load_dataset`` keywords that a run's data settings (``mop.config.DataConfig``) give."""
+    chat = ChatSettings(d.tokenizer, d.chat_template, d.loss_on, d.skip_invalid) if d.format == "chat" else None
+    return {"text_field": d.text_field, "bin_dtype": d.bin_dtype, "chat": chat, "overlong": d.overlong}
+
+
+def load_dataset(source: str, tok: AnyTokenizer, seq_len: int, seed: int, *, text_field: str = "text",
+                 bin_dtype: str = "uint16", chat: ChatSettings | None = None, overlong: str = "drop"):
+    """The packed sequences of a source: text cut every ``seq_len`` tokens (``PackedDataset``), or with
+    ``chat`` whole conversations packed by best-fit decreasing (``ChatDataset``). Both carry a
+    ``fingerprint`` of what they hold and ``stats``, the counts a run reports."""
+    if chat is None:
+        if is_prepared(source):
+            raise DataError(f"data.source: {source} is a prepared chat folder; set data.format = 'chat'")
+        tokens, doc_starts = load_token_stream(source, tok, text_field, bin_dtype)
+        return PackedDataset(tokens, doc_starts, seq_len)
+    return ChatDataset(load_chat(source, chat), seq_len, overlong, seed, tok.pad_id)
+
+
 def build_data(source: str, tokenizer: str, seq_len: int, seed: int, *,
                text_field: str = "text", bin_dtype: str = "uint16",
-               eos_token: str | None = None) -> Data:
+               eos_token: str | None = None, chat: ChatSettings | None = None, overlong: str = "drop") -> Data:
     """Tokenizer, packed dataset and sequence stream from plain settings.
 
-    ``source``: ``"builtin"`` or a local file/directory (see ``sources``); ``tokenizer``:
-    ``"byte"`` or a local ``tokenizer.json`` (file or directory); ``seq_len``: tokens per
-    training sequence; ``seed``: the data-order seed; ``text_field``: the JSONL field or parquet
+    ``source``: ``"builtin"`` or a local file/directory (see ``sources``; with ``chat``, a conversation
+    source or a prepared folder, see ``conversations`` and ``prepared``); ``tokenizer``: ``"byte"`` or
+    a local ``tokenizer.json`` (file or directory); ``seq_len``: tokens per training sequence;
+    ``seed``: the data-order seed (and the packing's); ``text_field``: the JSONL field or parquet
     column holding text; ``bin_dtype``: ``"uint16"`` or ``"uint32"`` for ``.bin`` files;
-    ``eos_token``: overrides the tokenizer's document separator.
+    ``eos_token``: overrides the tokenizer's document separator; ``chat``: how conversations become
+    tokens and targets (None: text); ``overlong``: "drop" or "truncate" conversations longer than
+    ``seq_len``.
     """
     tok = load_tokenizer(tokenizer, eos_token)
-    tokens, doc_starts = load_token_stream(source, tok, text_field, bin_dtype)
-    dataset = PackedDataset(tokens, doc_starts, seq_len)
-    stream = SequenceStream(len(dataset), seed, seq_len, fingerprint(tokens, doc_starts))
+    dataset = load_dataset(source, tok, seq_len, seed, text_field=text_field, bin_dtype=bin_dtype, chat=chat,
+                           overlong=overlong)
+    stream = SequenceStream(len(dataset), seed, seq_len, dataset.fingerprint)
     return Data(tok, dataset, stream)

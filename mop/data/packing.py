@@ -98,6 +98,9 @@ def fingerprint(tokens, doc_starts: np.ndarray) -> str:
 class PackedDataset(Dataset):
     """Sequence ``i`` of the packed stream as a dict of tensors; see the module docstring."""
 
+    stats: dict = {}
+    """What a run reports of its data beyond the sequence count (a text stream: nothing)."""
+
     def __init__(self, tokens, doc_starts: np.ndarray, seq_len: int):
         if seq_len < 1:
             raise DataError(f"data.seq_len = {seq_len} must be positive; set data.seq_len >= 1")
@@ -112,6 +115,7 @@ class PackedDataset(Dataset):
         self.tokens = tokens
         self.doc_starts = doc_starts
         self.seq_len = seq_len
+        self.fingerprint = fingerprint(tokens, doc_starts)
 
     def __len__(self) -> int:
         return (len(self.tokens) - 1) // self.seq_len

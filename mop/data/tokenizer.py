@@ -25,7 +25,10 @@ be separated, so that is an error. Nothing is ever downloaded.
 
 import hashlib
 import json
+from functools import cached_property
 from pathlib import Path
+
+import numpy as np
 
 from tokenizers import Tokenizer as _HFTokenizerImpl
 
@@ -39,6 +42,8 @@ PAD_CANDIDATES = ("<|pad|>", "<pad>", "[PAD]", "<|finetune_right_pad_id|>")
 # What a Hugging Face directory holds of a fast tokenizer besides tokenizer.json: the special
 # tokens, the tokenizer class and the chat template (transformers 5 keeps it in its own file).
 COMPANION_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+# The named special tokens transformers passes to a chat template.
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 class ByteTokenizer:
@@ -136,6 +141,9 @@ class HFTokenizer:
         # Added tokens may sit above the base vocabulary with gaps, so count by the largest id.
         self.vocab_size = max(vocab.values()) + 1
         config = self._parse_config(path.parent / "tokenizer_config.json")
+        self.directory = path.parent
+        self._special_tokens_map = {name: _token_content(config.get(name)) for name in SPECIAL_TOKEN_NAMES
+                                    if _token_content(config.get(name)) is not None}
 
         eos_token = eos_token or _token_content(config.get("eos_token"))
         if eos_token is not None:
@@ -196,6 +204,30 @@ class HFTokenizer:
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def special_tokens_map(self) -> dict[str, str]:
+        """The named special tokens of ``tokenizer_config.json`` (``eos_token``, ...) as a chat
+        template sees them (transformers' ``special_tokens_map``)."""
+        return dict(self._special_tokens_map)
+
+    @cached_property
+    def special_ids(self) -> frozenset[int]:
+        """The ids of the added tokens marked special (end-of-turn markers among them)."""
+        return frozenset(i for i, token in self._tok.get_added_tokens_decoder().items() if token.special)
+
+    @cached_property
+    def _offsets_tokenizer(self) -> _HFTokenizerImpl:
+        # Without the post-processor, which adds nothing to ids encoded without special tokens but
+        # trims whitespace off byte-level offsets: each token's offsets are then exactly its characters.
+        tok = _HFTokenizerImpl.from_str(self._json.decode("utf-8"))
+        tok.post_processor = None
+        return tok
+
+    def encode_with_starts(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """Ids of ``text`` (as ``encode``) and the index of each token's first character, int64."""
+        encoding = self._offsets_tokenizer.encode(text, add_special_tokens=False)
+        starts = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)[:, 0]
+        return np.asarray(encoding.ids, dtype=np.int64), starts
 
 
 AnyTokenizer = ByteTokenizer | HFTokenizer

@@ -58,7 +58,7 @@ def load_balancing_loss(stats: RouterStats) -> torch.Tensor:
     micro-batching or layout.
     """
     experts = stats.assignments.shape[-1]
-    rows = stats.rows.unsqueeze(-1)
+    rows = stats.rows.clamp(min=1).unsqueeze(-1)  # a sequence of padding alone (no rows) adds 0
     per_sequence = experts * ((stats.assignments / rows) * (stats.prob_sum / rows)).sum(-1)
     return per_sequence.sum()
 
@@ -323,19 +323,27 @@ class MoE(nn.Module):
         self.experts = family.experts(cfg)
         self.shared = SwiGLU(cfg.hidden, cfg.shared_expert_intermediate) if cfg.shared_expert_intermediate else None
 
-    def forward(self, x: torch.Tensor):
-        """`x [B, S, H]` -> (output [B, S, H], RouterStats for the B rows)."""
+    def forward(self, x: torch.Tensor, padding: torch.Tensor | None = None):
+        """`x [B, S, H]` -> (output [B, S, H], RouterStats for the B rows over the tokens not flagged
+        in `padding [B, S]`)."""
         batch, seq, hidden = x.shape
         flat = x.reshape(-1, hidden)
         probs, weights, expert_ids = self.router(flat)
         out = self.experts(flat, expert_ids, weights)
         if self.shared is not None:
             out = out + self.shared(flat)
-        return out.view(batch, seq, hidden), self._stats(probs, expert_ids, batch)
+        return out.view(batch, seq, hidden), self._stats(probs, expert_ids, batch, padding)
 
-    def _stats(self, probs: torch.Tensor, expert_ids: torch.Tensor, batch: int) -> RouterStats:
+    @staticmethod
+    def _stats(probs: torch.Tensor, expert_ids: torch.Tensor, batch: int, padding: torch.Tensor | None) -> RouterStats:
         experts = probs.shape[-1]
         ids = expert_ids.view(batch, -1)
-        picks = probs.new_zeros(batch, experts).scatter_add_(1, ids, torch.ones_like(ids, dtype=probs.dtype))
-        rows = torch.full((batch,), probs.shape[0] // batch, dtype=torch.float, device=probs.device)
-        return RouterStats(picks, probs.view(batch, -1, experts).sum(1), rows)
+        probs = probs.view(batch, -1, experts)
+        if padding is None:
+            picks = probs.new_zeros(batch, experts).scatter_add_(1, ids, torch.ones_like(ids, dtype=probs.dtype))
+            rows = torch.full((batch,), probs.shape[1], dtype=torch.float, device=probs.device)
+            return RouterStats(picks, probs.sum(1), rows)
+        real = (~padding).to(probs.dtype)  # [B, S]: each token's k picks and its probabilities count when real
+        per_pick = real.repeat_interleave(ids.shape[1] // real.shape[1], dim=1)
+        picks = probs.new_zeros(batch, experts).scatter_add_(1, ids, per_pick)
+        return RouterStats(picks, (probs * real.unsqueeze(-1)).sum(1), real.sum(1).float())

@@ -63,11 +63,11 @@ class Block(nn.Module):
         self.is_moe = layer >= cfg.dense_layers
         self.mlp = MoE(cfg) if self.is_moe else SwiGLU(cfg.hidden, cfg.dense_intermediate)
 
-    def forward(self, h, position_ids, documents: Documents | None):
+    def forward(self, h, position_ids, documents: Documents | None, padding: torch.Tensor | None = None):
         h = h + self.attention(self.attn_norm(h), position_ids, documents)
         if not self.is_moe:
             return h + self.mlp(self.mlp_norm(h)), None
-        out, stats = self.mlp(self.mlp_norm(h))
+        out, stats = self.mlp(self.mlp_norm(h), padding)
         return h + out, stats
 
 
@@ -147,9 +147,10 @@ class MoETransformer(nn.Module):
             if module is not self and hasattr(module, "reset_buffers"):
                 module.reset_buffers()
 
-    def hidden_states(self, input_ids, position_ids=None, document_ids=None):
+    def hidden_states(self, input_ids, position_ids=None, document_ids=None, padding=None):
         """Final-norm hidden states `[B, S, H]`, the router sums of every MoE layer, and each MoE
-        layer's expert counts `[moe_layers, E]` (None without MoE layers)."""
+        layer's expert counts `[moe_layers, E]` (None without MoE layers); tokens flagged in
+        `padding [B, S]` (bool, None: none) are computed but left out of the router sums and counts."""
         if position_ids is None:
             position_ids = document_positions(document_ids) if document_ids is not None else (
                 torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids))
@@ -157,15 +158,16 @@ class MoETransformer(nn.Module):
         h = self.embed(input_ids)
         router, counts = None, []
         for block in self.layers:
-            h, stats = block(h, position_ids, documents)
+            h, stats = block(h, position_ids, documents, padding)
             if stats is not None:
                 router = stats if router is None else router + stats
                 counts.append(stats.assignments.sum(0))
         return self.norm(h), router, torch.stack(counts) if counts else None
 
-    def loss_terms(self, input_ids, labels, position_ids=None, document_ids=None) -> LossTerms:
-        """Summed losses; `labels [B, S]` are the already-shifted next-token targets (IGNORE_INDEX skips)."""
-        h, router, counts = self.hidden_states(input_ids, position_ids, document_ids)
+    def loss_terms(self, input_ids, labels, position_ids=None, document_ids=None, padding=None) -> LossTerms:
+        """Summed losses; `labels [B, S]` are the already-shifted next-token targets (IGNORE_INDEX skips);
+        `padding [B, S]` flags tokens that are no data (`hidden_states`)."""
+        h, router, counts = self.hidden_states(input_ids, position_ids, document_ids, padding)
         ce_sum = self.lm_head.loss_sum(h, labels)
         router = self.router_sums(router) if router is not None else None
         targets = int((labels != IGNORE_INDEX).sum())

@@ -1,0 +1,163 @@
+"""Conversation sources: rows of messages from jsonl, parquet and Hugging Face `datasets` folders.
+
+A source (`data.source` with `data.format = "chat"`) is a `.jsonl` or `.parquet` file, a folder of
+them (sorted, hidden files skipped), or a folder written by `datasets`' `save_to_disk` (its
+`state.json` lists Arrow stream files, read with pyarrow; a `DatasetDict` folder, with
+`dataset_dict.json`, is read through its "train" split). `datasets` itself is never imported.
+
+A row holds its conversation in one of two forms:
+- `messages`: a list of `{role, content, ...}` (OpenAI / Hugging Face form; roles system,
+  developer, user, assistant, tool; an assistant's `tool_calls` and `reasoning_content` or
+  `thinking`, a tool message's `name` or `tool_call_id`, all passed to the template as they are);
+- `conversations` (ShareGPT): a list of `{from, value}`, mapped to `{role, content}` with `human` ->
+  user, `gpt` -> assistant, `system` -> system, `tool`/`observation` -> tool.
+An optional `tools` column (a list of JSON schemas, or a JSON string of one) goes to the template.
+
+Rows are read one batch at a time (`iter_rows`), never a whole file; each comes with where it is
+(`file:line` or `file row N`), which every error about it names.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from mop.data.errors import DataError
+from mop.data.templates import Conversation, ConversationError
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
+                  "tool": "tool", "observation": "tool"}
+SUFFIXES = (".jsonl", ".parquet")
+_BATCH_ROWS = 256  # rows per pyarrow batch
+
+
+def chat_files(source: str) -> list[Path]:
+    """The files of a conversation source, in reading order."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        if (path / "dataset_dict.json").is_file():
+            path = path / "train"
+            if not path.is_dir():
+                raise DataError(f"data.source: {path.parent} is a DatasetDict without a 'train' split; point "
+                                "data.source at the split folder to read")
+        if (path / "state.json").is_file():
+            return _arrow_files(path)
+        files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in SUFFIXES and not p.name.startswith("."))
+        if not files:
+            raise DataError(f"data.source: {path} holds no .jsonl/.parquet files and is no saved datasets folder "
+                            "(state.json); point data.source at conversations")
+        return files
+    if not path.is_file():
+        raise DataError(f"data.source: {path} does not exist; point data.source at a .jsonl/.parquet file of "
+                        "conversations, a folder of them, a datasets folder or a prepared folder")
+    if path.suffix not in SUFFIXES:
+        raise DataError(f"data.source: {path} has extension {path.suffix!r}; conversations are read from .jsonl, "
+                        ".parquet and datasets folders")
+    return [path]
+
+
+def _arrow_files(folder: Path) -> list[Path]:
+    try:
+        state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
+        files = [folder / entry["filename"] for entry in state["_data_files"]]
+    except (ValueError, KeyError, TypeError) as e:
+        raise DataError(f"data.source: {folder / 'state.json'} is not a datasets state file ({e}); save the "
+                        "dataset again with save_to_disk") from None
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise DataError(f"data.source: {folder} lacks {', '.join(missing)} listed in its state.json; save the "
+                        "dataset again with save_to_disk")
+    return files
+
+
+def iter_rows(path: Path) -> Iterator[tuple[str, dict]]:
+    """`(where, row)` for every row of one file."""
+    if path.suffix == ".jsonl":
+        yield from _jsonl_rows(path)
+    elif path.suffix == ".parquet":
+        try:
+            batches = pq.ParquetFile(path).iter_batches(batch_size=_BATCH_ROWS)
+        except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ...
+            raise DataError(f"data.source: {path} is not a readable parquet file ({e}); rewrite it") from None
+        yield from _table_rows(path, batches)
+    else:
+        try:
+            reader = pa.ipc.open_stream(pa.memory_map(str(path)))
+        except Exception as e:
+            raise DataError(f"data.source: {path} is not a readable Arrow stream ({e}); save the dataset again "
+                            "with save_to_disk") from None
+        yield from _table_rows(path, reader)
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[str, dict]]:
+    try:
+        with path.open("r", encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                where = f"{path}:{number}"
+                try:
+                    row = json.loads(line)
+                except ValueError as e:
+                    raise DataError(f"data.source: {where} is not valid JSON ({e}); fix or remove the line") from None
+                yield where, row
+    except UnicodeDecodeError as e:
+        raise DataError(f"data.source: {path} is not valid UTF-8 ({e.reason}); re-encode it as UTF-8") from None
+
+
+def _table_rows(path: Path, batches) -> Iterator[tuple[str, dict]]:
+    number = 0
+    for batch in batches:
+        for row in batch.to_pylist():
+            yield f"{path} row {number}", row
+            number += 1
+
+
+def conversation(row) -> Conversation:
+    """The conversation of one row (the module docstring); a `ConversationError` says what is wrong."""
+    if not isinstance(row, dict):
+        raise ConversationError(f"it is a {type(row).__name__}, not an object with 'messages' or 'conversations'")
+    if row.get("messages") is not None:
+        messages = [_message(m, k) for k, m in enumerate(_listed(row["messages"], "messages"))]
+    elif row.get("conversations") is not None:
+        messages = [_sharegpt(m, k) for k, m in enumerate(_listed(row["conversations"], "conversations"))]
+    else:
+        raise ConversationError(f"it has no 'messages' or 'conversations' (fields: {', '.join(map(repr, row)) or 'none'})")
+    tools = row.get("tools")
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except ValueError as e:
+            raise ConversationError(f"its 'tools' is not JSON ({e})") from None
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise ConversationError("its 'tools' is not a list of JSON schemas")
+    return Conversation(messages, tools or None)
+
+
+def _listed(value, field: str) -> list:
+    if not isinstance(value, list) or not value:
+        raise ConversationError(f"its {field!r} is not a non-empty list")
+    return value
+
+
+def _message(message, index: int) -> dict:
+    if not isinstance(message, dict) or "role" not in message:
+        raise ConversationError(f"message {index} has no 'role'")
+    if message["role"] not in ROLES:
+        raise ConversationError(f"message {index} has role {message['role']!r}; roles are {', '.join(ROLES)}")
+    return dict(message)
+
+
+def _sharegpt(message, index: int) -> dict:
+    if not isinstance(message, dict) or "from" not in message:
+        raise ConversationError(f"conversations entry {index} has no 'from'")
+    role = SHAREGPT_ROLES.get(message["from"])
+    if role is None:
+        raise ConversationError(f"conversations entry {index} is from {message['from']!r}; ShareGPT roles are "
+                                f"{', '.join(SHAREGPT_ROLES)}")
+    return {"role": role, "content": message.get("value")}

@@ -1,0 +1,287 @@
+"""Conversations encoded once: token ids, target masks and document boundaries, in memory or in a
+prepared folder of memory-mapped arrays.
+
+`ChatCorpus` is what training packs (`mop.data.chat_packing`): `tokens [T]`, `targets [T]` (1 where
+the token is a loss target, `mop.data.templates`) and `offsets [n + 1]` (conversation k is
+`tokens[offsets[k]:offsets[k + 1]]`). It comes from either
+- a conversation source read at start-up (`encode_source`, in this process: small sets), or
+- a prepared folder (`open_prepared`): `mop data prepare SOURCE --tokenizer DIR --out DIR` once
+  (`prepare`), then any run at any `data.seq_len` memory-maps it.
+
+A prepared folder holds `tokens.bin` (uint16 when the vocabulary fits, else uint32), `targets.bin`
+(uint8), `offsets.npy` (int64) and `manifest.json`: the format version, the source and its
+fingerprint (file names, sizes and sampled bytes), the tokenizer's fingerprint (sha256 of its
+tokenizer.json), the template's sha256 and origin, `loss_on`, the counts (conversations, tokens,
+targets, skipped ones with examples) and a length histogram. A run whose tokenizer, template or
+`data.loss_on` differ from the manifest's is refused in one line.
+
+`prepare` streams: the main process reads rows a chunk at a time, `workers` processes render and
+tokenize the chunks (`multiprocessing.Pool.imap`, in order, a bounded number in flight), and the
+main process appends each chunk's arrays to the files; memory holds a few chunks and the offsets
+(8 bytes per conversation), never the source. The folder is written under a temporary name and
+renamed when complete, so an interrupted run never leaves a folder that looks prepared.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import os
+import shutil
+from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
+
+import numpy as np
+
+from mop.data.conversations import chat_files, conversation, iter_rows
+from mop.data.errors import DataError
+from mop.data.templates import ChatTemplate, ConversationError, read_template
+from mop.data.tokenizer import HFTokenizer, load_tokenizer
+
+MANIFEST = "manifest.json"
+FORMAT = "mop-chat"
+VERSION = 1
+_CHUNK_ROWS = 64  # conversations per worker task
+
+
+@dataclass(frozen=True)
+class ChatSettings:
+    """What turns rows into tokens and targets: picklable, so worker processes rebuild the template."""
+
+    tokenizer: str
+    """The tokenizer folder (or tokenizer.json)."""
+    chat_template: str = ""
+    """A template file overriding the tokenizer folder's ("" : the folder's)."""
+    loss_on: str = "assistant"
+    """"assistant" or "all" (mop.data.templates)."""
+    skip_invalid: bool = False
+    """Count and skip a conversation that cannot be used, instead of stopping with its error."""
+
+    def template(self) -> ChatTemplate:
+        tokenizer = load_tokenizer(self.tokenizer)
+        if not isinstance(tokenizer, HFTokenizer):
+            raise DataError("data.tokenizer: chat data needs a Hugging Face tokenizer folder (its chat template and "
+                            "special tokens); set data.tokenizer to one")
+        source, origin = read_template(tokenizer.directory, self.chat_template)
+        return ChatTemplate(source, origin, tokenizer, self.loss_on)
+
+
+@dataclass
+class ChatCorpus:
+    """Encoded conversations (the module docstring) and how they were made."""
+
+    tokens: np.ndarray
+    targets: np.ndarray
+    offsets: np.ndarray
+    fingerprint: str
+    skipped: int = 0
+
+
+def encode_rows(template: ChatTemplate, rows: list[tuple[str, dict]], skip_invalid: bool):
+    """Each row's `(ids, targets)`, or for an unusable row with `skip_invalid` its one-line reason.
+    Without `skip_invalid` the first unusable row raises a `DataError` naming it."""
+    out = []
+    for where, row in rows:
+        try:
+            out.append(template.encode(conversation(row)))
+        except ConversationError as e:
+            if not skip_invalid:
+                raise DataError(f"data.source: {where}: {e}; fix the row, or set data.skip_invalid = true "
+                                "to count and skip such rows") from None
+            out.append(f"{where}: {e}")
+    return out
+
+
+_worker_template: ChatTemplate | None = None
+_worker_skip = False
+
+
+def _start_worker(settings: ChatSettings) -> None:
+    global _worker_template, _worker_skip
+    _worker_template, _worker_skip = settings.template(), settings.skip_invalid
+
+
+def _encode_chunk(rows):
+    """A worker's chunk: compact arrays (and reasons), or the DataError's message to re-raise in the parent."""
+    try:
+        encoded = encode_rows(_worker_template, rows, _worker_skip)
+    except DataError as e:
+        return str(e)
+    return [e if isinstance(e, str) else (e[0].astype(np.uint32), e[1].astype(np.uint8)) for e in encoded]
+
+
+def _chunks(source: str):
+    rows = (row for path in chat_files(source) for row in iter_rows(path))
+    while chunk := list(islice(rows, _CHUNK_ROWS)):
+        yield chunk
+
+
+def source_fingerprint(source: str) -> str:
+    """Names, sizes and 64 sampled 4 KiB blocks of each file: a changed source is caught without
+    reading gigabytes at every start."""
+    h = hashlib.blake2b(digest_size=8)
+    for path in chat_files(source):
+        size = path.stat().st_size
+        h.update(f"{path.name}/{size}".encode())
+        with path.open("rb") as f:
+            for k in range(64):
+                f.seek((max(size - 4096, 0) * k) // 63)
+                h.update(f.read(4096))
+    return h.hexdigest()
+
+
+class _Arrays:
+    """Appends encoded conversations to the token and target files (or lists), recording counts."""
+
+    def __init__(self, folder: Path | None, token_dtype):
+        self.token_dtype = token_dtype
+        self.files = None if folder is None else (open(folder / "tokens.bin", "wb"), open(folder / "targets.bin", "wb"))
+        self.parts: tuple[list, list] = ([], [])
+        self.lengths: list[int] = []
+        self.targets = 0
+        self.skipped: list[str] = []
+
+    def add(self, encoded) -> None:
+        for item in encoded:
+            if isinstance(item, str):
+                self.skipped.append(item)
+                continue
+            ids, targets = item[0].astype(self.token_dtype), item[1].astype(np.uint8)
+            self.lengths.append(len(ids))
+            self.targets += int(targets.sum())
+            if self.files is None:
+                self.parts[0].append(ids)
+                self.parts[1].append(targets)
+            else:
+                self.files[0].write(ids.tobytes())
+                self.files[1].write(targets.tobytes())
+
+    def close(self) -> None:
+        if self.files is not None:
+            for f in self.files:
+                f.close()
+
+    def offsets(self) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum(np.asarray(self.lengths, dtype=np.int64))]).astype(np.int64)
+
+
+def _token_dtype(tokenizer) -> np.dtype:
+    return np.dtype("<u2") if tokenizer.vocab_size <= 1 << 16 else np.dtype("<u4")
+
+
+def _check_some(arrays: _Arrays, source: str) -> None:
+    if not arrays.lengths:
+        why = f" ({len(arrays.skipped)} skipped, e.g. {arrays.skipped[0]})" if arrays.skipped else ""
+        raise DataError(f"data.source = {source!r} holds no usable conversation{why}; point it at conversations with "
+                        "assistant turns")
+
+
+def encode_source(source: str, settings: ChatSettings) -> ChatCorpus:
+    """A conversation source encoded in this process, held in memory (for small sets; large ones are
+    prepared once)."""
+    template = settings.template()
+    arrays = _Arrays(None, _token_dtype(template.tokenizer))
+    for chunk in _chunks(source):
+        arrays.add(encode_rows(template, chunk, settings.skip_invalid))
+    _check_some(arrays, source)
+    tokens, targets = (np.concatenate(p) for p in arrays.parts)
+    fingerprint = hashlib.blake2b(f"{source_fingerprint(source)}/{template.fingerprint}".encode(), digest_size=8)
+    return ChatCorpus(tokens, targets.astype(bool), arrays.offsets(), fingerprint.hexdigest(), len(arrays.skipped))
+
+
+def is_prepared(source: str) -> bool:
+    return (Path(source).expanduser() / MANIFEST).is_file()
+
+
+def prepare(source: str, settings: ChatSettings, out: str, workers: int = 0, progress: bool = True) -> dict:
+    """Encode `source` into the prepared folder `out` (the module docstring); returns the manifest."""
+    template = settings.template()
+    out_path = Path(out).expanduser()
+    if out_path.is_file() or (out_path.is_dir() and any(out_path.iterdir())):
+        raise DataError(f"--out: {out_path} exists and is not empty; choose a new folder (prepared data is never "
+                        "overwritten)")
+    partial = out_path.with_name(f".{out_path.name}.partial-{os.getpid()}")
+    partial.mkdir(parents=True)
+    token_dtype = _token_dtype(template.tokenizer)
+    arrays = _Arrays(partial, token_dtype)
+    workers = workers or os.cpu_count() or 1
+    try:
+        with multiprocessing.get_context("spawn").Pool(workers, _start_worker, (settings,)) as pool:
+            with _progress_bar(progress) as bar:
+                for encoded in pool.imap(_encode_chunk, _chunks(source)):
+                    if isinstance(encoded, str):
+                        raise DataError(encoded)
+                    arrays.add(encoded)
+                    bar.update(len(encoded))
+        arrays.close()
+        _check_some(arrays, source)
+        np.save(partial / "offsets.npy", arrays.offsets())
+        manifest = _manifest(source, settings, template, arrays, token_dtype)
+        (partial / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        if out_path.exists():
+            out_path.rmdir()
+        partial.rename(out_path)
+        return manifest
+    finally:
+        arrays.close()
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+def _progress_bar(enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(unit=" conversations", disable=not enabled, smoothing=0.1)
+
+
+def _manifest(source, settings: ChatSettings, template: ChatTemplate, arrays: _Arrays, token_dtype) -> dict:
+    lengths = np.asarray(arrays.lengths)
+    exponents = np.bincount(np.ceil(np.log2(np.maximum(lengths, 1))).astype(np.int64))  # lengths in (2^(k-1), 2^k]
+    counts = {f"<= {1 << k}": int(n) for k, n in enumerate(exponents) if n}
+    return {"format": FORMAT, "version": VERSION, "source": str(source), "source_fingerprint": source_fingerprint(source),
+            "tokenizer": template.tokenizer.name, "tokenizer_fingerprint": template.tokenizer.fingerprint,
+            "template_origin": template.origin, "template_sha256": template.hash, "loss_on": settings.loss_on,
+            "token_dtype": token_dtype.str, "conversations": len(lengths), "tokens": int(lengths.sum()),
+            "targets": arrays.targets, "longest": int(lengths.max()), "skipped": len(arrays.skipped),
+            "skipped_examples": arrays.skipped[:10], "length_histogram": counts}
+
+
+def open_prepared(source: str, settings: ChatSettings) -> ChatCorpus:
+    """A prepared folder's arrays, memory-mapped, after checking it was made for this run's tokenizer,
+    template and `data.loss_on`."""
+    folder = Path(source).expanduser()
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise DataError(f"data.source: {folder / MANIFEST} is not valid JSON ({e}); prepare the folder again") from None
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise DataError(f"data.source: {folder} is not a prepared folder of this mop (format "
+                        f"{manifest.get('format')!r} version {manifest.get('version')!r}); prepare it again with "
+                        "mop data prepare")
+    template = settings.template()
+    mine = {"tokenizer_fingerprint": (template.tokenizer.fingerprint, "data.tokenizer"),
+            "template_sha256": (template.hash, "data.chat_template"), "loss_on": (settings.loss_on, "data.loss_on")}
+    for key, (value, setting) in mine.items():
+        if manifest.get(key) != value:
+            raise DataError(f"data.source: {folder} was prepared with another {key.split('_')[0]} than this run's "
+                            f"{setting} ({manifest.get(key)!r} there, {value!r} here); set {setting} to the one it was "
+                            f"prepared with, or prepare the source again")
+    dtype = np.dtype(manifest["token_dtype"])
+    offsets = np.load(folder / "offsets.npy", mmap_mode="r")
+    tokens, targets = (_memmap(folder / name, t) for name, t in (("tokens.bin", dtype), ("targets.bin", np.uint8)))
+    if len(tokens) != offsets[-1] or len(targets) != offsets[-1]:
+        raise DataError(f"data.source: {folder}'s arrays disagree with its offsets (truncated copy?); prepare it again")
+    fingerprint = hashlib.blake2b(json.dumps(manifest, sort_keys=True).encode(), digest_size=8).hexdigest()
+    return ChatCorpus(tokens, targets, np.asarray(offsets), fingerprint, manifest["skipped"])
+
+
+def _memmap(path: Path, dtype) -> np.ndarray:
+    if not path.is_file():
+        raise DataError(f"data.source: {path} is missing from the prepared folder; prepare it again")
+    return np.memmap(path, dtype=dtype, mode="r") if path.stat().st_size else np.zeros(0, dtype=dtype)
+
+
+def load_chat(source: str, settings: ChatSettings) -> ChatCorpus:
+    """The corpus of a chat source: a prepared folder memory-mapped, anything else encoded now."""
+    return open_prepared(source, settings) if is_prepared(source) else encode_source(source, settings)
