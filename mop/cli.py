@@ -1,5 +1,5 @@
 """The `mop` command: `mop train [CONFIG.toml] [--section.key=value ...]`, `mop bench NAME [...]`,
-`mop convert to-hf|from-hf ...`.
+`mop convert to-hf|from-hf ...`, `mop plan ...`, `mop data prepare SOURCE --tokenizer DIR --out DIR`.
 
 User errors (a bad setting, missing data, an impossible layout, a feature that has not landed)
 print one line naming the setting and the fix, and exit with code 2.
@@ -80,6 +80,13 @@ def build_parser(benchmark: str | None = None) -> argparse.ArgumentParser:
     plan.add_arguments(commands.add_parser("plan", help="will a model fit a cluster at a context, with which layout "
                                            "and how fast (MoP and FSDP-best)", description=plan.__doc__,
                                            formatter_class=argparse.RawDescriptionHelpFormatter))
+    data_parser = commands.add_parser("data", help="prepare conversation data once for chat fine-tuning")
+    data_commands = data_parser.add_subparsers(dest="data_command", required=True, metavar="SUBCOMMAND")
+    from mop.data import prepared
+
+    prepared.add_arguments(data_commands.add_parser(
+        "prepare", help="render, tokenize and mask conversations into a memory-mapped prepared folder",
+        description=prepared.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
     bench_parser = commands.add_parser("bench", help="run a benchmark: prints a table and writes JSON")
     benchmarks = bench_parser.add_subparsers(dest="benchmark", required=True, metavar="NAME")
     for name, summary in BENCHMARKS.items():
@@ -118,13 +125,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(argv[1] if len(argv) > 1 and argv[0] == "bench" else None)
     args, rest = parser.parse_known_args(argv)
-    if args.command in ("bench", "convert", "plan"):
+    if args.command in ("bench", "convert", "plan", "data"):
         if rest:
             parser.error(f"unrecognised arguments: {' '.join(rest)}")
         from mop import convert
 
         try:
-            {"bench": run_bench, "convert": convert.run, "plan": run_plan}[args.command](args)
+            from mop.data import prepared
+
+            {"bench": run_bench, "convert": convert.run, "plan": run_plan, "data": prepared.run}[args.command](args)
         except USER_ERRORS as err:
             print(f"mop: error: {err}", file=sys.stderr)
             return 2
