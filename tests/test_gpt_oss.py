@@ -2,10 +2,12 @@
 same weights (copied by name, independently of the HF mapping, and through `load_hf` / `save_hf`)
 over GQA ratios, odd heads, windows shorter and longer than the sequence, YaRN on and off, top-2
 and top-3, a binding SwiGLU clamp; packed documents against each document alone; the sink and
-window core against a dense-mask oracle; the grouped experts against the per-expert loop; the
-experts under EP, LLEP and chunked LLEP on 2 gloo ranks against the single process."""
+window core against a dense-mask oracle, and its CUDA route (flash varlen, emulated on the CPU)
+against its CPU one; the grouped experts against the per-expert loop; the experts under EP, LLEP
+and chunked LLEP on 2 gloo ranks against the single process."""
 
 import dataclasses
+import inspect
 import json
 import re
 
@@ -14,6 +16,7 @@ import torch
 
 from mop.models import documents as documents_module
 from mop.models.documents import Documents
+from mop.models.gpt_oss import attention as attention_module
 from mop.models.gpt_oss.attention import SinkWindowCore
 from mop.models.gpt_oss.experts import NAMES, GptOssExperts
 from mop.models.hf import HFConversionError, config_from_hf, load_hf, save_hf
@@ -169,6 +172,157 @@ def test_the_core_equals_a_dense_mask_oracle_with_its_gradients(small_segments, 
     theirs = torch.autograd.grad(expected, (q, k, v, sinks), grad)
     for name, a, b in zip("q k v sinks".split(), mine, theirs):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=0, msg=name)
+
+
+class FlashStandIn:
+    """A CPU stand-in for one of torch's flash varlen ops (`torch_attn::_varlen_attn`, its backward):
+    calls bind against `schema` (this torch's, or one without some arguments: binding raises
+    TypeError where the real op would) and run `compute` on the bound arguments, defaults applied.
+    `default._schema` is where the core reads which arguments the op takes."""
+
+    def __init__(self, schema, compute):
+        self.default, self._schema, self.compute, self.calls = self, schema, compute, 0
+        kind = {False: inspect.Parameter.POSITIONAL_OR_KEYWORD, True: inspect.Parameter.KEYWORD_ONLY}
+        self.signature = inspect.Signature([
+            inspect.Parameter(a.name, kind[a.kwarg_only],
+                              default=a.default_value if a.has_default_value() else inspect.Parameter.empty)
+            for a in schema.arguments])
+
+    def __call__(self, *args, **kwargs):
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        self.calls += 1
+        return self.compute(**bound.arguments)
+
+
+def schema_without(schema, *names):
+    """`schema` without the arguments `names` (those it has): the ops of a torch that lacks them."""
+    text = str(schema)
+    for name in names:
+        text = re.sub(rf", [^,(]* {name}(=[^,)]*)?(?=[,)])", "", text)
+    reduced = torch._C.parse_schema(text)
+    assert not set(names) & {a.name for a in reduced.arguments}
+    return reduced
+
+
+def flash_scores(query, key, cu, is_causal, window_size, scale):
+    """Flash's scaled scores `[heads, T, T]` over the stream, -inf where its varlen mask hides a key:
+    query i sees key j of its own span iff i - left <= j <= i + right, a side of -1 unbounded,
+    `is_causal` setting right to 0. K heads are repeated to the query heads (flash's GQA). Returns
+    the scores and the scale (None: 1/sqrt(d), the kernel's default)."""
+    left, right = window_size if window_size is not None else (-1, -1)
+    right = 0 if is_causal else right
+    ids = torch.repeat_interleave(torch.arange(cu.numel() - 1), cu.diff().long())
+    distance = torch.arange(ids.numel())[:, None] - torch.arange(ids.numel())[None, :]  # i - j
+    visible = (ids[:, None] == ids[None, :]) & ((distance <= left) | (left < 0)) & ((-distance <= right) | (right < 0))
+    key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    return (torch.einsum("qhd,khd->hqk", query, key) * scale).masked_fill(~visible, float("-inf")), scale
+
+
+def check_spans(cu_seq_q, cu_seq_k, max_q, max_k):
+    """What the core must hand flash: one int32 `cu_seqlens` for queries and keys, their longest span."""
+    assert cu_seq_q.dtype == torch.int32 and torch.equal(cu_seq_q, cu_seq_k)
+    assert max_q == max_k == int(cu_seq_q.diff().max())
+
+
+def flash_forward(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal, window_size, scale=None,
+                  enable_gqa=False, **inference_only):
+    """`_varlen_attn`: the output `[T, heads, d]`, L `[heads, T]` (fp32 on the GPU, the inputs' dtype
+    here) and a dropout-free rng state; unequal head counts need `enable_gqa`, as torch's wrapper says."""
+    check_spans(cu_seq_q, cu_seq_k, max_q, max_k)
+    assert all(value is None for value in inference_only.values())
+    if query.shape[1] != key.shape[1] and not enable_gqa:
+        raise RuntimeError("flash varlen: unequal query and key heads need enable_gqa=True")
+    scores, _ = flash_scores(query, key, cu_seq_q, is_causal, window_size, scale)
+    lse = scores.logsumexp(-1)
+    value = value.repeat_interleave(query.shape[1] // value.shape[1], dim=1)
+    out = torch.einsum("hqk,khd->qhd", (scores - lse.unsqueeze(-1)).exp(), value)
+    return out, lse, torch.zeros(2, dtype=torch.uint64)
+
+
+def flash_backward(grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, max_q, max_k, is_causal, rng_state,
+                   window_size, scale=None):
+    """`_varlen_attn_backward` as flash computes it from whatever `out` and `lse` it is given: P =
+    exp(S - L), D = rowsum(dO o), dS = P (dP - D); grouped K/V's gradients summed over their group."""
+    check_spans(cu_seq_q, cu_seq_k, max_q, max_k)
+    group = query.shape[1] // key.shape[1]
+    scores, scale = flash_scores(query, key, cu_seq_q, is_causal, window_size, scale)
+    probs = (scores - lse.unsqueeze(-1)).exp()
+    key, value = (t.repeat_interleave(group, dim=1) for t in (key, value))
+    delta = (grad_out * out).sum(-1).t()
+    grad_scores = probs * (torch.einsum("qhd,khd->hqk", grad_out, value) - delta.unsqueeze(-1)) * scale
+    grad_q = torch.einsum("hqk,khd->qhd", grad_scores, key)
+    grad_k = torch.einsum("hqk,qhd->khd", grad_scores, query)
+    grad_v = torch.einsum("hqk,qhd->khd", probs, grad_out)
+    return grad_q, *(t.unflatten(1, (-1, group)).sum(2) for t in (grad_k, grad_v))
+
+
+def core_output_and_grads(core, q, k, v, sinks, documents, upstream):
+    out = core(q, k, v, documents, sinks)
+    return out, *torch.autograd.grad(out, (q, k, v, sinks), upstream)
+
+
+def core_inputs(heads, kv_heads, dim=8):
+    """fp32 q, k, v `[2, SEQ, heads, dim]`, sinks and the output gradient, the tensors of
+    bf16-representable values (the CUDA test compares bf16 with fp32 on the same inputs)."""
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, SEQ, n, dim, generator=generator).bfloat16().float() for n in (heads, kv_heads, kv_heads))
+    sinks = torch.randn(heads, generator=generator)
+    return q, k, v, sinks, torch.randn(2, SEQ, heads, dim, generator=generator).bfloat16().float()
+
+
+@pytest.mark.parametrize("schema", ["this-torch", "without-enable_gqa-and-scale"])
+@pytest.mark.parametrize("heads, kv_heads, scale", [(4, 2, 0.3), (3, 3, None)])
+@pytest.mark.parametrize("window", [None, 1, 3, 5, 40])
+@pytest.mark.parametrize("rows", [None, [[9, 9, 3, 2, 1], [4, 4, 16]], [[12, 12], [1, 23]]])
+def test_the_flash_path_equals_the_cpu_path_with_its_gradients(monkeypatch, small_segments, schema, heads, kv_heads,
+                                                               scale, window, rows):
+    """The CUDA route (flash varlen over the stream, window `(W - 1, 0)`, L `[heads, T]`, the sink
+    backward through flash's backward with `y` and `c g`), run on the CPU through stand-ins with
+    flash's semantics and this torch's op schemas (or ones without `enable_gqa` and `scale`, as
+    torch 2.11's forward lacks `enable_gqa`): output and q, k, v, sink gradients equal the CPU
+    path's, for windows shorter and longer than the documents, packs, GQA, one document a row."""
+    from torch.nn.attention import varlen  # noqa: F401  (registers the ops whose schemas the stand-ins take)
+
+    schemas = [torch.ops.torch_attn._varlen_attn.default._schema,
+               torch.ops.torch_attn._varlen_attn_backward.default._schema]
+    if schema != "this-torch":
+        schemas = [schema_without(schemas[0], "enable_gqa", "scale"), schema_without(schemas[1], "scale")]
+    ops = FlashStandIn(schemas[0], flash_forward), FlashStandIn(schemas[1], flash_backward)
+    q, k, v, sinks, upstream = (t.requires_grad_() for t in core_inputs(heads, kv_heads))
+    documents = Documents.from_ids(document_ids(rows)) if rows else None
+    core = SinkWindowCore(window, scale)
+    expected = core_output_and_grads(core, q, k, v, sinks, documents, upstream)
+    monkeypatch.setattr(attention_module, "_flash_ops", lambda: ops)
+    monkeypatch.setattr(attention_module, "varlen_dtype", lambda q: q.dtype)  # route to flash on the CPU
+    got = core_output_and_grads(core, q, k, v, sinks, documents, upstream)
+    assert [op.calls for op in ops] == [1, 1]
+    for name, a, b in zip("out q k v sinks".split(), got, expected):
+        torch.testing.assert_close(a, b, msg=name)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the flash varlen kernel needs a GPU")
+@pytest.mark.parametrize("window", [None, 3, 40])
+@pytest.mark.parametrize("rows", [None, [[9, 9, 3, 2, 1], [4, 4, 16]]])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_the_cuda_flash_path_matches_the_cpu_path(window, rows, autocast):
+    """bf16 flash varlen on the GPU against the fp32 CPU path on the same bf16-rounded inputs (fp32
+    sinks): bf16 output rounding and gradient accumulation bound the difference. Under autocast the
+    inputs arrive in fp32 and still take flash."""
+    q, k, v, sinks, upstream = (t.requires_grad_() for t in core_inputs(4, 2, dim=16))
+    ids = document_ids(rows) if rows else torch.zeros(2, SEQ, dtype=torch.long)
+    core = SinkWindowCore(window)
+    expected = core_output_and_grads(core, q, k, v, sinks, Documents.from_ids(ids), upstream)
+    dtype = torch.float32 if autocast else torch.bfloat16
+    q, k, v = (t.detach().cuda().to(dtype).requires_grad_() for t in (q, k, v))
+    sinks = sinks.detach().cuda().requires_grad_()
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        assert documents_module.varlen_dtype(q) == torch.bfloat16
+        got = core_output_and_grads(core, q, k, v, sinks, Documents.from_ids(ids.cuda()), upstream.cuda().bfloat16())
+    for name, a, b in zip("out q k v sinks".split(), got, expected):
+        torch.testing.assert_close(a.float().cpu(), b, atol=3e-2, rtol=2e-2, msg=name)
 
 
 @pytest.mark.parametrize("grouped, align", [(True, None), (True, 8)])

@@ -41,6 +41,7 @@ as the dense mask `causal & same_document` would say (the tests' oracle).
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache, cached_property
 
@@ -218,18 +219,27 @@ def _segments(q, k, v, documents: Documents, gqa: bool, scale: float | None) -> 
 def _varlen(q, k, v, documents: Documents, gqa: bool, scale: float | None) -> torch.Tensor:
     stream = [t.reshape(-1, *t.shape[2:]) for t in (q, k, v)]
     cu, longest = documents.cu_seqlens, documents.max_length
-    options = {}
-    if scale is not None and _varlen_takes("scale"):
-        options["scale"] = scale
-    elif scale is not None:
-        stream[0] = stream[0] * (scale * q.shape[-1] ** 0.5)
-    if gqa and _varlen_takes("enable_gqa"):
-        options["enable_gqa"] = True
-    elif gqa:  # each K/V head serves heads/kv consecutive query heads, as SDPA's enable_gqa groups them
-        group = q.shape[2] // k.shape[2]
-        stream[1:] = [t.repeat_interleave(group, dim=1) for t in stream[1:]]
+    stream, options = varlen_operands(*stream, gqa, scale, _varlen_takes)
     out = _varlen_kernel()(*stream, cu, cu, longest, longest, window_size=(-1, 0), **options)
     return out.view(q.shape)
+
+
+def varlen_operands(q, k, v, gqa: bool, scale: float | None, takes: Callable[[str], bool]):
+    """The stream's `q [T, h, d]`, `k`, `v [T, kv, d]` and the keyword options of a flash varlen
+    call whose kernel takes the arguments `takes` says it does (`varlen_attn` here, its op in
+    gpt_oss): `scale` passed where taken, else folded into q; GQA through `enable_gqa` where taken,
+    else K/V repeated to the query heads (see `_varlen_takes`). Returns `([q, k, v], options)`."""
+    options = {}
+    if scale is not None and takes("scale"):
+        options["scale"] = scale
+    elif scale is not None:
+        q = q * (scale * q.shape[-1] ** 0.5)
+    if gqa and takes("enable_gqa"):
+        options["enable_gqa"] = True
+    elif gqa:  # each K/V head serves heads/kv consecutive query heads, as SDPA's enable_gqa groups them
+        group = q.shape[1] // k.shape[1]
+        k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))
+    return [q, k, v], options
 
 
 class DocumentBoundaries(nn.Module):

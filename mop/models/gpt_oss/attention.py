@@ -13,11 +13,35 @@ top of any kernel that returns L. Gradient: the kernel's backward, called with t
 gradient `c g` (c = sigmoid(L - s)) and with `y` in place of its saved output, recomputes
 `p_j = exp(z_j - L)` and `D = <c g, y>`, and so gives `dz_j = p_j (c <g, v_j> - c <g, y>)`, the
 gradient of the sink-corrected softmax; the sink's own gradient is `-sum (1 - c) <g, y>`. No
-gradient flows through L: kernels' backwards (flash's, the CPU kernel's here, and on CUDA
-`varlen_attn`'s) discard an L gradient, which is why the correction is one autograd function
-around the kernel (`_SinkAttention`) and not `o * sigmoid(L - s)` in autograd.
+gradient flows through L: kernels' backwards (flash's on CUDA, the CPU kernel's) discard an L
+gradient, which is why the correction is one autograd function around the kernel
+(`_SinkAttention`, `_SinkVarlen`) and not `o * sigmoid(L - s)` in autograd.
 
-Windows and documents (`SinkWindowCore`): the micro-batch's stream is cut into the segments of
+Kernels (`SinkWindowCore` picks by `documents.varlen_dtype`, as `document_attention` does):
+- CUDA in bf16/fp16 (Ampere or newer, head dim a multiple of 8 up to 256): torch's flash varlen
+  ops `torch.ops.torch_attn._varlen_attn` and `_varlen_attn_backward` (the ones under
+  `varlen_attn`; they return and take L) in one call over the whole flattened stream, cut by the
+  documents' `cu_seqlens` (a micro-batch without `Documents`: one document per row of S). Window
+  `(W - 1, 0)` in sliding blocks (flash's left bound excludes the query, W counts it), `(-1, 0)`
+  in full ones: the window comes free, no document is crossed, no mask is built, the statistics
+  are O(tokens x heads). `_SinkVarlen` wraps the two ops with the sink as above: L arrives as
+  `[heads, tokens]` (fp32), `y` is computed in fp32 and stored in the compute dtype, the backward
+  op gets `y` as its output and `c g` as its output gradient. The ops' arguments differ across
+  torch versions and are read from their schemas, never from the version: where the forward has
+  no `enable_gqa` (torch 2.11) K/V are repeated to the query heads before `_SinkVarlen` (autograd
+  sums their gradients), where it has no `scale` q is pre-scaled, by `documents.varlen_operands`,
+  the helper `document_attention` uses; the backward op never takes `enable_gqa` (flash's
+  backward takes grouped K/V as they are). An L in another layout (torch 2.11's batched one on
+  ROCm) raises. Verified on the CPU only, against an emulation of the two ops (the tests'
+  stand-ins: flash's varlen window mask, L `[heads, tokens]`, a backward from the given output and
+  L with `D = rowsum(dO o)`, `dS = P (dP - D)`) on this torch's op schemas and on ones without
+  `enable_gqa` and `scale`; never run on a GPU (a `cuda` test compares the real kernel in bf16 with
+  the CPU path where there is one). Other CUDA cases (fp32, older GPUs, other head dims) raise.
+- Everywhere else (the CPU): the segment path below, with the CPU flash attention kernel
+  (`aten._scaled_dot_product_flash_attention_for_cpu` and its backward, which take the output and
+  L explicitly) under `_SinkAttention`.
+
+Segments (the CPU path): the micro-batch's stream is cut into the segments of
 `Documents.segments` (runs of equal-length documents, packs of short ones), so no window crosses
 a document. A run of documents of length L attends with one causal call when L <= W; otherwise
 in query blocks of W tokens: block 0 causally against itself, every later block against the 2W
@@ -26,25 +50,20 @@ query qq iff qq < kk <= qq + W). A pack of short documents attends under its own
 and the band. Memory: a copy of K and V in the overlapping blocks (2 x), masks of W x 2W and
 PACK_TOKENS^2 elements, the kernel's O(tokens x heads) statistics; never an `[S, S]` tensor.
 
-Kernel: the CPU flash attention kernel (`aten._scaled_dot_product_flash_attention_for_cpu` and
-its backward, which take the output and L explicitly), on every device's behalf: gpt_oss always
-takes this segment path, and on CUDA it raises. The CUDA kernel to build is
-`varlen_attn(..., window_size=(W - 1, 0))` on the cumulative document lengths (the window for
-free, documents never crossed) returning its L, with the same sink function calling the flash
-backward with `y` and `c g`; not written, since it cannot be tested here.
-
-Sequence parallelism: the core takes the sinks of the heads it is given (`sinks [heads of q]`),
-so a Ulysses wrapper (which hands the core a subset of heads) must pass it the matching slice of
-the attention's sinks and return their gradient; `mop.parallel.ulysses` does not yet.
+Sequence parallelism: the core takes the sinks of the heads it is given (`sinks [heads of q]`);
+`mop.parallel.ulysses` hands each head chunk's core the matching slice of the attention's sinks (its
+per-head values) and returns their gradient.
 """
 
 from __future__ import annotations
+
+from functools import cache, partial
 
 import torch
 
 from mop.models.attention import Attention, AttentionCore
 from mop.models.config import ModelConfig
-from mop.models.documents import Documents, Segment
+from mop.models.documents import Documents, Segment, varlen_dtype, varlen_operands
 
 _forward_kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _backward_kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -56,9 +75,6 @@ class _SinkAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, mask, scale):
-        if q.device.type != "cpu":
-            raise NotImplementedError("gpt_oss attention (sinks, sliding windows) has a CPU kernel only; the CUDA "
-                                      "one (varlen_attn with window_size=(W-1, 0) and the sink backward) is not built")
         causal = mask is None
         out, lse = _forward_kernel(q, k, v, is_causal=causal, attn_mask=mask, scale=scale)
         keep = _keep(lse, sinks, out.dtype)
@@ -84,6 +100,56 @@ def _keep(lse: torch.Tensor, sinks: torch.Tensor, dtype: torch.dtype) -> torch.T
     `[n, heads, len, 1]`, in fp32 at least (in `dtype` if wider)."""
     dtype = torch.promote_types(dtype, torch.float32)
     return torch.sigmoid(lse.to(dtype) - sinks.to(dtype).view(1, -1, 1)).unsqueeze(-1)
+
+
+def _flash_ops():
+    """torch's flash varlen forward and backward ops, registered by `torch.nn.attention.varlen`
+    (which `varlen_dtype` imported before choosing them); the tests swap in CPU stand-ins."""
+    return torch.ops.torch_attn._varlen_attn, torch.ops.torch_attn._varlen_attn_backward
+
+
+@cache
+def _takes(op, argument: str) -> bool:
+    """Whether `op`'s schema has `argument`: the ops' arguments differ across torch versions."""
+    return argument in {a.name for a in op.default._schema.arguments}
+
+
+class _SinkVarlen(torch.autograd.Function):
+    """`y = flash(q, k, v) * sigmoid(L - sinks)` on the flattened stream (`q [T, heads, d]`, k and v
+    with the heads `options` allow) over the documents `cu`, within `window` (flash's `(left,
+    right)`); the backward is flash's with `y` and `c g` (the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, cu, longest, window, options):
+        causal = window == (-1, 0)  # as varlen_attn says it
+        out, lse, rng_state = _flash_ops()[0](q, k, v, cu, cu, longest, longest, causal, window_size=list(window),
+                                              **options)
+        if lse.shape != (q.shape[1], q.shape[0]):
+            raise NotImplementedError(f"flash varlen returned L of shape {tuple(lse.shape)}, not [heads, tokens] "
+                                      "(a batched layout, as torch 2.11 on ROCm): not handled")
+        keep = _stream_keep(lse, sinks, out.dtype)
+        y = (out.to(keep.dtype) * keep).to(out.dtype)
+        ctx.save_for_backward(q, k, v, y, lse, sinks, cu, rng_state)
+        ctx.longest, ctx.causal, ctx.window = longest, causal, window
+        # the backward op has no enable_gqa: flash's backward takes grouped K/V as they are
+        ctx.options = {name: value for name, value in options.items() if name != "enable_gqa"}
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        q, k, v, y, lse, sinks, cu, rng_state = ctx.saved_tensors
+        keep = _stream_keep(lse, sinks, y.dtype)
+        grad_y = grad_y.to(keep.dtype)
+        grad_out = (grad_y * keep).to(q.dtype)
+        grad_q, grad_k, grad_v = _flash_ops()[1](grad_out, q, k, v, y, lse, cu, cu, ctx.longest, ctx.longest,
+                                                 ctx.causal, rng_state, window_size=list(ctx.window), **ctx.options)
+        grad_sinks = -((1 - keep) * (grad_y * y.to(keep.dtype))).sum((0, 2))
+        return grad_q, grad_k, grad_v, grad_sinks.to(sinks.dtype), None, None, None, None
+
+
+def _stream_keep(lse: torch.Tensor, sinks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`_keep` for flash varlen's L `[heads, T]`, laid out as the stream `[T, heads, 1]`."""
+    return _keep(lse.unsqueeze(0), sinks, dtype)[0].transpose(0, 1)
 
 
 def sink_attention(q, k, v, sinks, mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
@@ -113,6 +179,12 @@ class SinkWindowCore(AttentionCore):
         self.window = window
 
     def forward(self, q, k, v, documents: Documents | None, sinks: torch.Tensor) -> torch.Tensor:
+        dtype = varlen_dtype(q)
+        if dtype is not None:
+            return self._varlen(q.to(dtype), k.to(dtype), v.to(dtype), documents, sinks)
+        if q.device.type != "cpu":
+            raise NotImplementedError("gpt_oss attention on CUDA runs flash varlen only: bf16/fp16 compute, an "
+                                      "Ampere or newer GPU, a head dim that is a multiple of 8 up to 256")
         batch, seq = q.shape[:2]
         segments = documents.segments if documents is not None else (Segment(batch, seq),)
         # one split per tensor along the stream, as `mop.models.documents._segments` (its backward is one cat)
@@ -122,6 +194,19 @@ class SinkWindowCore(AttentionCore):
                    for s, *ts in zip(segments, *pieces)]
         out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
         return out.reshape(*q.shape[:-1], v.shape[-1])
+
+    def _varlen(self, q, k, v, documents: Documents | None, sinks) -> torch.Tensor:
+        """The flash path (the module docstring): the whole stream in one call."""
+        batch, seq = q.shape[:2]
+        if documents is None:  # one document per row
+            cu, longest = torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32, device=q.device), seq
+        else:
+            cu, longest = documents.cu_seqlens, documents.max_length
+        stream, options = varlen_operands(*(t.reshape(-1, *t.shape[2:]) for t in (q, k, v)), q.shape[2] != k.shape[2],
+                                          self.scale, partial(_takes, _flash_ops()[0]))
+        window = (-1, 0) if self.window is None else (self.window - 1, 0)
+        out = _SinkVarlen.apply(*stream, sinks, cu, longest, window, options)
+        return out.view(*q.shape[:-1], v.shape[-1])
 
     def _segment(self, segment: Segment, q, k, v, sinks) -> torch.Tensor:
         length, window = segment.length, self.window
