@@ -233,6 +233,13 @@ class LogConfig:
     """Allow writing into a run_dir that already holds a run's metrics (they are replaced)."""
     tensorboard: bool = True
     """Write TensorBoard event files into run_dir."""
+    wandb: bool = False
+    """Also log every scalar TensorBoard gets to Weights & Biases (the optional extra: pip install 'mop[wandb]'):
+    online when wandb is logged in and reachable, else offline into run_dir/wandb (upload later with wandb sync)."""
+    wandb_project: str = "mop"
+    """The Weights & Biases project."""
+    wandb_name: str = ""
+    """The Weights & Biases run name; empty: the run directory's name."""
     plot: bool = True
     """Write loss.png (loss and throughput curves) into run_dir at the end."""
     progress: bool = True

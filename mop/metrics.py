@@ -1,4 +1,5 @@
-"""Per-step metrics: one JSON object per line in `metrics.jsonl`, TensorBoard scalars, a PNG at the end.
+"""Per-step metrics: one JSON object per line in `metrics.jsonl`, TensorBoard scalars, Weights & Biases
+(optional), a PNG at the end.
 
 Only rank 0 writes. Every value logged is already identical on all ranks (reduced by the trainer)
 or explicitly per-rank (named so), so one writer loses nothing.
@@ -12,12 +13,15 @@ trainer only logs the result.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import resource
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from mop.config import ConfigError
 
 _REDUCTIONS = {"max": (max, dist.ReduceOp.MAX), "sum": (lambda a, b: a + b, dist.ReduceOp.SUM)}
 
@@ -72,13 +76,14 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 class MetricsLogger:
-    """metrics.jsonl (one JSON record per step) and TensorBoard scalars in `run_dir`.
+    """metrics.jsonl (one JSON record per step), TensorBoard scalars and, with `wandb`, the same
+    scalars in a Weights & Biases run (`WandbRun`) in `run_dir`.
 
     A run resumed at `first_step` keeps the records of the steps before it and drops the later ones
     (they were run after the checkpoint and are run again).
     """
 
-    def __init__(self, run_dir: Path, tensorboard: bool, first_step: int = 0):
+    def __init__(self, run_dir: Path, tensorboard: bool, first_step: int = 0, wandb: "WandbRun | None" = None):
         run_dir.mkdir(parents=True, exist_ok=True)
         self.run_dir = run_dir
         self.path = run_dir / "metrics.jsonl"
@@ -91,19 +96,65 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        self.wandb = wandb
 
     def log(self, record: dict) -> None:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
+        scalars = {key: value for key, value in record.items()
+                   if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)}
         if self.writer is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    self.writer.add_scalar(key, value, record["step"])
+            for key, value in scalars.items():
+                self.writer.add_scalar(key, value, record["step"])
+        if self.wandb is not None:
+            self.wandb.log(scalars, record["step"])
 
     def close(self) -> None:
         self.file.close()
         if self.writer is not None:
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.close()
+
+
+class WandbRun:
+    """A Weights & Biases run in `run_dir/wandb` that receives every scalar TensorBoard does.
+
+    Online when wandb has credentials (`wandb login` or its own `WANDB_API_KEY`) and reaches its
+    server within `timeout_s`; otherwise offline, in the run directory (`wandb sync` uploads it
+    later). `wandb` is an optional extra (`pip install 'mop[wandb]'`); without it `log.wandb = true`
+    is a one-line error when the settings are resolved (`check_settings`).
+    """
+
+    def __init__(self, run_dir: Path, project: str, name: str, config: dict, timeout_s: int = 30):
+        import wandb
+
+        # console "off": wandb would otherwise wrap this process's stdout and stderr (a failing
+        # rank's traceback went into its log instead of the terminal)
+        options = {"project": project, "name": name or run_dir.name, "dir": str(run_dir), "config": config}
+        quiet = {"console": "off", "silent": True}
+        self.run = None
+        if wandb.login(prompt=False, verify=False):  # credentials configured: try the server
+            try:
+                self.run = wandb.init(mode="online", settings=wandb.Settings(init_timeout=timeout_s, **quiet), **options)
+            except Exception as e:  # no network, a refused key: the metrics still go to disk
+                print(f"mop: wandb could not go online ({type(e).__name__}); logging offline")
+        if self.run is None:
+            self.run = wandb.init(mode="offline", settings=wandb.Settings(**quiet), **options)
+        print(f"mop: wandb run {self.run.name!r} ({self.run.settings.mode}) in {self.run.dir}")
+
+    def log(self, scalars: dict, step: int) -> None:
+        self.run.log(scalars, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def check_settings(config, world: int) -> None:
+    """`log.wandb` needs the optional wandb package."""
+    if config.log.wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("log.wandb", "needs the wandb package; install it with pip install 'mop[wandb]' or set "
+                          "--log.wandb=false")
 
 
 def read_metrics(path: Path) -> list[dict]:

@@ -22,14 +22,14 @@ import math
 
 import torch
 
-from mop import build, evaluation
+from mop import build, evaluation, metrics
 from mop.config import Config, ConfigError, check_fields
 from mop.optim import optimizer, schedule
 from mop.parallel import baseline, checkpointing, llep, ulysses, vocab
 from mop.parallel.mesh import Layout
 
 # Each part's own cross-field checks, `check_settings(config, world)`, in this order.
-CHECKS = (checkpointing, vocab, llep, ulysses, baseline, optimizer, schedule, build, evaluation)
+CHECKS = (checkpointing, vocab, llep, ulysses, baseline, optimizer, schedule, build, evaluation, metrics)
 
 
 @dataclasses.dataclass(frozen=True)

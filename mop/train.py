@@ -34,7 +34,7 @@ from mop.data import Data, count_targets, to_device
 from mop.evaluation import evaluate
 from mop.faults import Stopped, StopRequest, collective_timeout, quiet_exit_code
 from mop.flops import attended_keys, peak_flops
-from mop.metrics import MetricsLogger, peak_memory_bytes, plot_run, reset_peak_memory, technique_metrics
+from mop.metrics import MetricsLogger, WandbRun, peak_memory_bytes, plot_run, reset_peak_memory, technique_metrics
 from mop.models.transformer import MoETransformer
 from mop.optim.optimizer import Optimizer
 from mop.optim.schedule import learning_rate
@@ -233,7 +233,11 @@ def _steps(run: TrainingRun, run_dir: Path, stop: StopRequest) -> list[dict]:
     if runtime.is_main:
         announce(config, runtime, run_dir, run.data)
 
-    logger = MetricsLogger(run_dir, config.log.tensorboard, first_step) if runtime.is_main else None
+    logger = None
+    if runtime.is_main:
+        wandb = (WandbRun(run_dir, config.log.wandb_project, config.log.wandb_name, dataclasses.asdict(config))
+                 if config.log.wandb else None)
+        logger = MetricsLogger(run_dir, config.log.tensorboard, first_step, wandb)
     progress = StepProgress(run.model.layers, first_step, config.train.steps, run.micro_batches_per_step(),
                             enabled=runtime.is_main and config.log.progress, every=config.log.progress_every)
     skips = SkippedSteps(config.train.max_skipped_steps)
