@@ -13,6 +13,16 @@ A row holds its conversation in one of two forms:
   user, `gpt` -> assistant, `system` -> system, `tool`/`observation` -> tool.
 An optional `tools` column (a list of JSON schemas, or a JSON string of one) goes to the template.
 
+Parquet and Arrow give a column of structs one set of keys, in one order, with one type each, for
+all its values: a key that only some have (an argument of one tool, a property of one tool's
+parameters, in any row) reads back as None in all the others, keys come back in the column's order,
+and an integer comes back as a float where another value of its key is one. Message keys that are
+None are dropped, as transformers does, but nested ones reach the template, which renders them
+(`"query": null`), as transformers' `apply_chat_template` does on the rows as read. To keep each
+value's own keys and types, store `tools` as a JSON string (read back as the list it holds) and
+tool-call arguments as JSON strings for a template that writes a string as it is (Qwen3's; gpt-oss's
+quotes it), or use jsonl.
+
 Rows are read one batch at a time (`iter_rows`), never a whole file; each comes with where it is
 (`file:line` or `file row N`), which every error about it names.
 """
@@ -127,7 +137,8 @@ def conversation(row) -> Conversation:
     elif row.get("conversations") is not None:
         messages = [_sharegpt(m, k) for k, m in enumerate(_listed(row["conversations"], "conversations"))]
     else:
-        raise ConversationError(f"it has no 'messages' or 'conversations' (fields: {', '.join(map(repr, row)) or 'none'})")
+        fields = [repr(key) for key, value in row.items() if value is not None]  # a parquet row has every column
+        raise ConversationError(f"it has no 'messages' or 'conversations' (fields: {', '.join(fields) or 'none'})")
     tools = row.get("tools")
     if isinstance(tools, str):
         try:
@@ -156,7 +167,7 @@ def _message(message, index: int) -> dict:
 def _sharegpt(message, index: int) -> dict:
     if not isinstance(message, dict) or "from" not in message:
         raise ConversationError(f"conversations entry {index} has no 'from'")
-    role = SHAREGPT_ROLES.get(message["from"])
+    role = SHAREGPT_ROLES.get(message["from"]) if isinstance(message["from"], str) else None
     if role is None:
         raise ConversationError(f"conversations entry {index} is from {message['from']!r}; ShareGPT roles are "
                                 f"{', '.join(SHAREGPT_ROLES)}")

@@ -198,6 +198,7 @@ def is_prepared(source: str) -> bool:
 def prepare(source: str, settings: ChatSettings, out: str, workers: int = 0, progress: bool = True) -> dict:
     """Encode `source` into the prepared folder `out` (the module docstring); returns the manifest."""
     template = settings.template()
+    chat_files(source)  # a missing or unreadable source is said before any worker starts
     out_path = Path(out).expanduser()
     if out_path.is_file() or (out_path.is_dir() and any(out_path.iterdir())):
         raise DataError(f"--out: {out_path} exists and is not empty; choose a new folder (prepared data is never "

@@ -21,10 +21,15 @@ assistant message i of the rendering R:
 1. what the message wrote: R is rendered again with that message's generated values perturbed
    (its content and reasoning strings, and every leaf of its tool calls' arguments, wrapped in
    private-use characters; tool names are kept, since templates repeat them in the tool results).
-   The first and last characters where the two renderings differ bound what the message wrote;
+   The first and last characters where the two renderings differ bound what the message wrote.
+   A template may cut a marker off with the text around it (Qwen3's splits a `<think>...</think>`
+   block off the content, the opening marker with it): the renderings then differ by an insertion
+   only, and both bounds are where it is (for Qwen3, the end of the content). Only identical
+   renderings mean that the message renders nothing of its own;
 2. where the turn starts: the template's generation prompt (the text `add_generation_prompt` adds
-   after messages[:i]); the turn's targets start after its last occurrence before the first
-   difference (and after the previous turn's targets), so a channel or think header the model
+   after the messages before the first assistant turn: templates add the same text before every
+   turn, so it is rendered once per conversation); the turn's targets start after its last
+   occurrence before the first difference (and after the previous turn's targets), so a channel or think header the model
    writes itself (gpt-oss's `<|channel|>final<|message|>`, Qwen3's `<think>`) is a target while
    the role header is not. A template without a generation prompt starts the targets at the
    first difference;
@@ -32,8 +37,8 @@ assistant message i of the rendering R:
    `<|im_end|>`, gpt-oss's `<|end|>`, `<|return|>` or `<|call|>`), inclusive; without one the
    targets end at the last difference.
 A token is a target when its first character lies in a turn's span. The system prompt, user turns,
-tool results and role headers never are. Cost: per assistant turn, three renderings of at most the
-whole conversation.
+tool results and role headers never are. Cost: one rendering of the whole conversation per
+assistant turn, plus the conversation's own and two of its opening.
 
 With `data.loss_on = "all"` every token is a target. Every problem with a conversation is a
 `ConversationError` naming its row, which the readers turn into a one-line `DataError` (or count
@@ -234,8 +239,9 @@ class ChatTemplate:
         special = np.flatnonzero(np.isin(ids, list(self.tokenizer.special_ids)))
         targets = np.zeros(len(ids), dtype=bool)
         done = 0  # characters of `text` before which no later turn's targets start
+        prompt = self._generation_prompt(conversation, assistant[0])
         for index in assistant:
-            begin, end = self._turn_span(conversation, index, text, done)
+            begin, end = self._turn_span(conversation, index, text, done, prompt)
             after = np.searchsorted(starts, end)  # the first token starting at or after the last difference
             closing = np.searchsorted(special, after)
             stop = int(special[closing]) + 1 if closing < len(special) else int(after)
@@ -243,14 +249,14 @@ class ChatTemplate:
             done = int(starts[stop - 1]) + 1
         return ids, targets
 
-    def _turn_span(self, conversation: Conversation, index: int, text: str, done: int) -> tuple[int, int]:
+    def _turn_span(self, conversation: Conversation, index: int, text: str, done: int, prompt: str) -> tuple[int, int]:
         """Characters `[begin, end)` of `text`: from the turn's start to its last difference (steps 1-2)."""
         messages = list(conversation.messages)
         messages[index] = _perturb_message(messages[index])
-        first, end = _difference(text, self.render(conversation, messages=messages))
-        if first >= end:
+        perturbed = self.render(conversation, messages=messages)
+        if perturbed == text:
             raise ConversationError(f"message {index} (assistant) renders nothing of its own")
-        prompt = self._generation_prompt(conversation, index)
+        first, end = _difference(text, perturbed)  # first == end: an insertion only (the module docstring)
         begin = first
         if prompt:
             at = text.rfind(prompt, done, first)
