@@ -366,8 +366,9 @@ def test_missing_and_unreadable_sources(tmp_path):
     assert re.fullmatch(rf"data\.source: {re.escape(str(tmp_path / 'nowhere.jsonl'))} does not exist; point "
                         r"data\.source at .*", one_line_error(excinfo))
     (tmp_path / "c.jsonl").write_text(json.dumps(GOOD) + "\n{oops\n")
-    with pytest.raises(DataError, match=r"data\.source: .*c\.jsonl:2 is not valid JSON"):
-        encode_source(str(tmp_path / "c.jsonl"), ChatSettings(QWEN3, skip_invalid=True))
+    with pytest.raises(DataError, match=r"data\.source: .*c\.jsonl:2: it is not valid JSON"):
+        encode_source(str(tmp_path / "c.jsonl"), SETTINGS)
+    assert encode_source(str(tmp_path / "c.jsonl"), ChatSettings(QWEN3, skip_invalid=True)).skipped == 1
     (tmp_path / "c.txt").write_text("text")
     with pytest.raises(DataError, match=r"data\.source: .*c\.txt has extension '\.txt'"):
         encode_source(str(tmp_path / "c.txt"), SETTINGS)

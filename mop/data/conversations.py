@@ -24,7 +24,8 @@ tool-call arguments as JSON strings for a template that writes a string as it is
 quotes it), or use jsonl.
 
 Rows are read one batch at a time (`iter_rows`), never a whole file; each comes with where it is
-(`file:line` or `file row N`), which every error about it names.
+(`file:line` or `file row N`), which every error about it names. A jsonl row stays text until
+`conversation` parses it (in the worker that encodes it, when preparing).
 """
 
 from __future__ import annotations
@@ -85,8 +86,8 @@ def _arrow_files(folder: Path) -> list[Path]:
     return files
 
 
-def iter_rows(path: Path) -> Iterator[tuple[str, dict]]:
-    """`(where, row)` for every row of one file."""
+def iter_rows(path: Path) -> Iterator[tuple[str, dict | str]]:
+    """`(where, row)` for every row of one file (a jsonl row as its line)."""
     if path.suffix == ".jsonl":
         yield from _jsonl_rows(path)
     elif path.suffix == ".parquet":
@@ -104,18 +105,13 @@ def iter_rows(path: Path) -> Iterator[tuple[str, dict]]:
         yield from _table_rows(path, reader)
 
 
-def _jsonl_rows(path: Path) -> Iterator[tuple[str, dict]]:
+def _jsonl_rows(path: Path) -> Iterator[tuple[str, str]]:
+    # each line as text: `conversation` parses it, in a worker process when preparing
     try:
         with path.open("r", encoding="utf-8") as f:
             for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{number}"
-                try:
-                    row = json.loads(line)
-                except ValueError as e:
-                    raise DataError(f"data.source: {where} is not valid JSON ({e}); fix or remove the line") from None
-                yield where, row
+                if line.strip():
+                    yield f"{path}:{number}", line
     except UnicodeDecodeError as e:
         raise DataError(f"data.source: {path} is not valid UTF-8 ({e.reason}); re-encode it as UTF-8") from None
 
@@ -129,7 +125,13 @@ def _table_rows(path: Path, batches) -> Iterator[tuple[str, dict]]:
 
 
 def conversation(row) -> Conversation:
-    """The conversation of one row (the module docstring); a `ConversationError` says what is wrong."""
+    """The conversation of one row, a dict or a JSON line (the module docstring); a
+    `ConversationError` says what is wrong."""
+    if isinstance(row, str):
+        try:
+            row = json.loads(row)
+        except ValueError as e:
+            raise ConversationError(f"it is not valid JSON ({e})") from None
     if not isinstance(row, dict):
         raise ConversationError(f"it is a {type(row).__name__}, not an object with 'messages' or 'conversations'")
     if row.get("messages") is not None:
