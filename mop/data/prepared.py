@@ -29,6 +29,9 @@ import json
 import multiprocessing
 import os
 import shutil
+import sys
+import types
+from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
@@ -209,7 +212,7 @@ def prepare(source: str, settings: ChatSettings, out: str, workers: int = 0, pro
     arrays = _Arrays(partial, token_dtype)
     workers = workers or os.cpu_count() or 1
     try:
-        with multiprocessing.get_context("spawn").Pool(workers, _start_worker, (settings,)) as pool:
+        with _workers(workers, settings) as pool:
             with _progress_bar(progress) as bar:
                 for encoded in pool.imap(_encode_chunk, _chunks(source)):
                     if isinstance(encoded, str):
@@ -228,6 +231,22 @@ def prepare(source: str, settings: ChatSettings, out: str, workers: int = 0, pro
     finally:
         arrays.close()
         shutil.rmtree(partial, ignore_errors=True)
+
+
+@contextmanager
+def _workers(count: int, settings: ChatSettings):
+    """A pool of `count` spawned workers that import `mop.data.prepared` alone. A spawned process
+    first imports the parent's main module (`mop`'s command line, which imports torch: seconds and
+    about 200 MB per worker); the main module is hidden while the workers start, which they do in
+    `Pool()`, since they need nothing of it."""
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        pool = multiprocessing.get_context("spawn").Pool(count, _start_worker, (settings,))
+    finally:
+        sys.modules["__main__"] = main
+    with pool:
+        yield pool
 
 
 def _progress_bar(enabled: bool):
