@@ -195,7 +195,7 @@ CHAT = ["--model.vocab_size=584", "--model.hidden=32", "--model.layers=2", "--mo
 
 
 def chat_source(tmp_path) -> str:
-    """A dozen shipped conversations of different lengths (tool calls and reasoning among them)."""
+    """Shipped conversations of different lengths (tool calls and reasoning among them)."""
     rows = [row for row in shipped_rows() if 40 < len(json.dumps(row)) < 1400][:24:2]
     path = tmp_path / "chat.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
@@ -309,3 +309,28 @@ def test_chat_needs_conversations_that_fit(tmp_path):
     corpus = corpus_of([50, 60], {0: [50], 1: [60]})
     with pytest.raises(DataError, match="data.seq_len = 40"):
         ChatDataset(corpus, 40, "drop", seed=0, pad_id=0)
+
+
+def test_a_chat_run_records_its_targets_data_and_held_out_conversations(tmp_path):
+    """`mop train` on chat data (reference, 2 steps): the start line says the format and what was left
+    out, each record has the target share, the data counts and tokens/s of real tokens only, and a
+    chat eval.source is held out with the same masking."""
+    from mop.cli import main
+    from mop.metrics import read_metrics
+
+    source = chat_source(tmp_path)
+    run_dir = tmp_path / "run"
+    assert main(["train", *CHAT, f"--data.source={source}", "--parallel.strategy=reference", "--train.steps=2",
+                 "--eval.every=2", f"--eval.source={source}", "--eval.sequences=4", "--log.tensorboard=false",
+                 "--log.plot=false", f"--log.run_dir={run_dir}"]) == 0
+    records = read_metrics(run_dir / "metrics.jsonl")
+    assert len(records) == 2 and "eval_loss" in records[-1]
+    for record in records:
+        assert 0 < record["target_share"] < 1
+        assert record["data_overlong_dropped"] > 0 and record["data_overlong_truncated"] == 0  # data.overlong = "drop"
+        assert record["data_conversations"] + record["data_overlong_dropped"] == len(Path(source).read_text().splitlines())
+        positions = record["targets"] / record["target_share"]
+        assert positions == pytest.approx(4 * 384)
+        real = record["tokens_per_s"] * record["step_time_s"]
+        assert real == pytest.approx(positions * (1 - record["data_padding_share"]), rel=0.25)
+        assert real < positions
