@@ -13,9 +13,10 @@ Packing (`best_fit_decreasing`): conversations in order of decreasing length (ti
 drawn from the seed), each into the open sequence with the least room that still holds it, else a
 new one. Sequences with room left are padded at the end: padding is its own document, its labels
 are ignored and its `padding` flag set (the router statistics and tokens/s leave it out).
-The open sequences are kept in buckets by remaining room, found with one bit per room value in a
-Python integer (the smallest room >= n is a shift and a lowest-set-bit), so packing costs
-O(conversations x S / 64) word operations at worst, and no sequence is ever split.
+The open sequences are kept in buckets by remaining room, and the room values present in one sorted
+list (the smallest room >= n is a bisection); the list holds at most min(sequences, S) values, at
+most the square root of the corpus's tokens, so packing costs O(conversations x log) plus short
+list moves, and no conversation is ever split.
 
 `ChatDataset[i]` builds sequence i from its conversations (a few array slices of the corpus,
 memory-mapped or not): `input_ids`, `labels`, `position_ids` (restarting per conversation),
@@ -24,6 +25,7 @@ memory-mapped or not): `input_ids`, `labels`, `position_ids` (restarting per con
 
 from __future__ import annotations
 
+from bisect import bisect_left, insort
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,20 +72,19 @@ def best_fit_decreasing(lengths: np.ndarray, capacity: int, seed: int) -> tuple[
     order = np.random.default_rng(seed).permutation(len(lengths))
     order = order[np.argsort(-lengths[order], kind="stable")]
     order = order[lengths[order] > 0]
-    rooms: dict[int, list[int]] = {}  # room left -> bins with that room
-    present = 0  # bit r set: some bin has room r
+    rooms: dict[int, list[int]] = {}  # room left -> the open sequences with that room
+    sizes: list[int] = []  # the room values present, sorted
     bin_of = np.empty(len(order), dtype=np.int64)
     bins = 0
     for position, item in enumerate(order.tolist()):
         size = int(lengths[item])
-        above = present >> size
-        if above:
-            room = size + (above & -above).bit_length() - 1
+        at = bisect_left(sizes, size)
+        if at < len(sizes):
+            room = sizes[at]
             stack = rooms[room]
             chosen = stack.pop()
             if not stack:
-                del rooms[room]
-                present ^= 1 << room
+                del rooms[room], sizes[at]
         else:
             chosen, room = bins, capacity
             bins += 1
@@ -92,7 +93,7 @@ def best_fit_decreasing(lengths: np.ndarray, capacity: int, seed: int) -> tuple[
         if left:
             if left not in rooms:
                 rooms[left] = []
-                present |= 1 << left
+                insort(sizes, left)
             rooms[left].append(chosen)
     grouping = np.argsort(bin_of, kind="stable")
     bounds = np.concatenate([[0], np.cumsum(np.bincount(bin_of, minlength=bins))]).astype(np.int64)
