@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import resource
+import uuid
 from pathlib import Path
 
 import torch
@@ -101,8 +102,8 @@ class MetricsLogger:
     def log(self, record: dict) -> None:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
-        scalars = {key: value for key, value in record.items()
-                   if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)}
+        scalars = {key: float(value) if isinstance(value, bool) else value for key, value in record.items()
+                   if key != "step" and isinstance(value, (int, float))}  # a flag (skipped, rollback) as 0/1
         if self.writer is not None:
             for key, value in scalars.items():
                 self.writer.add_scalar(key, value, record["step"])
@@ -120,7 +121,7 @@ class MetricsLogger:
 class WandbRun:
     """A Weights & Biases run in `run_dir/wandb` that receives every scalar TensorBoard does.
 
-    Online when wandb has credentials (`wandb login` or its own `WANDB_API_KEY`) and reaches its
+    A resumed run (the same run directory) continues the same wandb run. Online when wandb has credentials (`wandb login` or its own `WANDB_API_KEY`) and reaches its
     server within `timeout_s`; otherwise offline, in the run directory (`wandb sync` uploads it
     later). `wandb` is an optional extra (`pip install 'mop[wandb]'`); without it `log.wandb = true`
     is a one-line error when the settings are resolved (`check_settings`).
@@ -131,7 +132,11 @@ class WandbRun:
 
         # console "off": wandb would otherwise wrap this process's stdout and stderr (a failing
         # rank's traceback went into its log instead of the terminal)
-        options = {"project": project, "name": name or run_dir.name, "dir": str(run_dir), "config": config}
+        # one wandb run per mop run: a resume continues the run its directory started
+        id_file = run_dir / "wandb" / "mop-run-id"
+        run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
+        options = {"project": project, "name": name or run_dir.name, "dir": str(run_dir), "config": config,
+                   "id": run_id, "resume": "allow"}
         quiet = {"console": "off", "silent": True}
         self.run = None
         if wandb.login(prompt=False, verify=False):  # credentials configured: try the server
@@ -141,6 +146,7 @@ class WandbRun:
                 print(f"mop: wandb could not go online ({type(e).__name__}); logging offline")
         if self.run is None:
             self.run = wandb.init(mode="offline", settings=wandb.Settings(**quiet), **options)
+        id_file.write_text(run_id)
         print(f"mop: wandb run {self.run.name!r} ({self.run.settings.mode}) in {self.run.dir}")
 
     def log(self, scalars: dict, step: int) -> None:

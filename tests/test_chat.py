@@ -101,10 +101,19 @@ def test_targets_of_multi_turn_and_non_ascii_answers(folder):
         assert "user" not in run and "go" not in run
 
 
-def test_loss_on_all_makes_every_token_a_target():
-    template = ChatSettings(QWEN3, loss_on="all").template()
-    ids, targets = template.encode(HAND)
-    assert targets.all() and len(ids) == len(targets)
+def test_loss_on_all_makes_every_token_a_target_and_truncates_at_assistant_turn_ends():
+    corpus = encode_source(str(CONVERSATIONS), ChatSettings(QWEN3))
+    everything = ChatDataset(corpus, 512, "truncate", seed=0, pad_id=7, loss_on="all")
+    assistant = ChatDataset(corpus, 512, "truncate", seed=0, pad_id=7)
+    assert everything.stats == assistant.stats and everything.stats["data_overlong_truncated"] > 0
+    for i in range(len(everything)):
+        item, masked = everything[i], assistant[i]
+        real = ~item["padding"]
+        last = torch.cat([item["document_ids"][1:] != item["document_ids"][:-1], torch.tensor([True])])
+        expected = torch.where(real & ~last, item["input_ids"].roll(-1), IGNORE_INDEX)
+        assert torch.equal(item["labels"], expected)  # every next token of the same conversation
+        assert torch.equal(item["input_ids"], masked["input_ids"])
+        assert ((masked["labels"] == IGNORE_INDEX) | (masked["labels"] == item["labels"])).all()
 
 
 def corpus_of(lengths: list[int], turn_ends: dict[int, list[int]] | None = None) -> ChatCorpus:
@@ -303,6 +312,35 @@ def test_a_packed_batch_in_the_full_mop_layout_equals_its_conversations_one_at_a
         assert grads.keys() == expected.keys()
         for name, grad in expected.items():
             assert_close(grads[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_padding_is_left_out_of_the_router_statistics_in_the_full_mop_layout_as_in_the_reference(tmp_path):
+    """With the load-balancing loss on, the packed batch in the mop layout (padding in one rank's slice
+    of a sequence more than the other's) against the reference on the same sequences."""
+    layout = ["--parallel.strategy=mop", "--parallel.nproc=4", "--parallel.sequence=2", "--parallel.expert=4",
+              "--parallel.vocab=1", "--parallel.expert_balance=llep", "--parallel.llep_gate=1.0",
+              "--parallel.llep_min_chunk=4"]
+    settings = [*CHAT, f"--data.source={chat_source(tmp_path)}", "--model.aux_loss_coef=0.1"]
+    config = resolve(load_config(None, [*settings, *layout]), 4)
+    results = run_distributed(packed_step, 4, config, timeout=600)
+    from mop.data import build_data
+
+    data = build_data(config.data.source, config.data.tokenizer, config.data.seq_len, 0,
+                      chat=ChatSettings(config.data.tokenizer))
+    packed = [data.dataset[i] for i in results[0][2]]
+    assert any(item["padding"][:192].sum() != item["padding"][192:].sum() for item in packed)
+    model = build_model(config.model, seed=config.train.seed)
+    batches = [{key: value.unsqueeze(0) for key, value in item.items()} for item in packed]
+    targets, total = count_targets(batches), 0.0
+    for batch in batches:
+        _, loss = micro_batch_objective(model, batch, targets, len(batches))
+        loss.backward()
+        total += loss.item()
+    for loss, grads, _ in results:
+        assert_close(torch.tensor(loss), torch.tensor(total), atol=1e-6, rtol=1e-5)
+        for name, param in model.named_parameters():
+            assert_close(grads[canonical_name(name)], param.grad, atol=1e-6, rtol=1e-5, msg=name)
 
 
 def test_chat_needs_conversations_that_fit(tmp_path):

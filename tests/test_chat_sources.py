@@ -2,7 +2,7 @@
 (and like transformers' `apply_chat_template` on the rows as read), ShareGPT rows like their messages,
 bad rows are one-line errors naming file and row (or counted and skipped, never leaving nothing to
 train on), and `mop data prepare` writes what `encode_source` computes, whole or not at all, into a
-folder that a run with another tokenizer, template or `data.loss_on` refuses.
+folder that a run with another tokenizer or template refuses.
 
 Everything uses the shipped Qwen3 assets (`mop/data/assets/qwen3`: its real template, a tiny vocabulary).
 """
@@ -446,8 +446,8 @@ def test_a_prepared_folder_refuses_other_settings(prepared, tmp_path):
     changed.write_text(template.replace("<|im_start|>assistant\\n", "<|im_start|>assistant \\n"))
     assert open_prepared(str(out), ChatSettings(QWEN3, chat_template=str(same))).targets.any()  # same text: accepted
     for settings, what, setting in ((ChatSettings(GPT_OSS), "tokenizer", "data.tokenizer"),
-                                    (ChatSettings(QWEN3, chat_template=str(changed)), "template", "data.chat_template"),
-                                    (ChatSettings(QWEN3, loss_on="all"), "loss", "data.loss_on")):
+                                    (ChatSettings(QWEN3, chat_template=str(changed)), "chat template",
+                                     "data.chat_template")):
         with pytest.raises(DataError) as excinfo:
             open_prepared(str(out), settings)
         assert re.fullmatch(rf"data\.source: {re.escape(str(out))} was prepared with another {what} than this run's "

@@ -2,7 +2,8 @@
 
 Each conversation of a `ChatCorpus` is one document of `n` tokens: it fits a sequence of `S =
 data.seq_len` tokens when `n <= S` (inputs are its n tokens; the label of token t is token t + 1
-when that token is a target, and the last token's label is ignored, so no target crosses its end).
+when that token is an assistant target, or any token with `data.loss_on = "all"`, and the last
+token's label is ignored, so no target crosses its end).
 
 Overlong conversations (`n > S`, `data.overlong`): "drop" leaves them out; "truncate" keeps the
 longest prefix that ends at a turn boundary (the end of a run of targets: an assistant turn's
@@ -11,7 +12,8 @@ within S. Both are counted (`Packing.dropped`, `Packing.truncated`).
 
 Packing (`best_fit_decreasing`): conversations in order of decreasing length (ties in an order
 drawn from the seed), each into the open sequence with the least room that still holds it, else a
-new one. Sequences with room left are padded at the end: padding is its own document, its labels
+new one; the sequences are then put in an order drawn from the seed. Sequences with room left
+are padded at the end: padding is its own document, its labels
 are ignored and its `padding` flag set (the router statistics and tokens/s leave it out).
 The open sequences are kept in buckets by remaining room, and the room values present in one sorted
 list (the smallest room >= n is a bisection); the list holds at most min(sequences, S) values, at
@@ -101,20 +103,28 @@ def best_fit_decreasing(lengths: np.ndarray, capacity: int, seed: int) -> tuple[
 
 
 def pack(corpus: ChatCorpus, seq_len: int, overlong: str, seed: int) -> Packing:
+    """The sequences of a corpus, in an order drawn from the seed: best fit numbers them as it opens
+    them, longest conversations first, and a held-out split (the last sequences) or an evaluation
+    (the first ones) must not see only the shortest or the longest."""
     lengths, dropped, truncated = fitted_lengths(corpus, seq_len, overlong)
     items, bounds = best_fit_decreasing(lengths, seq_len, seed)
+    sizes = np.diff(bounds)
+    rank = np.random.default_rng([seed, 1]).permutation(len(sizes))  # sequence b becomes sequence rank[b]
+    items = items[np.argsort(np.repeat(rank, sizes), kind="stable")]
+    bounds = np.concatenate([[0], np.cumsum(sizes[np.argsort(rank)])]).astype(np.int64)
     return Packing(items, lengths[items], bounds, dropped, truncated)
 
 
 class ChatDataset(Dataset):
     """Packed sequence i of a chat corpus as a dict of tensors (the module docstring)."""
 
-    def __init__(self, corpus: ChatCorpus, seq_len: int, overlong: str, seed: int, pad_id: int):
+    def __init__(self, corpus: ChatCorpus, seq_len: int, overlong: str, seed: int, pad_id: int,
+                 loss_on: str = "assistant"):
         if seq_len < 2:
             raise DataError(f"data.seq_len = {seq_len}: a conversation needs at least 2 tokens; raise data.seq_len")
-        self.corpus, self.seq_len, self.pad_id = corpus, seq_len, pad_id
+        self.corpus, self.seq_len, self.pad_id, self.loss_on = corpus, seq_len, pad_id, loss_on
         self.packing = pack(corpus, seq_len, overlong, seed)
-        self.fingerprint = f"{corpus.fingerprint}/{seq_len}/{overlong}/{seed}"
+        self.fingerprint = f"{corpus.fingerprint}/{seq_len}/{overlong}/{seed}/{loss_on}"
         real = int(self.packing.lengths.sum())
         self.stats = {"data_conversations": len(self.packing.items), "data_overlong_dropped": self.packing.dropped,
                       "data_overlong_truncated": self.packing.truncated, "data_skipped_invalid": corpus.skipped,
@@ -138,8 +148,11 @@ class ChatDataset(Dataset):
         for number, k in enumerate(range(p.bounds[i], p.bounds[i + 1])):
             start, n = int(self.corpus.offsets[p.items[k]]), int(p.lengths[k])
             ids[at:at + n] = self.corpus.tokens[start:start + n]
-            targets = np.asarray(self.corpus.targets[start + 1:start + n], dtype=bool)
-            labels[at:at + n - 1] = np.where(targets, ids[at + 1:at + n], IGNORE_INDEX)
+            if self.loss_on == "all":
+                labels[at:at + n - 1] = ids[at + 1:at + n]
+            else:
+                targets = np.asarray(self.corpus.targets[start + 1:start + n], dtype=bool)
+                labels[at:at + n - 1] = np.where(targets, ids[at + 1:at + n], IGNORE_INDEX)
             positions[at:at + n] = np.arange(n)
             documents[at:at + n] = number
             at += n

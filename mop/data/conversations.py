@@ -37,7 +37,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from mop.data.errors import DataError
+from mop.data.errors import DataError, not_utf8
 from mop.data.templates import Conversation, ConversationError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -113,7 +113,7 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, str]]:
                 if line.strip():
                     yield f"{path}:{number}", line
     except UnicodeDecodeError as e:
-        raise DataError(f"data.source: {path} is not valid UTF-8 ({e.reason}); re-encode it as UTF-8") from None
+        raise not_utf8(path, e) from None
 
 
 def _table_rows(path: Path, batches) -> Iterator[tuple[str, dict]]:
@@ -142,6 +142,8 @@ def conversation(row) -> Conversation:
         fields = [repr(key) for key, value in row.items() if value is not None]  # a parquet row has every column
         raise ConversationError(f"it has no 'messages' or 'conversations' (fields: {', '.join(fields) or 'none'})")
     tools = row.get("tools")
+    if isinstance(tools, str) and not tools.strip():  # a string column's empty value: no tools
+        tools = None
     if isinstance(tools, str):
         try:
             tools = json.loads(tools)

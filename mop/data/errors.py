@@ -7,3 +7,7 @@ it, so the CLI can print it without a traceback.
 
 class DataError(ValueError):
     """A data source, tokenizer or resume state that cannot be used as configured."""
+
+
+def not_utf8(path, e: UnicodeDecodeError) -> DataError:
+    return DataError(f"data.source: {path} is not valid UTF-8 ({e.reason}); re-encode it as UTF-8")

@@ -94,7 +94,8 @@ class SequenceStream:
                 raise DataError(
                     f"{setting}: cannot resume: the checkpoint's data stream has {key} = {state[key]!r} but "
                     f"this run has {getattr(self, key)!r}; resume with the same train.seed, data.source, "
-                    "data.tokenizer and data.seq_len, or start a new run"
+                    "data.tokenizer and data.seq_len (for chat data also data.chat_template, data.loss_on and "
+                    "data.overlong), or start a new run"
                 )
         self.position = int(state["position"])
 
@@ -158,12 +159,14 @@ class Data(NamedTuple):
 
 def source_options(d) -> dict:
     """The ``load_dataset`` keywords that a run's data settings (``mop.config.DataConfig``) give."""
-    chat = ChatSettings(d.tokenizer, d.chat_template, d.loss_on, d.skip_invalid) if d.format == "chat" else None
-    return {"text_field": d.text_field, "bin_dtype": d.bin_dtype, "chat": chat, "overlong": d.overlong}
+    chat = ChatSettings(d.tokenizer, d.chat_template, d.skip_invalid) if d.format == "chat" else None
+    return {"text_field": d.text_field, "bin_dtype": d.bin_dtype, "chat": chat, "overlong": d.overlong,
+            "loss_on": d.loss_on}
 
 
 def load_dataset(source: str, tok: AnyTokenizer, seq_len: int, seed: int, *, text_field: str = "text",
-                 bin_dtype: str = "uint16", chat: ChatSettings | None = None, overlong: str = "drop"):
+                 bin_dtype: str = "uint16", chat: ChatSettings | None = None, overlong: str = "drop",
+                 loss_on: str = "assistant"):
     """The packed sequences of a source: text cut every ``seq_len`` tokens (``PackedDataset``), or with
     ``chat`` whole conversations packed by best-fit decreasing (``ChatDataset``). Both carry a
     ``fingerprint`` of what they hold and ``stats``, the counts a run reports."""
@@ -172,12 +175,13 @@ def load_dataset(source: str, tok: AnyTokenizer, seq_len: int, seed: int, *, tex
             raise DataError(f"data.source: {source} is a prepared chat folder; set data.format = 'chat'")
         tokens, doc_starts = load_token_stream(source, tok, text_field, bin_dtype)
         return PackedDataset(tokens, doc_starts, seq_len)
-    return ChatDataset(load_chat(source, chat), seq_len, overlong, seed, tok.pad_id)
+    return ChatDataset(load_chat(source, chat), seq_len, overlong, seed, tok.pad_id, loss_on)
 
 
 def build_data(source: str, tokenizer: str, seq_len: int, seed: int, *,
                text_field: str = "text", bin_dtype: str = "uint16",
-               eos_token: str | None = None, chat: ChatSettings | None = None, overlong: str = "drop") -> Data:
+               eos_token: str | None = None, chat: ChatSettings | None = None, overlong: str = "drop",
+               loss_on: str = "assistant") -> Data:
     """Tokenizer, packed dataset and sequence stream from plain settings.
 
     ``source``: ``"builtin"`` or a local file/directory (see ``sources``; with ``chat``, a conversation
@@ -187,10 +191,10 @@ def build_data(source: str, tokenizer: str, seq_len: int, seed: int, *,
     column holding text; ``bin_dtype``: ``"uint16"`` or ``"uint32"`` for ``.bin`` files;
     ``eos_token``: overrides the tokenizer's document separator; ``chat``: how conversations become
     tokens and targets (None: text); ``overlong``: "drop" or "truncate" conversations longer than
-    ``seq_len``.
+    ``seq_len``; ``loss_on``: the targets of a conversation, "assistant" or "all".
     """
     tok = load_tokenizer(tokenizer, eos_token)
     dataset = load_dataset(source, tok, seq_len, seed, text_field=text_field, bin_dtype=bin_dtype, chat=chat,
-                           overlong=overlong)
+                           overlong=overlong, loss_on=loss_on)
     stream = SequenceStream(len(dataset), seed, seq_len, dataset.fingerprint)
     return Data(tok, dataset, stream)

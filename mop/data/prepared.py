@@ -2,7 +2,7 @@
 prepared folder of memory-mapped arrays.
 
 `ChatCorpus` is what training packs (`mop.data.chat_packing`): `tokens [T]`, `targets [T]` (1 where
-the token is a loss target, `mop.data.templates`) and `offsets [n + 1]` (conversation k is
+the token is an assistant target, `mop.data.templates`) and `offsets [n + 1]` (conversation k is
 `tokens[offsets[k]:offsets[k + 1]]`). It comes from either
 - a conversation source read at start-up (`encode_source`, in this process: small sets), or
 - a prepared folder (`open_prepared`): `mop data prepare SOURCE --tokenizer DIR --out DIR` once
@@ -11,14 +11,15 @@ the token is a loss target, `mop.data.templates`) and `offsets [n + 1]` (convers
 A prepared folder holds `tokens.bin` (uint16 when the vocabulary fits, else uint32), `targets.bin`
 (uint8), `offsets.npy` (int64) and `manifest.json`: the format version, the source and its
 fingerprint (file names, sizes and sampled bytes), the tokenizer's fingerprint (sha256 of its
-tokenizer.json), the template's sha256 and origin, `loss_on`, the counts (conversations, tokens,
-targets, skipped ones with examples) and a length histogram. A run whose tokenizer, template or
-`data.loss_on` differ from the manifest's is refused in one line.
+tokenizer.json), the template's sha256 and origin, the counts (conversations, tokens,
+targets, skipped ones with examples) and a length histogram. A run whose tokenizer or template
+differ from the manifest's is refused in one line (`data.loss_on` and `data.overlong` apply
+when sequences are built, so one folder serves them all).
 
 `prepare` streams: the main process reads rows a chunk at a time, `workers` processes render and
-tokenize the chunks (`multiprocessing.Pool.imap`, in order, a bounded number in flight), and the
-main process appends each chunk's arrays to the files; memory holds a few chunks and the offsets
-(8 bytes per conversation), never the source. The folder is written under a temporary name and
+tokenize the chunks (at most two chunks per worker in flight, collected in order), and the main
+process appends each chunk's arrays to the files; memory holds a few chunks and the lengths (8
+bytes per conversation), never the source. The folder is written under a temporary name and
 renamed when complete, so an interrupted run never leaves a folder that looks prepared.
 """
 
@@ -26,6 +27,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+from array import array
+from collections import deque
 import multiprocessing
 import os
 import shutil
@@ -57,8 +60,6 @@ class ChatSettings:
     """The tokenizer folder (or tokenizer.json)."""
     chat_template: str = ""
     """A template file overriding the tokenizer folder's ("" : the folder's)."""
-    loss_on: str = "assistant"
-    """"assistant" or "all" (mop.data.templates)."""
     skip_invalid: bool = False
     """Count and skip a conversation that cannot be used, instead of stopping with its error."""
 
@@ -68,7 +69,7 @@ class ChatSettings:
             raise DataError("data.tokenizer: chat data needs a Hugging Face tokenizer folder (its chat template and "
                             "special tokens); set data.tokenizer to one")
         source, origin = read_template(tokenizer.directory, self.chat_template)
-        return ChatTemplate(source, origin, tokenizer, self.loss_on)
+        return ChatTemplate(source, origin, tokenizer)
 
 
 @dataclass
@@ -142,14 +143,17 @@ class _Arrays:
         self.token_dtype = token_dtype
         self.files = None if folder is None else (open(folder / "tokens.bin", "wb"), open(folder / "targets.bin", "wb"))
         self.parts: tuple[list, list] = ([], [])
-        self.lengths: list[int] = []
+        self.lengths = array("q")
         self.targets = 0
-        self.skipped: list[str] = []
+        self.skipped = 0
+        self.examples: list[str] = []  # of skipped conversations, the first few
 
     def add(self, encoded) -> None:
         for item in encoded:
             if isinstance(item, str):
-                self.skipped.append(item)
+                self.skipped += 1
+                if len(self.examples) < 10:
+                    self.examples.append(item)
                 continue
             ids, targets = item[0].astype(self.token_dtype), item[1].astype(np.uint8)
             self.lengths.append(len(ids))
@@ -167,7 +171,7 @@ class _Arrays:
                 f.close()
 
     def offsets(self) -> np.ndarray:
-        return np.concatenate([[0], np.cumsum(np.asarray(self.lengths, dtype=np.int64))]).astype(np.int64)
+        return np.concatenate([[0], np.cumsum(np.frombuffer(self.lengths, dtype=np.int64))]).astype(np.int64)
 
 
 def _token_dtype(tokenizer) -> np.dtype:
@@ -176,7 +180,7 @@ def _token_dtype(tokenizer) -> np.dtype:
 
 def _check_some(arrays: _Arrays, source: str) -> None:
     if not arrays.lengths:
-        why = f" ({len(arrays.skipped)} skipped, e.g. {arrays.skipped[0]})" if arrays.skipped else ""
+        why = f" ({arrays.skipped} skipped, e.g. {arrays.examples[0]})" if arrays.skipped else ""
         raise DataError(f"data.source = {source!r} holds no usable conversation{why}; point it at conversations with "
                         "assistant turns")
 
@@ -190,8 +194,9 @@ def encode_source(source: str, settings: ChatSettings) -> ChatCorpus:
         arrays.add(encode_rows(template, chunk, settings.skip_invalid))
     _check_some(arrays, source)
     tokens, targets = (np.concatenate(p) for p in arrays.parts)
-    fingerprint = hashlib.blake2b(f"{source_fingerprint(source)}/{template.fingerprint}".encode(), digest_size=8)
-    return ChatCorpus(tokens, targets.astype(bool), arrays.offsets(), fingerprint.hexdigest(), len(arrays.skipped))
+    made = f"{source_fingerprint(source)}/{template.tokenizer.fingerprint}/{template.hash}"
+    fingerprint = hashlib.blake2b(made.encode(), digest_size=8).hexdigest()
+    return ChatCorpus(tokens, targets.astype(bool), arrays.offsets(), fingerprint, arrays.skipped)
 
 
 def is_prepared(source: str) -> bool:
@@ -212,13 +217,22 @@ def prepare(source: str, settings: ChatSettings, out: str, workers: int = 0, pro
     arrays = _Arrays(partial, token_dtype)
     workers = workers or os.cpu_count() or 1
     try:
-        with _workers(workers, settings) as pool:
-            with _progress_bar(progress) as bar:
-                for encoded in pool.imap(_encode_chunk, _chunks(source)):
-                    if isinstance(encoded, str):
-                        raise DataError(encoded)
-                    arrays.add(encoded)
-                    bar.update(len(encoded))
+        with _workers(workers, settings) as pool, _progress_bar(progress) as bar:
+            pending = deque()  # chunks in flight, in order: at most two per worker
+
+            def collect():
+                encoded = pending.popleft().get()
+                if isinstance(encoded, str):
+                    raise DataError(encoded)
+                arrays.add(encoded)
+                bar.update(len(encoded))
+
+            for chunk in _chunks(source):
+                pending.append(pool.apply_async(_encode_chunk, (chunk,)))
+                if len(pending) >= 2 * workers:
+                    collect()
+            while pending:
+                collect()
         arrays.close()
         _check_some(arrays, source)
         np.save(partial / "offsets.npy", arrays.offsets())
@@ -261,10 +275,10 @@ def _manifest(source, settings: ChatSettings, template: ChatTemplate, arrays: _A
     counts = {f"<= {1 << k}": int(n) for k, n in enumerate(exponents) if n}
     return {"format": FORMAT, "version": VERSION, "source": str(source), "source_fingerprint": source_fingerprint(source),
             "tokenizer": template.tokenizer.name, "tokenizer_fingerprint": template.tokenizer.fingerprint,
-            "template_origin": template.origin, "template_sha256": template.hash, "loss_on": settings.loss_on,
+            "template_origin": template.origin, "template_sha256": template.hash,
             "token_dtype": token_dtype.str, "conversations": len(lengths), "tokens": int(lengths.sum()),
-            "targets": arrays.targets, "longest": int(lengths.max()), "skipped": len(arrays.skipped),
-            "skipped_examples": arrays.skipped[:10], "length_histogram": counts}
+            "targets": arrays.targets, "longest": int(lengths.max()), "skipped": arrays.skipped,
+            "skipped_examples": arrays.examples, "length_histogram": counts}
 
 
 def add_arguments(parser) -> None:
@@ -275,7 +289,6 @@ def add_arguments(parser) -> None:
     parser.add_argument("--out", required=True, help="the prepared folder to write (new or empty)")
     parser.add_argument("--chat-template", default="", help="a Jinja template file instead of the tokenizer folder's "
                         "(training then sets the same file as data.chat_template)")
-    parser.add_argument("--loss-on", choices=("assistant", "all"), default="assistant", help="the targets (data.loss_on)")
     parser.add_argument("--skip-invalid", action="store_true", help="count and skip unusable conversations instead "
                         "of stopping at the first (data.skip_invalid)")
     parser.add_argument("--workers", type=int, default=0, help="worker processes (0: one per core)")
@@ -287,7 +300,7 @@ def run(args) -> None:
     import time
 
     start = time.perf_counter()
-    settings = ChatSettings(args.tokenizer, args.chat_template, args.loss_on, args.skip_invalid)
+    settings = ChatSettings(args.tokenizer, args.chat_template, args.skip_invalid)
     m = prepare(args.source, settings, args.out, args.workers, progress=not args.no_progress)
     seconds = time.perf_counter() - start
     print(f"mop: prepared {m['conversations']} conversations ({m['tokens']} tokens, {m['targets']} targets, "
@@ -296,8 +309,8 @@ def run(args) -> None:
 
 
 def open_prepared(source: str, settings: ChatSettings) -> ChatCorpus:
-    """A prepared folder's arrays, memory-mapped, after checking it was made for this run's tokenizer,
-    template and `data.loss_on`."""
+    """A prepared folder's arrays, memory-mapped, after checking it was made for this run's tokenizer
+    and template."""
     folder = Path(source).expanduser()
     try:
         manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
@@ -308,14 +321,16 @@ def open_prepared(source: str, settings: ChatSettings) -> ChatCorpus:
                         f"{manifest.get('format')!r} version {manifest.get('version')!r}); prepare it again with "
                         "mop data prepare")
     template = settings.template()
-    mine = {"tokenizer_fingerprint": (template.tokenizer.fingerprint, "data.tokenizer"),
-            "template_sha256": (template.hash, "data.chat_template"), "loss_on": (settings.loss_on, "data.loss_on")}
-    for key, (value, setting) in mine.items():
+    mine = {"tokenizer_fingerprint": ("tokenizer", template.tokenizer.fingerprint, "data.tokenizer"),
+            "template_sha256": ("chat template", template.hash, "data.chat_template")}
+    for key, (what, value, setting) in mine.items():
         if manifest.get(key) != value:
-            raise DataError(f"data.source: {folder} was prepared with another {key.split('_')[0]} than this run's "
-                            f"{setting} ({manifest.get(key)!r} there, {value!r} here); set {setting} to the one it was "
-                            f"prepared with, or prepare the source again")
+            raise DataError(f"data.source: {folder} was prepared with another {what} than this run's {setting} "
+                            f"({manifest.get(key)!r} there, {value!r} here); set {setting} to the one it was prepared "
+                            "with, or prepare the source again")
     dtype = np.dtype(manifest["token_dtype"])
+    if not (folder / "offsets.npy").is_file():
+        raise DataError(f"data.source: {folder / 'offsets.npy'} is missing from the prepared folder; prepare it again")
     offsets = np.load(folder / "offsets.npy", mmap_mode="r")
     tokens, targets = (_memmap(folder / name, t) for name, t in (("tokens.bin", dtype), ("targets.bin", np.uint8)))
     if len(tokens) != offsets[-1] or len(targets) != offsets[-1]:

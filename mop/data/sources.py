@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from mop.data.errors import DataError
+from mop.data.errors import DataError, not_utf8
 from mop.data.packing import ConcatTokens, pack_documents
 from mop.data.tokenizer import AnyTokenizer
 
@@ -74,15 +74,11 @@ def source_files(source: str) -> list:
     return [path]
 
 
-def _not_utf8(path, e: UnicodeDecodeError) -> DataError:
-    return DataError(f"data.source: {path} is not valid UTF-8 ({e.reason}); re-encode it as UTF-8")
-
-
 def _read_txt(path) -> Iterator[str]:
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        raise _not_utf8(path, e) from None
+        raise not_utf8(path, e) from None
     yield from (doc.strip() for doc in _BLANK_LINES.split(text.replace("\r\n", "\n")))
 
 
@@ -98,7 +94,7 @@ def _jsonl_lines(path) -> Iterator[tuple[int, str]]:
         with path.open("r", encoding="utf-8") as f:
             yield from enumerate(f, 1)
     except UnicodeDecodeError as e:
-        raise _not_utf8(path, e) from None
+        raise not_utf8(path, e) from None
 
 
 def _read_jsonl(path, text_field: str) -> Iterator[str]:

@@ -14,35 +14,38 @@ reasoning is offered under both `reasoning_content` and `thinking` (Qwen3's temp
 first, gpt-oss's the second). The tokens are the rendered text encoded without added special
 tokens: `apply_chat_template(..., tokenize=True)`'s ids.
 
-Targets (`data.loss_on = "assistant"`). Templates rarely mark what the model generates (Qwen3's and
-gpt-oss's have no `{% generation %}` blocks) and are not prefix-stable (both drop the reasoning of
-earlier turns), so neither markers nor renderings of conversation prefixes are relied on. For
-assistant message i of the rendering R:
-1. what the message wrote: R is rendered again with that message's generated values perturbed
-   (its content and reasoning strings, and every leaf of its tool calls' arguments, wrapped in
-   private-use characters; tool names are kept, since templates repeat them in the tool results).
-   The first and last characters where the two renderings differ bound what the message wrote.
-   A template may cut a marker off with the text around it (Qwen3's splits a `<think>...</think>`
-   block off the content, the opening marker with it): the renderings then differ by an insertion
-   only, and both bounds are where it is (for Qwen3, the end of the content). Only identical
-   renderings mean that the message renders nothing of its own;
-2. where the turn starts: the template's generation prompt (the text `add_generation_prompt` adds
-   after the messages before the first assistant turn: templates add the same text before every
-   turn, so it is rendered once per conversation); the turn's targets start after its last
-   occurrence before the first difference (and after the previous turn's targets), so a channel or think header the model
-   writes itself (gpt-oss's `<|channel|>final<|message|>`, Qwen3's `<think>`) is a target while
-   the role header is not. A template without a generation prompt starts the targets at the
-   first difference;
+Assistant targets. Templates rarely mark what the model generates (Qwen3's and gpt-oss's have no
+`{% generation %}` blocks) and are not prefix-stable (both drop the reasoning of earlier turns), so
+neither markers nor renderings of conversation prefixes are relied on. For assistant message i of
+the rendering R:
+1. what the message wrote: the values it wrote (its content and reasoning, its tool calls'
+   arguments; not the tool names, ids or types, which templates repeat in tool results or check)
+   are wrapped in private-use characters and the conversation rendered again. Every turn gets a
+   pair of its own in one rendering; where taking the markers out gives R back (the template wrote
+   the strings as they are), the first and last marker of a turn bound what it wrote. Otherwise
+   (a template that cuts or reformats a value, as Qwen3's splits a `<think>` block off the content),
+   or for a turn without a string to mark, the turn is rendered alone with its values perturbed
+   (numbers too) and the first and last characters where the two renderings differ bound it (an
+   insertion only: both bounds where it is). A turn that writes nothing (empty content) has only
+   its end-of-turn token as target;
+2. where the turn starts: after the last occurrence, before the first difference (and after the
+   previous turn's targets), of the template's generation prompt (what `add_generation_prompt` adds
+   after a user turn, rendered once per template), so a channel or think header the model writes
+   itself (gpt-oss's `<|channel|>final<|message|>`, Qwen3's `<think>`) is a target while the role
+   header is not. A template without a generation prompt starts the targets at the first difference;
 3. where the turn ends: the first special token at or after the last difference (Qwen3's
-   `<|im_end|>`, gpt-oss's `<|end|>`, `<|return|>` or `<|call|>`), inclusive; without one the
-   targets end at the last difference.
+   `<|im_end|>`, gpt-oss's `<|end|>`, `<|return|>` or `<|call|>`), inclusive. A template whose
+   assistant turn is not closed by a special token before the next turn is refused when loaded (a
+   two-turn probe conversation), since its targets could not be told from the next turn.
 A token is a target when its first character lies in a turn's span. The system prompt, user turns,
-tool results and role headers never are. Cost: one rendering of the whole conversation per
-assistant turn, plus the conversation's own and two of its opening.
+tool results and role headers never are. Cost: two renderings of the conversation (one more per
+turn the markers cannot place), linear in its length.
 
-With `data.loss_on = "all"` every token is a target. Every problem with a conversation is a
-`ConversationError` naming its row, which the readers turn into a one-line `DataError` (or count
-and skip with `data.skip_invalid`).
+The targets kept are always the assistant's: `data.loss_on = "all"` is applied when sequences are
+built (`mop.data.chat_packing`), so one encoding serves both, and the assistant turns' ends are the
+turn boundaries that `data.overlong = "truncate"` cuts at either way. Every problem with a
+conversation is a `ConversationError` naming its row, which the readers turn into a one-line
+`DataError` (or count and skip with `data.skip_invalid`).
 """
 
 from __future__ import annotations
@@ -50,9 +53,9 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from datetime import datetime
-from functools import cached_property
 from pathlib import Path
 
 import jinja2
@@ -159,26 +162,43 @@ def _prepared_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
-def _perturbed(value, names_kept: bool):
-    """`value` with every string and number leaf wrapped in OPEN/CLOSE (a tool call's "name" kept)."""
+def _wrapped(value, opening: str, closing: str, numbers: bool):
+    """`value` with its string leaves (and number leaves, with `numbers`) wrapped in the two markers."""
     if isinstance(value, dict):
-        return {k: v if names_kept and k == "name" else _perturbed(v, names_kept) for k, v in value.items()}
+        return {k: _wrapped(v, opening, closing, numbers) for k, v in value.items()}
     if isinstance(value, list):
-        return [_perturbed(v, names_kept) for v in value]
-    if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-        return f"{OPEN}{value}{CLOSE}"
+        return [_wrapped(v, opening, closing, numbers) for v in value]
+    if isinstance(value, str) or (numbers and isinstance(value, (int, float)) and not isinstance(value, bool)):
+        return f"{opening}{value}{closing}"
     return value
 
 
-def _perturb_message(message: dict) -> dict:
-    """The assistant message with what it generated perturbed (the module docstring, step 1)."""
+def _perturbed(message: dict, opening: str, closing: str, numbers: bool) -> dict:
+    """The assistant message with what it wrote wrapped in markers: its content and reasoning, its tool
+    calls' arguments (not their names, ids or types, which templates repeat or check)."""
     out = dict(message)
     for key in ("content", *REASONING_FIELDS):
         if isinstance(out.get(key), str) and out[key]:
-            out[key] = _perturbed(out[key], True)
+            out[key] = _wrapped(out[key], opening, closing, numbers)
     if out.get("tool_calls"):
-        out["tool_calls"] = _perturbed(copy.deepcopy(out["tool_calls"]), True)
+        calls = copy.deepcopy(out["tool_calls"])
+        for call in calls:
+            holder = call.get("function", call) if isinstance(call, dict) else None
+            if isinstance(holder, dict) and "arguments" in holder:
+                holder["arguments"] = _wrapped(holder["arguments"], opening, closing, numbers)
+        out["tool_calls"] = calls
     return out
+
+
+def _markers(index: int) -> tuple[str, str]:
+    """Message `index`'s own pair of supplementary private-use characters."""
+    return chr(_MARKER_BASE + 2 * index), chr(_MARKER_BASE + 2 * index + 1)
+
+
+_MARKER_BASE = 0xF0000
+_MARKER = re.compile("[\U000F0000-\U000FFFFD]")
+_PROBE = [{"role": "user", "content": "mop probe one"}, {"role": "assistant", "content": "mop answer one"},
+          {"role": "user", "content": "mop probe two"}, {"role": "assistant", "content": "mop answer two"}]
 
 
 def _difference(a: str, b: str) -> tuple[int, int]:
@@ -202,10 +222,13 @@ def _common_prefix(a: str, b: str, limit: int) -> str:
 
 
 class ChatTemplate:
-    """A tokenizer and its chat template: `encode(conversation) -> (ids, targets)` (the module docstring)."""
+    """A tokenizer and its chat template: `encode(conversation) -> (ids, assistant targets)` (the
+    module docstring). Checks once that the template ends an assistant turn with a special token
+    before the next turn (`_check_turn_ends`): the targets could not be told from the next turn
+    otherwise."""
 
-    def __init__(self, source: str, origin: str, tokenizer, loss_on: str = "assistant"):
-        self.source, self.origin, self.loss_on = source, origin, loss_on
+    def __init__(self, source: str, origin: str, tokenizer):
+        self.source, self.origin = source, origin
         self.hash = template_hash(source)
         try:
             self._template = compile_template(source)
@@ -214,6 +237,9 @@ class ChatTemplate:
                             f"{e.lineno}); fix the template") from None
         self.tokenizer = tokenizer
         self._special_tokens = tokenizer.special_tokens_map()
+        self._special_ids = np.asarray(sorted(tokenizer.special_ids), dtype=np.int64)
+        self._prompt = self._generation_prompt()
+        self._check_turn_ends()
 
     def render(self, conversation: Conversation, add_generation_prompt: bool = False, messages=None) -> str:
         messages = conversation.messages if messages is None else messages
@@ -227,51 +253,80 @@ class ChatTemplate:
                                     f"({type(e).__name__}: {e})") from None
 
     def encode(self, conversation: Conversation) -> tuple[np.ndarray, np.ndarray]:
-        """Token ids (int64) and the target mask (bool) of one conversation."""
+        """Token ids (int64) and the assistant targets (bool) of one conversation."""
         conversation = Conversation(_prepared_messages(conversation.messages), conversation.tools)
         assistant = [i for i, m in enumerate(conversation.messages) if m.get("role") == "assistant"]
         if not assistant:
             raise ConversationError("it has no assistant turn")
         text = self.render(conversation)
         ids, starts = self.tokenizer.encode_with_starts(text)
-        if self.loss_on == "all":
-            return ids, np.ones(len(ids), dtype=bool)
-        special = np.flatnonzero(np.isin(ids, list(self.tokenizer.special_ids)))
+        special = np.flatnonzero(np.isin(ids, self._special_ids))
         targets = np.zeros(len(ids), dtype=bool)
         done = 0  # characters of `text` before which no later turn's targets start
-        prompt = self._generation_prompt(conversation, assistant[0])
-        for index in assistant:
-            begin, end = self._turn_span(conversation, index, text, done, prompt)
+        for index, (first, end) in zip(assistant, self._differences(conversation, assistant, text)):
+            begin, end = self._turn_start(index, text, done, first, end)
             after = np.searchsorted(starts, end)  # the first token starting at or after the last difference
             closing = np.searchsorted(special, after)
             stop = int(special[closing]) + 1 if closing < len(special) else int(after)
             targets[np.searchsorted(starts, begin):stop] = True
-            done = int(starts[stop - 1]) + 1
+            done = int(starts[stop - 1]) + 1 if stop else done
         return ids, targets
 
-    def _turn_span(self, conversation: Conversation, index: int, text: str, done: int, prompt: str) -> tuple[int, int]:
-        """Characters `[begin, end)` of `text`: from the turn's start to its last difference (steps 1-2)."""
+    def _differences(self, conversation: Conversation, assistant: list[int], text: str) -> list[tuple[int, int] | None]:
+        """Each assistant turn's first and last differing characters (step 1), None where nothing
+        differs. One rendering with every turn's strings wrapped in markers of its own, when taking
+        the markers out gives `text` back (the template wrote the strings as they are); otherwise,
+        or for a turn without a marked string, one rendering per turn with its values perturbed."""
         messages = list(conversation.messages)
-        messages[index] = _perturb_message(messages[index])
-        perturbed = self.render(conversation, messages=messages)
-        if perturbed == text:
-            raise ConversationError(f"message {index} (assistant) renders nothing of its own")
-        first, end = _difference(text, perturbed)  # first == end: an insertion only (the module docstring)
-        begin = first
-        if prompt:
-            at = text.rfind(prompt, done, first)
-            if at >= 0:
-                begin = at + len(prompt)
-        return begin, end
+        for index in assistant:
+            messages[index] = _perturbed(messages[index], *_markers(index), numbers=False)
+        marked = self.render(conversation, messages=messages)
+        found: dict[int, list[int]] = {}
+        if _MARKER.sub("", marked) == text:
+            for count, match in enumerate(_MARKER.finditer(marked)):
+                index = (ord(match.group()) - _MARKER_BASE) // 2
+                found.setdefault(index, []).append(match.start() - count)  # its place in `text`
+        return [(min(found[i]), max(found[i])) if i in found else self._difference_alone(conversation, i, text)
+                for i in assistant]
 
-    def _generation_prompt(self, conversation: Conversation, index: int) -> str:
-        before = conversation.messages[:index]
-        plain = self.render(conversation, messages=before)
-        prompted = self.render(conversation, add_generation_prompt=True, messages=before)
+    def _difference_alone(self, conversation: Conversation, index: int, text: str) -> tuple[int, int] | None:
+        messages = list(conversation.messages)
+        messages[index] = _perturbed(messages[index], OPEN, CLOSE, numbers=True)
+        perturbed = self.render(conversation, messages=messages)
+        return None if perturbed == text else _difference(text, perturbed)
+
+    def _turn_start(self, index: int, text: str, done: int, first: int | None, end: int | None) -> tuple[int, int]:
+        """Characters `[begin, end)` of `text`: from the turn's start (after its generation prompt, step 2)
+        to its last difference; a turn that writes nothing (empty content) starts and ends after its prompt."""
+        if first is None:
+            at = text.find(self._prompt, done) if self._prompt else -1
+            if at < 0:
+                raise ConversationError(f"message {index} (assistant) renders nothing of its own")
+            return at + len(self._prompt), at + len(self._prompt)
+        at = text.rfind(self._prompt, done, first) if self._prompt else -1
+        return (first if at < 0 else at + len(self._prompt)), end
+
+    def _generation_prompt(self) -> str:
+        """What `add_generation_prompt` adds after a user turn ("" where it adds nothing, or where the
+        template cannot render a lone user turn)."""
+        probe = Conversation(_PROBE[:1])
+        try:
+            plain, prompted = self.render(probe), self.render(probe, add_generation_prompt=True)
+        except ConversationError:
+            return ""
         return prompted[len(plain):] if prompted.startswith(plain) else ""
 
-    @cached_property
-    def fingerprint(self) -> dict:
-        """What a prepared folder records of the template and tokenizer that made it."""
-        return {"template_sha256": self.hash, "tokenizer_fingerprint": self.tokenizer.fingerprint,
-                "loss_on": self.loss_on}
+    def _check_turn_ends(self) -> None:
+        """The first turn of a two-turn probe must end (its special token) before the second user turn."""
+        try:
+            ids, targets = self.encode(Conversation(_PROBE))
+            text = self.render(Conversation(_PROBE))
+        except ConversationError:
+            return  # the template needs more than the probe (a system prompt, tools): nothing to judge
+        _, starts = self.tokenizer.encode_with_starts(text)
+        second_user = np.searchsorted(starts, text.index(_PROBE[2]["content"]))
+        if targets[second_user]:
+            raise DataError(f"data.chat_template: {self.origin} ends an assistant turn with no special token of "
+                            f"{self.tokenizer.name} (the targets would run into the next turn); use a template "
+                            "whose turns end with one (<|im_end|>, <|end|>, ...) or a tokenizer that marks it special")
+

@@ -117,6 +117,14 @@ def _token_content(entry) -> str | None:
     return entry if isinstance(entry, str) else None
 
 
+def _plain(tok: _HFTokenizerImpl) -> _HFTokenizerImpl:
+    """A tokenizer that neither truncates nor pads (a tokenizer.json may set either; transformers
+    turns them off for every call that does not ask for them, and a document is never cut here)."""
+    tok.no_truncation()
+    tok.no_padding()
+    return tok
+
+
 class HFTokenizer:
     """A local ``tokenizer.json`` loaded with the ``tokenizers`` library."""
 
@@ -127,7 +135,7 @@ class HFTokenizer:
         try:
             # Read once: the bytes fingerprinted are the bytes loaded and the bytes checkpoints carry.
             self._json = path.read_bytes()
-            self._tok = _HFTokenizerImpl.from_str(self._json.decode("utf-8"))
+            self._tok = _plain(_HFTokenizerImpl.from_str(self._json.decode("utf-8")))
         except Exception as e:  # the library raises a bare Exception on malformed files
             raise DataError(
                 f"data.tokenizer: cannot load {path} ({str(e).splitlines()[0]}); point "
@@ -219,7 +227,7 @@ class HFTokenizer:
     def _offsets_tokenizer(self) -> _HFTokenizerImpl:
         # Without the post-processor, which adds nothing to ids encoded without special tokens but
         # trims whitespace off byte-level offsets: each token's offsets are then exactly its characters.
-        tok = _HFTokenizerImpl.from_str(self._json.decode("utf-8"))
+        tok = _plain(_HFTokenizerImpl.from_str(self._json.decode("utf-8")))
         tok.post_processor = None
         return tok
 

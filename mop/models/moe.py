@@ -58,7 +58,7 @@ def load_balancing_loss(stats: RouterStats) -> torch.Tensor:
     micro-batching or layout.
     """
     experts = stats.assignments.shape[-1]
-    rows = stats.rows.clamp(min=1).unsqueeze(-1)  # a sequence of padding alone (no rows) adds 0
+    rows = stats.rows.unsqueeze(-1)
     per_sequence = experts * ((stats.assignments / rows) * (stats.prob_sum / rows)).sum(-1)
     return per_sequence.sum()
 
