@@ -372,3 +372,21 @@ def test_a_chat_run_records_its_targets_data_and_held_out_conversations(tmp_path
         real = record["tokens_per_s"] * record["step_time_s"]
         assert real == pytest.approx(positions * (1 - record["data_padding_share"]), rel=0.25)
         assert real < positions
+
+
+@pytest.mark.parametrize("folder", [QWEN3, GPT_OSS])
+def test_an_empty_assistant_turn_has_no_target_and_an_opening_assistant_turn_is_one(folder):
+    template = ChatSettings(folder).template()
+    conversation = Conversation([{"role": "assistant", "content": "Welcome."}, {"role": "user", "content": "Hi"},
+                                 {"role": "assistant", "content": ""}, {"role": "user", "content": "Still there?"},
+                                 {"role": "assistant", "content": "Yes."}])
+    runs = target_runs(template, *template.encode(conversation))
+    assert len(runs) == 2 and "Welcome." in runs[0] and "Yes." in runs[1] and "Still" not in runs[1]
+
+
+def test_a_template_whose_turns_end_without_a_special_token_is_refused(tmp_path):
+    plain = tmp_path / "plain.jinja"
+    plain.write_text("{% for m in messages %}{{ m.role }}: {{ m.content }}\n\n{% endfor %}{{ eos_token }}")
+    with pytest.raises(DataError, match=r"data\.chat_template: .*plain\.jinja ends an assistant turn with no special "
+                                        r"token"):
+        ChatSettings(QWEN3, chat_template=str(plain)).template()

@@ -26,8 +26,9 @@ the rendering R:
    (a template that cuts or reformats a value, as Qwen3's splits a `<think>` block off the content),
    or for a turn without a string to mark, the turn is rendered alone with its values perturbed
    (numbers too) and the first and last characters where the two renderings differ bound it (an
-   insertion only: both bounds where it is). A turn that writes nothing (empty content) has only
-   its end-of-turn token as target;
+   insertion only: both bounds where it is). A turn that writes nothing (empty content, no
+   reasoning or tool call) has no target: what closes it cannot be told from the template's other
+   special tokens (gpt-oss's `<|channel|>` comes first);
 2. where the turn starts: after the last occurrence, before the first difference (and after the
    previous turn's targets), of the template's generation prompt (what `add_generation_prompt` adds
    after a user turn, rendered once per template), so a channel or think header the model writes
@@ -263,8 +264,12 @@ class ChatTemplate:
         special = np.flatnonzero(np.isin(ids, self._special_ids))
         targets = np.zeros(len(ids), dtype=bool)
         done = 0  # characters of `text` before which no later turn's targets start
-        for index, (first, end) in zip(assistant, self._differences(conversation, assistant, text)):
-            begin, end = self._turn_start(index, text, done, first, end)
+        for index, span in zip(assistant, self._differences(conversation, assistant, text)):
+            if span is None:  # the turn writes nothing: no target, and the next turn starts after its prompt
+                at = text.find(self._prompt, done) if self._prompt else -1
+                done = done if at < 0 else at + len(self._prompt)
+                continue
+            begin, end = self._turn_start(text, done, *span)
             after = np.searchsorted(starts, end)  # the first token starting at or after the last difference
             closing = np.searchsorted(special, after)
             stop = int(special[closing]) + 1 if closing < len(special) else int(after)
@@ -295,14 +300,9 @@ class ChatTemplate:
         perturbed = self.render(conversation, messages=messages)
         return None if perturbed == text else _difference(text, perturbed)
 
-    def _turn_start(self, index: int, text: str, done: int, first: int | None, end: int | None) -> tuple[int, int]:
+    def _turn_start(self, text: str, done: int, first: int, end: int) -> tuple[int, int]:
         """Characters `[begin, end)` of `text`: from the turn's start (after its generation prompt, step 2)
-        to its last difference; a turn that writes nothing (empty content) starts and ends after its prompt."""
-        if first is None:
-            at = text.find(self._prompt, done) if self._prompt else -1
-            if at < 0:
-                raise ConversationError(f"message {index} (assistant) renders nothing of its own")
-            return at + len(self._prompt), at + len(self._prompt)
+        to its last difference."""
         at = text.rfind(self._prompt, done, first) if self._prompt else -1
         return (first if at < 0 else at + len(self._prompt)), end
 
