@@ -153,7 +153,7 @@ class Data(NamedTuple):
     """What ``build_data`` returns; unpacks as ``tokenizer, dataset, stream``."""
 
     tokenizer: AnyTokenizer
-    dataset: PackedDataset
+    dataset: PackedDataset | ChatDataset
     stream: SequenceStream
 
 
