@@ -59,3 +59,15 @@ def test_wandb_without_the_package_is_a_one_line_error(tmp_path, monkeypatch, ca
     assert capsys.readouterr().err.strip().splitlines() == [
         "mop: error: log.wandb: needs the wandb package; install it with pip install 'mop[wandb]' or set "
         "--log.wandb=false"]
+
+
+def test_a_resumed_run_directory_continues_its_wandb_run(tmp_path):
+    from mop.metrics import WandbRun
+
+    first = WandbRun(tmp_path, "mop", "resumed", {})
+    first.log({"loss": 2.0}, 0)
+    first.close()
+    again = WandbRun(tmp_path, "mop", "resumed", {})
+    again.log({"loss": 1.5}, 1)
+    again.close()
+    assert first.run.id == again.run.id == (tmp_path / "wandb" / "mop-run-id").read_text()
