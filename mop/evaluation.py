@@ -1,13 +1,12 @@
 """Evaluation: the loss on held-out sequences, under the run's own layout.
 
 Split (`held_out`). With `eval.source` set, the held-out sequences are that corpus, read with
-the run's tokenizer and packed to `data.seq_len` as `data.source` is (text or chat, `data.format`). Otherwise the last `ceil(eval.fraction x N)`
-of the N packed sequences of `data.source` are held out and the training stream permutes only
-the first ones (a text document crossing the boundary is split between the two, a conversation never is;
-the stream's
-sequence count is checkpointed, so a resume cannot change the split). Each evaluation reads
-the first `eval.sequences` held-out sequences, the same ones every time, so points of the curve
-compare like with like.
+the run's tokenizer and packed to `data.seq_len` as `data.source` is (text or chat, `data.format`).
+Otherwise the last `ceil(eval.fraction x N)` of the N packed sequences of `data.source` are held
+out and the training stream permutes only the first ones (a text document crossing the boundary
+is split between the two, a conversation never is; the stream's sequence count is checkpointed,
+so a resume cannot change the split). Each evaluation reads the first `eval.sequences` held-out
+sequences, the same ones every time, so points of the curve compare like with like.
 
 Loss (`evaluate`). The mean cross-entropy over every target of those sequences; the router's
 auxiliary loss is not part of it. Each data-parallel group takes its contiguous share and its
@@ -27,7 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from mop.config import Config, ConfigError
-from mop.data import ChatDataset, Data, DataError, PackedDataset, SequenceStream, count_targets, load_dataset, source_options, to_device
+from mop.data import (ChatDataset, Data, DataError, PackedDataset, SequenceStream, count_targets, load_dataset,
+                      source_options, to_device)
 from mop.metrics import drained_metrics
 from mop.runtime import sum_over_ranks
 

@@ -121,9 +121,9 @@ class MetricsLogger:
 class WandbRun:
     """A Weights & Biases run in `run_dir/wandb` that receives every scalar TensorBoard does.
 
-    A resumed run (the same run directory) continues the same wandb run. Online when wandb has credentials (`wandb login` or its own `WANDB_API_KEY`) and reaches its
-    server within `timeout_s`; otherwise offline, in the run directory (`wandb sync` uploads it
-    later). `wandb` is an optional extra (`pip install 'mop[wandb]'`); without it `log.wandb = true`
+    A resumed run (the same run directory) continues the same wandb run. Online when wandb has
+    credentials (`wandb login` or its own `WANDB_API_KEY`) and reaches its server within `timeout_s`;
+    otherwise offline, in the run directory (`wandb sync` uploads it later). `wandb` is an optional extra (`pip install 'mop[wandb]'`); without it `log.wandb = true`
     is a one-line error when the settings are resolved (`check_settings`).
     """
 

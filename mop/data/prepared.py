@@ -113,7 +113,8 @@ def _encode_chunk(rows):
         encoded = encode_rows(_worker_template, rows, _worker_skip)
     except DataError as e:
         return str(e)
-    return [e if isinstance(e, str) else (e[0].astype(np.uint32), e[1].astype(np.uint8)) for e in encoded]
+    dtype = _token_dtype(_worker_template.tokenizer)  # the files' own types: the parent only appends
+    return [e if isinstance(e, str) else (e[0].astype(dtype), e[1].astype(np.uint8)) for e in encoded]
 
 
 def _chunks(source: str):
@@ -155,7 +156,7 @@ class _Arrays:
                 if len(self.examples) < 10:
                     self.examples.append(item)
                 continue
-            ids, targets = item[0].astype(self.token_dtype), item[1].astype(np.uint8)
+            ids, targets = item[0].astype(self.token_dtype, copy=False), item[1].astype(np.uint8, copy=False)
             self.lengths.append(len(ids))
             self.targets += int(targets.sum())
             if self.files is None:

@@ -269,7 +269,7 @@ class ChatTemplate:
                 at = text.find(self._prompt, done) if self._prompt else -1
                 done = done if at < 0 else at + len(self._prompt)
                 continue
-            begin, end = self._turn_start(text, done, *span)
+            begin, end = self._turn_start(text, done, span[0]), span[1]
             after = np.searchsorted(starts, end)  # the first token starting at or after the last difference
             closing = np.searchsorted(special, after)
             stop = int(special[closing]) + 1 if closing < len(special) else int(after)
@@ -300,11 +300,11 @@ class ChatTemplate:
         perturbed = self.render(conversation, messages=messages)
         return None if perturbed == text else _difference(text, perturbed)
 
-    def _turn_start(self, text: str, done: int, first: int, end: int) -> tuple[int, int]:
-        """Characters `[begin, end)` of `text`: from the turn's start (after its generation prompt, step 2)
-        to its last difference."""
+    def _turn_start(self, text: str, done: int, first: int) -> int:
+        """Where in `text` a turn's targets start: after its generation prompt (step 2), else at its
+        first difference."""
         at = text.rfind(self._prompt, done, first) if self._prompt else -1
-        return (first if at < 0 else at + len(self._prompt)), end
+        return first if at < 0 else at + len(self._prompt)
 
     def _generation_prompt(self) -> str:
         """What `add_generation_prompt` adds after a user turn ("" where it adds nothing, or where the

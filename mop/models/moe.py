@@ -339,11 +339,8 @@ class MoE(nn.Module):
         experts = probs.shape[-1]
         ids = expert_ids.view(batch, -1)
         probs = probs.view(batch, -1, experts)
-        if padding is None:
-            picks = probs.new_zeros(batch, experts).scatter_add_(1, ids, torch.ones_like(ids, dtype=probs.dtype))
-            rows = torch.full((batch,), probs.shape[1], dtype=torch.float, device=probs.device)
-            return RouterStats(picks, probs.sum(1), rows)
-        real = (~padding).to(probs.dtype)  # [B, S]: each token's k picks and its probabilities count when real
+        # [B, S]: each token's k picks and its probabilities count when it is real (not padding)
+        real = probs.new_ones(probs.shape[:2]) if padding is None else (~padding).to(probs.dtype)
         per_pick = real.repeat_interleave(ids.shape[1] // real.shape[1], dim=1)
         picks = probs.new_zeros(batch, experts).scatter_add_(1, ids, per_pick)
         return RouterStats(picks, (probs * real.unsqueeze(-1)).sum(1), real.sum(1).float())
