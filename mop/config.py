@@ -120,8 +120,8 @@ class DataConfig:
     chat_template: str = ""
     """With data.format = "chat": a Jinja template file used instead of data.tokenizer's chat template."""
     loss_on: Literal["assistant", "all"] = "assistant"
-    """With data.format = "chat": the targets, the assistant turns' tokens (each turn's content and end-of-turn
-    token) or every token."""
+    """With data.format = "chat": the targets, what the model writes in each assistant turn (its reasoning, content
+    and tool calls through the turn's end; `mop data inspect` shows them) or every token."""
     overlong: Literal["drop", "truncate"] = "drop"
     """With data.format = "chat": a conversation longer than seq_len is left out, or cut after the last assistant
     turn that ends within seq_len (left out when none does); both are counted in the start line and records."""

@@ -375,18 +375,30 @@ def test_a_chat_run_records_its_targets_data_and_held_out_conversations(tmp_path
 
 
 @pytest.mark.parametrize("folder", [QWEN3, GPT_OSS])
-def test_an_empty_assistant_turn_has_no_target_and_an_opening_assistant_turn_is_one(folder):
+def test_an_empty_assistant_turn_trains_its_end_and_an_opening_assistant_turn_is_one(folder):
     template = ChatSettings(folder).template()
     conversation = Conversation([{"role": "assistant", "content": "Welcome."}, {"role": "user", "content": "Hi"},
                                  {"role": "assistant", "content": ""}, {"role": "user", "content": "Still there?"},
                                  {"role": "assistant", "content": "Yes."}])
     runs = target_runs(template, *template.encode(conversation))
-    assert len(runs) == 2 and "Welcome." in runs[0] and "Yes." in runs[1] and "Still" not in runs[1]
+    assert runs == {QWEN3: ["Welcome.<|im_end|>", "<|im_end|>", "<think>\n\n</think>\n\nYes.<|im_end|>"],
+                    GPT_OSS: ["<|channel|>final<|message|>Welcome.<|end|>", "<|channel|>final<|message|><|end|>",
+                              "<|channel|>final<|message|>Yes.<|return|>"]}[folder]
 
 
-def test_a_template_whose_turns_end_without_a_special_token_is_refused(tmp_path):
+def test_a_template_that_renders_nothing_between_turns_is_refused(tmp_path):
+    run_on = tmp_path / "run-on.jinja"
+    run_on.write_text("{% for m in messages %}{{ m.content }}{% endfor %}{{ eos_token }}")
+    with pytest.raises(DataError, match=r"data\.chat_template: .*run-on\.jinja renders nothing between an assistant "
+                                        r"turn and the next user turn"):
+        ChatSettings(QWEN3, chat_template=str(run_on)).template()
+
+
+def test_a_template_that_ends_turns_with_plain_text_finds_them_without_special_tokens(tmp_path):
     plain = tmp_path / "plain.jinja"
-    plain.write_text("{% for m in messages %}{{ m.role }}: {{ m.content }}\n\n{% endfor %}{{ eos_token }}")
-    with pytest.raises(DataError, match=r"data\.chat_template: .*plain\.jinja ends an assistant turn with no special "
-                                        r"token"):
-        ChatSettings(QWEN3, chat_template=str(plain)).template()
+    plain.write_text("{% for m in messages %}{{ m.role }}: {{ m.content }}\nEND\n\n{% endfor %}"
+                     "{% if add_generation_prompt %}assistant: {% endif %}")
+    template = ChatSettings(QWEN3, chat_template=str(plain)).template()
+    conversation = Conversation([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+                                 {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Bye."}])
+    assert target_runs(template, *template.encode(conversation)) == ["Hello.\nEND", "Bye.\nEND"]

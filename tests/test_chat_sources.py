@@ -455,6 +455,18 @@ def test_a_prepared_folder_refuses_other_settings(prepared, tmp_path):
                             "prepared with, or prepare the source again", one_line_error(excinfo))
 
 
+def test_a_folder_prepared_with_the_earlier_targets_is_refused(prepared, tmp_path):
+    out, manifest, _ = prepared
+    earlier = tmp_path / "earlier"
+    shutil.copytree(out, earlier)
+    old = {key: value for key, value in manifest.items() if key != "targets_version"}  # issue 29's manifests
+    (earlier / MANIFEST).write_text(json.dumps(old))
+    with pytest.raises(DataError) as excinfo:
+        open_prepared(str(earlier), SETTINGS)
+    assert re.fullmatch(rf"data\.source: {re.escape(str(earlier))} was prepared with mop's earlier assistant targets "
+                        r"\(version 1, now 2: .*\); prepare it again with mop data prepare", one_line_error(excinfo))
+
+
 def test_prepare_never_writes_into_a_non_empty_folder(tmp_path):
     source = write_jsonl(tmp_path / "src" / "c.jsonl", [GOOD])
     out = tmp_path / "out"

@@ -37,8 +37,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from mop.data.errors import DataError, not_utf8
-from mop.data.templates import Conversation, ConversationError
+from mop.data.errors import ConversationError, DataError, not_utf8
+from mop.data.templates import Conversation
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",

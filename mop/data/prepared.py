@@ -11,8 +11,9 @@ the token is an assistant target, `mop.data.templates`) and `offsets [n + 1]` (c
 A prepared folder holds `tokens.bin` (uint16 when the vocabulary fits, else uint32), `targets.bin`
 (uint8), `offsets.npy` (int64) and `manifest.json`: the format version, the source and its
 fingerprint (file names, sizes and sampled bytes), the tokenizer's fingerprint (sha256 of its
-tokenizer.json), the template's sha256 and origin, the counts (conversations, tokens,
-targets, skipped ones with examples) and a length histogram. A run whose tokenizer or template
+tokenizer.json), the template's sha256 and origin, the version of the assistant targets'
+definition (`mop.data.templates.TARGETS_VERSION`; a folder of another version is refused), the
+counts (conversations, tokens, targets, skipped ones with examples) and a length histogram. A run whose tokenizer or template
 differ from the manifest's is refused in one line (`data.loss_on` and `data.overlong` apply
 when sequences are built, so one folder serves them all).
 
@@ -42,8 +43,8 @@ from pathlib import Path
 import numpy as np
 
 from mop.data.conversations import chat_files, conversation, iter_rows
-from mop.data.errors import DataError
-from mop.data.templates import ChatTemplate, ConversationError, read_template
+from mop.data.errors import ConversationError, DataError
+from mop.data.templates import TARGETS_VERSION, ChatTemplate, read_template
 from mop.data.tokenizer import HFTokenizer, load_tokenizer
 
 MANIFEST = "manifest.json"
@@ -274,7 +275,8 @@ def _manifest(source, settings: ChatSettings, template: ChatTemplate, arrays: _A
     lengths = np.asarray(arrays.lengths)
     exponents = np.bincount(np.ceil(np.log2(np.maximum(lengths, 1))).astype(np.int64))  # lengths in (2^(k-1), 2^k]
     counts = {f"<= {1 << k}": int(n) for k, n in enumerate(exponents) if n}
-    return {"format": FORMAT, "version": VERSION, "source": str(source), "source_fingerprint": source_fingerprint(source),
+    return {"format": FORMAT, "version": VERSION, "targets_version": TARGETS_VERSION, "source": str(source),
+            "source_fingerprint": source_fingerprint(source),
             "tokenizer": template.tokenizer.name, "tokenizer_fingerprint": template.tokenizer.fingerprint,
             "template_origin": template.origin, "template_sha256": template.hash,
             "token_dtype": token_dtype.str, "conversations": len(lengths), "tokens": int(lengths.sum()),
@@ -321,6 +323,10 @@ def open_prepared(source: str, settings: ChatSettings) -> ChatCorpus:
         raise DataError(f"data.source: {folder} is not a prepared folder of this mop (format "
                         f"{manifest.get('format')!r} version {manifest.get('version')!r}); prepare it again with "
                         "mop data prepare")
+    if manifest.get("targets_version", 1) != TARGETS_VERSION:
+        raise DataError(f"data.source: {folder} was prepared with mop's earlier assistant targets (version "
+                        f"{manifest.get('targets_version', 1)}, now {TARGETS_VERSION}: tool calls from their opening "
+                        "text, turns found without special tokens); prepare it again with mop data prepare")
     template = settings.template()
     mine = {"tokenizer_fingerprint": ("tokenizer", template.tokenizer.fingerprint, "data.tokenizer"),
             "template_sha256": ("chat template", template.hash, "data.chat_template")}

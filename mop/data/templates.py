@@ -14,47 +14,31 @@ reasoning is offered under both `reasoning_content` and `thinking` (Qwen3's temp
 first, gpt-oss's the second). The tokens are the rendered text encoded without added special
 tokens: `apply_chat_template(..., tokenize=True)`'s ids.
 
-Assistant targets. Templates rarely mark what the model generates (Qwen3's and gpt-oss's have no
-`{% generation %}` blocks) and are not prefix-stable (both drop the reasoning of earlier turns), so
-neither markers nor renderings of conversation prefixes are relied on. For assistant message i of
-the rendering R:
-1. what the message wrote: the values it wrote (its content and reasoning, its tool calls'
-   arguments; not the tool names, ids or types, which templates repeat in tool results or check)
-   are wrapped in private-use characters and the conversation rendered again. Every turn gets a
-   pair of its own in one rendering; where taking the markers out gives R back (the template wrote
-   the strings as they are), the first and last marker of a turn bound what it wrote. Otherwise
-   (a template that cuts or reformats a value, as Qwen3's splits a `<think>` block off the content),
-   or for a turn without a string to mark, the turn is rendered alone with its values perturbed
-   (numbers too) and the first and last characters where the two renderings differ bound it (an
-   insertion only: both bounds where it is). A turn that writes nothing (empty content, no
-   reasoning or tool call) has no target: what closes it cannot be told from the template's other
-   special tokens (gpt-oss's `<|channel|>` comes first);
-2. where the turn starts: after the last occurrence, before the first difference (and after the
-   previous turn's targets), of the template's generation prompt (what `add_generation_prompt` adds
-   after a user turn, rendered once per template), so a channel or think header the model writes
-   itself (gpt-oss's `<|channel|>final<|message|>`, Qwen3's `<think>`) is a target while the role
-   header is not. A template without a generation prompt starts the targets at the first difference;
-3. where the turn ends: the first special token at or after the last difference (Qwen3's
-   `<|im_end|>`, gpt-oss's `<|end|>`, `<|return|>` or `<|call|>`), inclusive. A template whose
-   assistant turn is not closed by a special token before the next turn is refused when loaded (a
-   two-turn probe conversation), since its targets could not be told from the next turn.
-A token is a target when its first character lies in a turn's span. The system prompt, user turns,
-tool results and role headers never are. Cost: two renderings of the conversation (one more per
-turn the markers cannot place), linear in its length.
+Assistant targets (the loss's): what the model writes in each assistant turn, as characters of the
+rendering. A template with `{% generation %}` blocks (transformers' tag) marks them itself: each
+block's text is a target. Any other template's turns are found from renderings of the conversation
+and of its prefixes (`mop.data.turns`), never from which tokens the tokenizer flags special. A token
+is a target when its characters overlap a target span (the offsets transformers' assistant mask
+reads), so the targets equal `apply_chat_template(..., return_assistant_tokens_mask=True)`'s mask
+for a copy of the template with `{% generation %}` around what the model writes.
+
+Two probes when a template is loaded: its generation prompt (what `add_generation_prompt` adds
+after a user turn) and whether it closes an assistant turn with text of its own (GLM-4.5's does
+not: the next message's first token is then the turn's last target). A template that renders
+nothing between an assistant turn and the next user turn is refused: its turns have no boundary.
 
 The targets kept are always the assistant's: `data.loss_on = "all"` is applied when sequences are
 built (`mop.data.chat_packing`), so one encoding serves both, and the assistant turns' ends are the
 turn boundaries that `data.overlong = "truncate"` cuts at either way. Every problem with a
 conversation is a `ConversationError` naming its row, which the readers turn into a one-line
-`DataError` (or count and skip with `data.skip_invalid`).
+`DataError` (or count and skip with `data.skip_invalid`). `TARGETS_VERSION` numbers this
+definition of the targets; prepared folders record it.
 """
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
-import re
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -64,14 +48,14 @@ import jinja2.ext
 import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from mop.data.errors import DataError
+from mop.data.errors import ConversationError, DataError
+from mop.data.turns import REASONING_FIELDS, assistant_spans
 
-OPEN, CLOSE = "\ue000", "\ue001"  # private-use characters wrapped around perturbed values
-REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
-
-
-class ConversationError(ValueError):
-    """A conversation that cannot be rendered or trained on; the message says why, the reader adds where."""
+TARGETS_VERSION = 2
+"""1: targets from marked values to the next special token (mop before issue 36); 2: `mop.data.turns`."""
+_RECORDING = "_mop_recording"  # the render variable holding a `_Recording`, if any
+_PROBE = [{"role": "user", "content": "mop probe one"}, {"role": "assistant", "content": "mop answer one"},
+          {"role": "user", "content": "mop probe two"}, {"role": "assistant", "content": "mop answer two"}]
 
 
 def _raise_exception(message):
@@ -106,13 +90,50 @@ class _Namespace(jinja2.utils.Namespace):
             raise jinja2.exceptions.SecurityError(f"chat templates cannot store attribute {name!r} on a namespace")
 
 
+class _Recording:
+    """The output length so far of a template being rendered, and its `{% generation %}` spans."""
+
+    def __init__(self):
+        self.length = 0
+        self.spans: list[tuple[int, int]] = []
+
+
+class _GenerationBlocks(jinja2.ext.Extension):
+    """transformers' `{% generation %} ... {% endgeneration %}`: rendered as its body; while the
+    template is rendered with a `_Recording`, the body's span in the output is appended to it (the
+    output's length when the block is reached, as transformers measures it)."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        call = self.call_method("_record", [jinja2.nodes.ContextReference()])
+        return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
+
+    def _record(self, context, caller):
+        text = caller()
+        recording = context.get(_RECORDING)
+        if recording is not None:
+            recording.spans.append((recording.length, recording.length + len(text)))
+        return text
+
+
 def compile_template(source: str) -> jinja2.Template:
     """The template compiled in transformers' environment (the module docstring)."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                       extensions=[jinja2.ext.loopcontrols, _GenerationBlocks])
     env.filters["tojson"] = _tojson
     env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, namespace=_Namespace,
                        dict=lambda *args, **kwargs: dict(*args, **kwargs))
     return env.from_string(source)
+
+
+def _marks_generation(template: jinja2.Template, source: str) -> bool:
+    """Whether the template has `{% generation %}` blocks."""
+    tree = template.environment.parse(source)
+    return any(isinstance(node.call, jinja2.nodes.Call) and isinstance(node.call.node, jinja2.nodes.ExtensionAttribute)
+               and node.call.node.name == "_record" for node in tree.find_all(jinja2.nodes.CallBlock))
 
 
 def read_template(tokenizer_dir: Path | None, override: str = "") -> tuple[str, str]:
@@ -163,70 +184,18 @@ def _prepared_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
-def _wrapped(value, opening: str, closing: str, numbers: bool):
-    """`value` with its string leaves (and number leaves, with `numbers`) wrapped in the two markers."""
-    if isinstance(value, dict):
-        return {k: _wrapped(v, opening, closing, numbers) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_wrapped(v, opening, closing, numbers) for v in value]
-    if isinstance(value, str) or (numbers and isinstance(value, (int, float)) and not isinstance(value, bool)):
-        return f"{opening}{value}{closing}"
-    return value
-
-
-def _perturbed(message: dict, opening: str, closing: str, numbers: bool) -> dict:
-    """The assistant message with what it wrote wrapped in markers: its content and reasoning, its tool
-    calls' arguments (not their names, ids or types, which templates repeat or check)."""
-    out = dict(message)
-    for key in ("content", *REASONING_FIELDS):
-        if isinstance(out.get(key), str) and out[key]:
-            out[key] = _wrapped(out[key], opening, closing, numbers)
-    if out.get("tool_calls"):
-        calls = copy.deepcopy(out["tool_calls"])
-        for call in calls:
-            holder = call.get("function", call) if isinstance(call, dict) else None
-            if isinstance(holder, dict) and "arguments" in holder:
-                holder["arguments"] = _wrapped(holder["arguments"], opening, closing, numbers)
-        out["tool_calls"] = calls
-    return out
-
-
-def _markers(index: int) -> tuple[str, str]:
-    """Message `index`'s own pair of supplementary private-use characters."""
-    return chr(_MARKER_BASE + 2 * index), chr(_MARKER_BASE + 2 * index + 1)
-
-
-_MARKER_BASE = 0xF0000
-_MARKER = re.compile("[\U000F0000-\U000FFFFD]")
-_PROBE = [{"role": "user", "content": "mop probe one"}, {"role": "assistant", "content": "mop answer one"},
-          {"role": "user", "content": "mop probe two"}, {"role": "assistant", "content": "mop answer two"}]
-
-
-def _difference(a: str, b: str) -> tuple[int, int]:
-    """`(first, end)`: `a[first:end]` is where `a` differs from `b` (common prefix and suffix removed)."""
-    limit = min(len(a), len(b))
-    first = len(_common_prefix(a, b, limit))
-    tail = len(_common_prefix(a[::-1], b[::-1], limit - first))
-    return first, len(a) - tail
-
-
-def _common_prefix(a: str, b: str, limit: int) -> str:
-    # binary search on slice equality: C-speed comparisons, log(n) of them
-    low, high = 0, limit
-    while low < high:
-        mid = (low + high + 1) // 2
-        if a[:mid] == b[:mid]:
-            low = mid
-        else:
-            high = mid - 1
-    return a[:low]
+def _overlapping(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
+    """Whether each token's `[start, end)` characters overlap one of the sorted, disjoint spans."""
+    spans = np.asarray([s for s in spans if s[1] > s[0]], dtype=np.int64).reshape(-1, 2)
+    if not len(spans):
+        return np.zeros(len(offsets), dtype=bool)
+    k = np.searchsorted(spans[:, 1], offsets[:, 0], side="right")  # the first span ending after the token starts
+    return (k < len(spans)) & (offsets[:, 1] > spans[np.minimum(k, len(spans) - 1), 0])
 
 
 class ChatTemplate:
     """A tokenizer and its chat template: `encode(conversation) -> (ids, assistant targets)` (the
-    module docstring). Checks once that the template ends an assistant turn with a special token
-    before the next turn (`_check_turn_ends`): the targets could not be told from the next turn
-    otherwise."""
+    module docstring)."""
 
     def __init__(self, source: str, origin: str, tokenizer):
         self.source, self.origin = source, origin
@@ -238,73 +207,47 @@ class ChatTemplate:
                             f"{e.lineno}); fix the template") from None
         self.tokenizer = tokenizer
         self._special_tokens = tokenizer.special_tokens_map()
-        self._special_ids = np.asarray(sorted(tokenizer.special_ids), dtype=np.int64)
-        self._prompt = self._generation_prompt()
-        self._check_turn_ends()
+        self.marks_generation = _marks_generation(self._template, source)
+        # what finding the turns needs (mop.data.turns); a template with generation blocks marks them itself
+        self._prompt = "" if self.marks_generation else self._generation_prompt()
+        self._closes_turns = self.marks_generation or self._probe_turn_ends()
 
-    def render(self, conversation: Conversation, add_generation_prompt: bool = False, messages=None) -> str:
+    def render(self, conversation: Conversation, add_generation_prompt: bool = False, messages=None,
+               recording: _Recording | None = None) -> str:
         messages = conversation.messages if messages is None else messages
+        variables = dict(messages=messages, tools=conversation.tools, documents=None,
+                         add_generation_prompt=add_generation_prompt, **self._special_tokens)
         try:
-            return self._template.render(messages=messages, tools=conversation.tools, documents=None,
-                                         add_generation_prompt=add_generation_prompt, **self._special_tokens)
+            if recording is None:
+                return self._template.render(**variables)
+            parts = []
+            for part in self._template.generate(**variables, **{_RECORDING: recording}):
+                parts.append(part)
+                recording.length += len(part)
+            return "".join(parts)
         except jinja2.exceptions.TemplateError as e:
             raise ConversationError(f"the chat template {self.origin} fails to render it ({e})") from None
         except (TypeError, AttributeError, KeyError, ValueError) as e:
             raise ConversationError(f"the chat template {self.origin} fails to render it "
                                     f"({type(e).__name__}: {e})") from None
 
+    def spans(self, conversation: Conversation) -> tuple[str, list[tuple[int, int]]]:
+        """The rendering and the character spans of its assistant targets, in order."""
+        conversation = Conversation(_prepared_messages(conversation.messages), conversation.tools)
+        if not any(m.get("role") == "assistant" for m in conversation.messages):
+            raise ConversationError("it has no assistant turn")
+        if self.marks_generation:
+            recording = _Recording()
+            text = self.render(conversation, recording=recording)
+            return text, sorted(recording.spans)
+        return assistant_spans(lambda messages, prompt: self.render(conversation, prompt, messages),
+                               conversation.messages, self._prompt, self._closes_turns)
+
     def encode(self, conversation: Conversation) -> tuple[np.ndarray, np.ndarray]:
         """Token ids (int64) and the assistant targets (bool) of one conversation."""
-        conversation = Conversation(_prepared_messages(conversation.messages), conversation.tools)
-        assistant = [i for i, m in enumerate(conversation.messages) if m.get("role") == "assistant"]
-        if not assistant:
-            raise ConversationError("it has no assistant turn")
-        text = self.render(conversation)
-        ids, starts = self.tokenizer.encode_with_starts(text)
-        special = np.flatnonzero(np.isin(ids, self._special_ids))
-        targets = np.zeros(len(ids), dtype=bool)
-        done = 0  # characters of `text` before which no later turn's targets start
-        for index, span in zip(assistant, self._differences(conversation, assistant, text)):
-            if span is None:  # the turn writes nothing: no target, and the next turn starts after its prompt
-                at = text.find(self._prompt, done) if self._prompt else -1
-                done = done if at < 0 else at + len(self._prompt)
-                continue
-            begin, end = self._turn_start(text, done, span[0]), span[1]
-            after = np.searchsorted(starts, end)  # the first token starting at or after the last difference
-            closing = np.searchsorted(special, after)
-            stop = int(special[closing]) + 1 if closing < len(special) else int(after)
-            targets[np.searchsorted(starts, begin):stop] = True
-            done = int(starts[stop - 1]) + 1 if stop else done
-        return ids, targets
-
-    def _differences(self, conversation: Conversation, assistant: list[int], text: str) -> list[tuple[int, int] | None]:
-        """Each assistant turn's first and last differing characters (step 1), None where nothing
-        differs. One rendering with every turn's strings wrapped in markers of its own, when taking
-        the markers out gives `text` back (the template wrote the strings as they are); otherwise,
-        or for a turn without a marked string, one rendering per turn with its values perturbed."""
-        messages = list(conversation.messages)
-        for index in assistant:
-            messages[index] = _perturbed(messages[index], *_markers(index), numbers=False)
-        marked = self.render(conversation, messages=messages)
-        found: dict[int, list[int]] = {}
-        if _MARKER.sub("", marked) == text:
-            for count, match in enumerate(_MARKER.finditer(marked)):
-                index = (ord(match.group()) - _MARKER_BASE) // 2
-                found.setdefault(index, []).append(match.start() - count)  # its place in `text`
-        return [(min(found[i]), max(found[i])) if i in found else self._difference_alone(conversation, i, text)
-                for i in assistant]
-
-    def _difference_alone(self, conversation: Conversation, index: int, text: str) -> tuple[int, int] | None:
-        messages = list(conversation.messages)
-        messages[index] = _perturbed(messages[index], OPEN, CLOSE, numbers=True)
-        perturbed = self.render(conversation, messages=messages)
-        return None if perturbed == text else _difference(text, perturbed)
-
-    def _turn_start(self, text: str, done: int, first: int) -> int:
-        """Where in `text` a turn's targets start: after its generation prompt (step 2), else at its
-        first difference."""
-        at = text.rfind(self._prompt, done, first) if self._prompt else -1
-        return first if at < 0 else at + len(self._prompt)
+        text, spans = self.spans(conversation)
+        ids, offsets = self.tokenizer.encode_with_offsets(text)
+        return ids, _overlapping(offsets, spans)
 
     def _generation_prompt(self) -> str:
         """What `add_generation_prompt` adds after a user turn ("" where it adds nothing, or where the
@@ -316,17 +259,26 @@ class ChatTemplate:
             return ""
         return prompted[len(plain):] if prompted.startswith(plain) else ""
 
-    def _check_turn_ends(self) -> None:
-        """The first turn of a two-turn probe must end (its special token) before the second user turn."""
+    def _probe_turn_ends(self) -> bool:
+        """Whether the template closes an assistant turn with text of its own (a two-turn probe
+        followed by the generation prompt); refused where nothing but whitespace separates an
+        assistant turn from the next user turn. True where the probe cannot be rendered (a template
+        that needs a system prompt or tools)."""
         try:
-            ids, targets = self.encode(Conversation(_PROBE))
             text = self.render(Conversation(_PROBE))
+            prompted = self.render(Conversation(_PROBE[:2]), add_generation_prompt=True)
         except ConversationError:
-            return  # the template needs more than the probe (a system prompt, tools): nothing to judge
-        _, starts = self.tokenizer.encode_with_starts(text)
-        second_user = np.searchsorted(starts, text.index(_PROBE[2]["content"]))
-        if targets[second_user]:
-            raise DataError(f"data.chat_template: {self.origin} ends an assistant turn with no special token of "
-                            f"{self.tokenizer.name} (the targets would run into the next turn); use a template "
-                            "whose turns end with one (<|im_end|>, <|end|>, ...) or a tokenizer that marks it special")
-
+            return True
+        answer = _PROBE[1]["content"]
+        if answer not in text or _PROBE[2]["content"] not in text:
+            return True
+        between = text[text.index(answer) + len(answer):text.index(_PROBE[2]["content"])]
+        if not between.strip():
+            raise DataError(f"data.chat_template: {self.origin} renders nothing between an assistant turn and the next "
+                            "user turn, so a turn's end cannot be told; use a template that separates turns")
+        if answer not in prompted:
+            return True
+        after = prompted[prompted.index(answer) + len(answer):]
+        if self._prompt and after.endswith(self._prompt):
+            after = after[:-len(self._prompt)]
+        return bool(after.strip())

@@ -4,7 +4,8 @@ Both expose the same small interface, which is all the rest of the stack relies 
 
 - ``encode(text) -> list[int]``: no special tokens are added (packing appends eos itself);
 - ``encode_batch(texts) -> list[list[int]]``: the same, for many documents at once;
-- ``decode(ids) -> str``: special tokens are dropped, invalid UTF-8 becomes U+FFFD;
+- ``decode(ids) -> str``: special tokens are dropped, invalid UTF-8 becomes U+FFFD (an HF
+  tokenizer writes them with ``special=True``);
 - ``vocab_size`` (one more than the largest id), ``eos_id``, ``bos_id`` (None for an HF
   tokenizer without one), ``pad_id`` and ``name`` (what ``data.tokenizer`` was set to);
 - ``kind`` ("byte" or "hf") and ``fingerprint`` ("byte", or the sha256 of the ``tokenizer.json``
@@ -25,7 +26,6 @@ be separated, so that is an error. Nothing is ever downloaded.
 
 import hashlib
 import json
-from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -210,32 +210,19 @@ class HFTokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
-    def decode(self, ids) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+    def decode(self, ids, special: bool = False) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=not special)
 
     def special_tokens_map(self) -> dict[str, str]:
         """The named special tokens of ``tokenizer_config.json`` (``eos_token``, ...) as a chat
         template sees them (transformers' ``special_tokens_map``)."""
         return dict(self._special_tokens_map)
 
-    @cached_property
-    def special_ids(self) -> frozenset[int]:
-        """The ids of the added tokens marked special (end-of-turn markers among them)."""
-        return frozenset(i for i, token in self._tok.get_added_tokens_decoder().items() if token.special)
-
-    @cached_property
-    def _offsets_tokenizer(self) -> _HFTokenizerImpl:
-        # Without the post-processor, which adds nothing to ids encoded without special tokens but
-        # trims whitespace off byte-level offsets: each token's offsets are then exactly its characters.
-        tok = _plain(_HFTokenizerImpl.from_str(self._json.decode("utf-8")))
-        tok.post_processor = None
-        return tok
-
-    def encode_with_starts(self, text: str) -> tuple[np.ndarray, np.ndarray]:
-        """Ids of ``text`` (as ``encode``) and the index of each token's first character, int64."""
-        encoding = self._offsets_tokenizer.encode(text, add_special_tokens=False)
-        starts = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)[:, 0]
-        return np.asarray(encoding.ids, dtype=np.int64), starts
+    def encode_with_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """Ids of ``text`` (as ``encode``) and each token's ``[start, end)`` characters, int64
+        ``[n, 2]``: the offsets transformers reads when it maps characters to tokens."""
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        return np.asarray(encoding.ids, dtype=np.int64), np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
 
 
 AnyTokenizer = ByteTokenizer | HFTokenizer

@@ -1,0 +1,189 @@
+"""Assistant targets on published chat templates (issue 36), against an oracle that is not mop: each
+template's copy with `{% generation %}` around what the model writes, read through transformers'
+`apply_chat_template(..., return_assistant_tokens_mask=True)` (`chat_cases` names the templates,
+their sources and the conversations). Token ids and targets equal transformers' token by token, with
+each tokenizer's real special flags and with every flag flipped; a template with generation blocks
+is used as it marks them; and each template's targets on the tool conversation read as written here."""
+
+import hashlib
+
+import numpy as np
+import pytest
+
+import chat_cases
+from mop.data.conversations import conversation
+from mop.data.errors import ConversationError
+from mop.data.prepared import ChatSettings
+from mop.data.templates import Conversation
+
+
+CONVERSATIONS = chat_cases.ROOT / "mop" / "data" / "corpus" / "conversations.jsonl"
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("chat-templates")
+    return lambda name, flipped=False: chat_cases.tokenizer_folder(name, root, flipped)
+
+
+def oracle(folder, messages, tools, template: str):
+    """transformers' ids and assistant mask for `template` (None where it refuses the conversation)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    try:
+        out = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True, chat_template=template)
+    except Exception:  # noqa: BLE001 - the template's own raise_exception or a Jinja error: a refused conversation
+        return None
+    return out["input_ids"], np.asarray(out["assistant_masks"], dtype=bool)
+
+
+def mop_encoding(template, messages, tools):
+    try:
+        return template.encode(Conversation(messages, tools))
+    except ConversationError:
+        return None
+
+
+def assert_equal_to_the_oracle(name: str, folder, template):
+    generation = chat_cases.generation_text(name)
+    for label, (messages, tools) in chat_cases.conversations(name).items():
+        expected, mine = oracle(folder, messages, tools, generation), mop_encoding(template, messages, tools)
+        assert (expected is None) == (mine is None), f"{name} {label}: one side refuses the conversation"
+        if expected is not None:
+            real = oracle(folder, messages, tools, chat_cases.template_text(name))
+            assert real[0] == expected[0], f"{name} {label}: the generation copy renders other text"
+            assert mine[0].tolist() == expected[0], f"{name} {label}: token ids"
+            assert mine[1].tolist() == expected[1].tolist(), f"{name} {label}: targets"
+
+
+def test_the_templates_are_the_published_ones():
+    for name in chat_cases.TEMPLATES:
+        text = chat_cases.template_text(name).encode("utf-8")
+        assert hashlib.sha256(text).hexdigest() == chat_cases.SHA256[name], name
+
+
+@pytest.mark.parametrize("name", chat_cases.TEMPLATES)
+def test_ids_and_targets_equal_the_generation_marked_oracle(name, folders):
+    folder = folders(name)
+    assert_equal_to_the_oracle(name, folder, ChatSettings(str(folder)).template())
+
+
+@pytest.mark.parametrize("name", chat_cases.TEMPLATES)
+def test_targets_do_not_depend_on_which_tokens_are_flagged_special(name, folders):
+    folder = folders(name, flipped=True)
+    assert_equal_to_the_oracle(name, folder, ChatSettings(str(folder)).template())
+
+
+@pytest.mark.parametrize("name", chat_cases.TEMPLATES)
+def test_a_template_with_generation_blocks_is_used_as_it_marks_them(name, folders, tmp_path):
+    marked = tmp_path / "generation.jinja"
+    marked.write_text(chat_cases.generation_text(name), encoding="utf-8")
+    folder = folders(name)
+    template = ChatSettings(str(folder), chat_template=str(marked)).template()
+    assert template.marks_generation
+    assert_equal_to_the_oracle(name, folder, template)
+
+
+@pytest.mark.parametrize("name", sorted(chat_cases.SHIPPED))
+def test_the_shipped_conversations_train_what_the_oracle_marks(name):
+    """All 439 shipped conversations (system prompts, tools, reasoning, several turns) through the two
+    templates mop ships."""
+    from transformers import AutoTokenizer
+
+    folder = chat_cases.SHIPPED[name]
+    template, tokenizer = ChatSettings(str(folder)).template(), AutoTokenizer.from_pretrained(str(folder))
+    generation = chat_cases.generation_text(name)
+    with CONVERSATIONS.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            row = conversation(line)
+            ids, targets = template.encode(row)
+            out = tokenizer.apply_chat_template(row.messages, tools=row.tools, tokenize=True, return_dict=True,
+                                                return_assistant_tokens_mask=True, chat_template=generation)
+            assert (ids.tolist(), targets.tolist()) == (out["input_ids"], [bool(m) for m in out["assistant_masks"]]), \
+                f"conversation {number}"
+
+
+# What each template trains of the tool conversation (`chat_cases.TOOL_CONVERSATION`): a system
+# prompt, a tool call with numbers and its result, a tool call with strings and its result, the
+# answer, a second user turn and its answer, every assistant turn with reasoning. Each entry is one
+# run of consecutive targets, decoded. Notes: DeepSeek-V3's template writes a tool call only when
+# the message's content is None, which transformers drops, so its tool-call turns are empty; Qwen3,
+# GLM-4.5, Kimi-K2-Thinking and gpt-oss drop reasoning before the last user turn (gpt-oss keeps the
+# last turn's); GLM-4.5 closes no turn itself: its turns end with the next message's role token, the
+# token generation stops on, and the last turn has none; gpt-oss writes the first tool call alone.
+TOOL_TARGETS = {
+    "deepseek-v3": [
+        "<｜end▁of▁sentence｜>",
+        "<｜end▁of▁sentence｜>",
+        "6 × 7 = 42. Zürich: sonnig, 21 °C.<｜end▁of▁sentence｜>",
+        "2 + 2 = 4.<｜end▁of▁sentence｜>"],
+    "deepseek-v3.1": [
+        '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>multiply<｜tool▁sep｜>{"a": 6, "b": 7}<｜tool▁call▁end｜>'
+        "<｜tool▁calls▁end｜><｜end▁of▁sentence｜>",
+        '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>weather<｜tool▁sep｜>{"city": "Zürich", "unit": "°C"}'
+        "<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>",
+        "6 × 7 = 42. Zürich: sonnig, 21 °C.<｜end▁of▁sentence｜>",
+        "2 + 2 = 4.<｜end▁of▁sentence｜>"],
+    "kimi-k2": [
+        '<|tool_calls_section_begin|><|tool_call_begin|>functions.multiply:0<|tool_call_argument_begin|>{"a": 6, "b": 7}'
+        "<|tool_call_end|><|tool_calls_section_end|><|im_end|>",
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.weather:0<|tool_call_argument_begin|>"
+        '{"city": "Zürich", "unit": "°C"}<|tool_call_end|><|tool_calls_section_end|><|im_end|>',
+        "6 × 7 = 42. Zürich: sonnig, 21 °C.<|im_end|>",
+        "2 + 2 = 4.<|im_end|>"],
+    "kimi-k2-thinking": [
+        '<think></think><|tool_calls_section_begin|><|tool_call_begin|>call00001<|tool_call_argument_begin|>{"a": 6, "b": 7}'
+        "<|tool_call_end|><|tool_calls_section_end|><|im_end|>",
+        "<think></think><|tool_calls_section_begin|><|tool_call_begin|>call00002<|tool_call_argument_begin|>"
+        '{"city": "Zürich", "unit": "°C"}<|tool_call_end|><|tool_calls_section_end|><|im_end|>',
+        "<think></think>6 × 7 = 42. Zürich: sonnig, 21 °C.<|im_end|>",
+        "<think></think>2 + 2 = 4.<|im_end|>"],
+    "glm-4.5": [
+        "\n<think></think>\n<tool_call>multiply\n<arg_key>a</arg_key>\n<arg_value>6</arg_value>\n<arg_key>b</arg_key>\n"
+        "<arg_value>7</arg_value>\n</tool_call><|observation|>",
+        "\n<think></think>\n<tool_call>weather\n<arg_key>city</arg_key>\n<arg_value>Zürich</arg_value>\n"
+        "<arg_key>unit</arg_key>\n<arg_value>°C</arg_value>\n</tool_call><|observation|>",
+        "\n<think></think>\n6 × 7 = 42. Zürich: sonnig, 21 °C.<|user|>",
+        "\n<think>Easy.</think>\n2 + 2 = 4."],
+    "gpt-oss": [
+        ' to=functions.multiply<|channel|>commentary json<|message|>{"a": 6, "b": 7}<|call|>',
+        ' to=functions.weather<|channel|>commentary json<|message|>{"city": "Zürich", "unit": "°C"}<|call|>',
+        "<|channel|>final<|message|>6 × 7 = 42. Zürich: sonnig, 21 °C.<|end|>",
+        "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>2 + 2 = 4.<|return|>"],
+    "qwen3": [
+        '<tool_call>\n{"name": "multiply", "arguments": {"a": 6, "b": 7}}\n</tool_call><|im_end|>',
+        '<tool_call>\n{"name": "weather", "arguments": {"city": "Zürich", "unit": "°C"}}\n</tool_call><|im_end|>',
+        "6 × 7 = 42. Zürich: sonnig, 21 °C.<|im_end|>",
+        "<think>\nEasy.\n</think>\n\n2 + 2 = 4.<|im_end|>"],
+    "mistral-nemo": [
+        '[TOOL_CALLS][{"name": "multiply", "arguments": {"a": 6, "b": 7}, "id": "call00001"}]</s>',
+        '[TOOL_CALLS][{"name": "weather", "arguments": {"city": "Zürich", "unit": "°C"}, "id": "call00002"}]</s>',
+        "6 × 7 = 42. Zürich: sonnig, 21 °C.</s>",
+        "2 + 2 = 4.</s>"],
+    "llama-3.1": [
+        '{"name": "multiply", "parameters": {"a": 6, "b": 7}}<|eot_id|>',
+        '{"name": "weather", "parameters": {"city": "Zürich", "unit": "°C"}}<|eot_id|>',
+        "6 × 7 = 42. Zürich: sonnig, 21 °C.<|eot_id|>",
+        "2 + 2 = 4.<|eot_id|>"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(TOOL_TARGETS))
+def test_the_tool_conversation_trains_what_the_model_writes(name, folders):
+    template = ChatSettings(str(folders(name))).template()
+    messages, tools = chat_cases.conversations(name)["tools"]
+    ids, targets = template.encode(Conversation(messages, tools))
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], targets.astype(int), [0]])))
+    runs = [template.tokenizer.decode(ids[a:b], special=True) for a, b in zip(edges[::2], edges[1::2])]
+    assert runs == TOOL_TARGETS[name]
+
+
+def test_mixtral_trains_the_space_its_answers_start_with(folders):
+    template = ChatSettings(str(folders("mixtral"))).template()
+    messages, _ = chat_cases.conversations("mixtral")["chat"]
+    ids, targets = template.encode(Conversation(messages))
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], targets.astype(int), [0]])))
+    runs = [template.tokenizer.decode(ids[a:b], special=True) for a, b in zip(edges[::2], edges[1::2])]
+    assert runs == [" Gut, danke — und dir? 😊</s>", " Red\nBlue</s>", "  Green.</s>"]
