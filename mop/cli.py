@@ -1,5 +1,6 @@
 """The `mop` command: `mop train [CONFIG.toml] [--section.key=value ...]`, `mop bench NAME [...]`,
-`mop convert to-hf|from-hf ...`, `mop plan ...`, `mop data prepare SOURCE --tokenizer DIR --out DIR`.
+`mop convert to-hf|from-hf ...`, `mop plan ...`, `mop data prepare SOURCE --tokenizer DIR --out DIR`,
+`mop data inspect SOURCE --tokenizer DIR`.
 
 User errors (a bad setting, missing data, an impossible layout, a feature that has not landed)
 print one line naming the setting and the fix, and exit with code 2.
@@ -14,7 +15,7 @@ import typing
 
 from mop.bench import BENCHMARKS
 from mop.bench import load as load_benchmark
-from mop.config import Config, field_docs, hints, load_config, sections
+from mop.config import Config, DataConfig, field_docs, hints, load_config, sections
 from mop.launch import RUN_ENDED, USER_ERRORS, failed_launch, launch, say_run_ended
 from mop.resolve import resolve
 from mop.runtime import under_torchrun
@@ -80,13 +81,19 @@ def build_parser(benchmark: str | None = None) -> argparse.ArgumentParser:
     plan.add_arguments(commands.add_parser("plan", help="will a model fit a cluster at a context, with which layout "
                                            "and how fast (MoP and FSDP-best)", description=plan.__doc__,
                                            formatter_class=argparse.RawDescriptionHelpFormatter))
-    data_parser = commands.add_parser("data", help="prepare conversation data once for chat fine-tuning")
+    data_parser = commands.add_parser("data", help="prepare conversation data once for chat fine-tuning, or look at "
+                                      "what training sees of it")
     data_commands = data_parser.add_subparsers(dest="data_command", required=True, metavar="SUBCOMMAND")
     from mop.data import prepared
 
     prepared.add_arguments(data_commands.add_parser(
         "prepare", help="render, tokenize and mask conversations into a memory-mapped prepared folder",
         description=prepared.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
+    from mop.data import inspection
+
+    inspection.add_arguments(data_commands.add_parser(
+        "inspect", help="show conversations as training sees them, the trained tokens marked",
+        description=inspection.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter), DataConfig())
     bench_parser = commands.add_parser("bench", help="run a benchmark: prints a table and writes JSON")
     benchmarks = bench_parser.add_subparsers(dest="benchmark", required=True, metavar="NAME")
     for name, summary in BENCHMARKS.items():
@@ -131,9 +138,11 @@ def main(argv: list[str] | None = None) -> int:
         from mop import convert
 
         try:
-            from mop.data import prepared
+            from mop.data import inspection, prepared
 
-            {"bench": run_bench, "convert": convert.run, "plan": run_plan, "data": prepared.run}[args.command](args)
+            data = {"prepare": prepared.run, "inspect": inspection.run}
+            {"bench": run_bench, "convert": convert.run, "plan": run_plan,
+             "data": lambda args: data[args.data_command](args)}[args.command](args)
         except USER_ERRORS as err:
             print(f"mop: error: {err}", file=sys.stderr)
             return 2

@@ -24,7 +24,7 @@ import mop
 from mop.cli import main
 from mop.config import DataConfig
 from mop.data import ByteTokenizer, ChatDataset, DataError, load_dataset, load_tokenizer, source_options
-from mop.data.conversations import chat_files, iter_rows
+from mop.data.conversations import chat_files, conversation, iter_rows
 from mop.data.prepared import MANIFEST, ChatSettings, encode_source, open_prepared, prepare
 
 ASSETS = Path(mop.__file__).parent / "data" / "assets"
@@ -505,3 +505,49 @@ def test_the_cli_stops_at_a_bad_row_leaving_nothing(tmp_path, capsys):
     assert re.fullmatch(rf"mop: error: data\.source: {re.escape(str(source))}:71: message 0 has role 'robot'; .*; fix "
                         r"the row, or set data\.skip_invalid = true to count and skip such rows\n", captured.err)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # neither --out nor its partial folder
+
+
+def test_inspect_shows_rows_as_training_sees_them(tmp_path, capsys):
+    source = write_jsonl(tmp_path / "c.jsonl", [GOOD, {"messages": [{"role": "user", "content": "No answer."}]},
+                                                 LAST])
+    assert main(["data", "inspect", str(source), "--tokenizer", QWEN3, "--rows", "2", "--seq-len", "64"]) == 0
+    shown = capsys.readouterr().out
+    ids, targets = SETTINGS.template().encode(conversation(GOOD))
+    count = int(targets[1:].sum())
+    assert shown == (f"── {source}:1: {len(ids)} tokens, {count} trained ({count / len(ids):.0%}), fits seq_len 64\n"
+                     "<|im_start|>user\nHello?<|im_end|>\n<|im_start|>assistant\n"
+                     "⟦<think>\n\n</think>\n\nHello.<|im_end|>⟧\n\n"
+                     f"── {source}:2: cannot be used: it has no assistant turn\n\n")
+
+
+def test_inspect_says_what_happens_to_an_overlong_row_and_colours_on_request(tmp_path, capsys):
+    source = write_jsonl(tmp_path / "c.jsonl", [{"messages": GOOD["messages"] + LAST["messages"]}])
+    ids, targets = SETTINGS.template().encode(conversation({"messages": GOOD["messages"] + LAST["messages"]}))
+    first_end = int(np.flatnonzero(targets)[0]) + int(np.argmin(targets[np.flatnonzero(targets)[0]:]))
+    seq_len = first_end + 2  # room for the first answer, not the second
+    assert main(["data", "inspect", str(source), "--tokenizer", QWEN3, "--seq-len", str(seq_len), "--overlong",
+                 "truncate", "--color", "always"]) == 0
+    header, text = capsys.readouterr().out.split("\n", 1)
+    count = int(targets[1:first_end].sum())
+    assert header == (f"── {source}:1: {len(ids)} tokens, {count} trained ({count / len(ids):.0%}), overlong "
+                      f"({len(ids)} > seq_len {seq_len}): truncated to its first {first_end} tokens (data.overlong = "
+                      "truncate)")
+    assert text.count("\x1b[1;32m") == 1 and "⟦" not in text  # the second answer is cut off: not trained
+    assert main(["data", "inspect", str(source), "--tokenizer", QWEN3, "--seq-len", str(seq_len)]) == 0
+    assert "): dropped (data.overlong = drop)" in capsys.readouterr().out
+
+
+def test_inspect_reads_a_prepared_folder_as_its_source(prepared, capsys):
+    out, _, _ = prepared
+    source = out.parent / "src" / "c.jsonl"
+    assert main(["data", "inspect", str(source), "--tokenizer", QWEN3, "--rows", "3"]) == 0
+    from_source = capsys.readouterr().out.split("── ")[1:]
+    assert main(["data", "inspect", str(out), "--tokenizer", QWEN3, "--rows", "3"]) == 0
+    from_folder = capsys.readouterr().out.split("── ")[1:]
+    assert len(from_source) == len(from_folder) == 3
+    for k, (shown, folder_shown) in enumerate(zip(from_source, from_folder)):
+        assert folder_shown == shown.replace(f"{source}:{k + 1}:", f"{out} conversation {k}:", 1)
+    assert main(["data", "inspect", str(out), "--tokenizer", QWEN3, "--rows", "1", "--loss-on", "all", "--seq-len", "4096"]) == 0
+    header, text = capsys.readouterr().out.split("\n", 1)
+    tokens = int(re.search(r": (\d+) tokens, ", header).group(1))
+    assert f"{tokens} tokens, {tokens - 1} trained" in header and text.startswith("<|im_start|>⟦")

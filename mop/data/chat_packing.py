@@ -56,16 +56,19 @@ def fitted_lengths(corpus: ChatCorpus, seq_len: int, overlong: str) -> tuple[np.
     over = np.flatnonzero(lengths > seq_len)
     kept = lengths.copy()
     kept[over] = 0
-    truncated = 0
     if overlong == "truncate":
         for k in over:  # overlong conversations are few: each looks at its first seq_len + 1 targets
             start = int(corpus.offsets[k])
-            targets = np.asarray(corpus.targets[start:start + seq_len + 1], dtype=bool)
-            ends = np.flatnonzero(targets[:-1] & ~targets[1:]) + 1  # a run of targets ends before position `end`
-            if len(ends):
-                kept[k] = ends[-1]
-                truncated += 1
+            kept[k] = truncated_length(np.asarray(corpus.targets[start:start + seq_len + 1], dtype=bool))
+    truncated = int(np.count_nonzero(kept[over]))
     return kept, len(over) - truncated, truncated
+
+
+def truncated_length(targets: np.ndarray) -> int:
+    """The longest prefix of an overlong conversation, given its first `seq_len + 1` targets, that
+    ends at a turn boundary (the end of a run of targets) within `seq_len` tokens; 0 where none does."""
+    ends = np.flatnonzero(targets[:-1] & ~targets[1:]) + 1  # a run of targets ends before position `end`
+    return int(ends[-1]) if len(ends) else 0
 
 
 def best_fit_decreasing(lengths: np.ndarray, capacity: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
