@@ -12,7 +12,9 @@ mop's shipped chat assets followed by the model's own added tokens with its real
 
 `conversations(name)` gives the test conversations in the form each template reads (tool-call
 arguments as objects or JSON strings, tool-call ids of nine characters for Mistral's), leaving out
-those a template cannot render by design (Mixtral has no tools, Llama 3.1 one tool call per message).
+those a template cannot render by design (Mixtral has no tools, Llama 3.1 one tool call per message,
+Mistral's and Mixtral's a conversation that does not alternate user and assistant turns, most
+templates content parts).
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ SHA256 = {
 JSON_ARGUMENTS = {"deepseek-v3", "deepseek-v3.1"}
 NO_TOOLS = {"mixtral"}
 ONE_CALL_PER_MESSAGE = {"llama-3.1"}
-USER_FIRST = {"mistral-nemo", "mixtral"}
+USER_FIRST = {"mistral-nemo", "mixtral"}  # they also refuse two assistant turns in a row
+CONTENT_PARTS = {"kimi-k2", "kimi-k2-thinking", "glm-4.5"}  # the templates that read a list of content parts
 
 
 def template_text(name: str) -> str:
@@ -166,16 +169,50 @@ INLINE_REASONING_CONVERSATION = [
 ]
 
 
+# The same call twice, without arguments, each with an empty result: turns and results that write no
+# string, between which only the template's own text tells one turn from the next.
+RETRY_CONVERSATION = [
+    {"role": "user", "content": "Clean up, twice."},
+    {"role": "assistant", "content": "", "tool_calls": [_call("call00005", "cleanup", {})]},
+    _result("call00005", "cleanup", ""),
+    {"role": "assistant", "content": "", "tool_calls": [_call("call00006", "cleanup", {})]},
+    _result("call00006", "cleanup", ""),
+    {"role": "assistant", "content": "Done."},
+]
+RETRY_TOOLS = [{"type": "function", "function": {"name": "cleanup", "description": "Clean up.", "parameters": {
+    "type": "object", "properties": {}, "required": []}}}]
+
+# Two assistant messages in a row, and reasoning of several lines with newlines around it (which
+# Qwen3's template strips, so its values cannot be read off markers).
+CONSECUTIVE_CONVERSATION = [
+    {"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": "First part.", "reasoning_content": "\nGreet.\nThen continue.\n"},
+    {"role": "assistant", "content": "Second part."},
+    {"role": "user", "content": "Ok"},
+    {"role": "assistant", "content": "Bye.", "reasoning_content": "\nDone.\n"},
+]
+
+# A user turn of content parts.
+PARTS_CONVERSATION = [
+    {"role": "user", "content": [{"type": "text", "text": "Describe "}, {"type": "text", "text": "the sea."}]},
+    {"role": "assistant", "content": "Blue and wide."},
+]
+
+
 def conversations(name: str) -> dict[str, tuple[list[dict], list[dict] | None]]:
     """The test conversations for template `name`: `{label: (messages, tools)}` (the module docstring)."""
     cases = {"chat": (CHAT_CONVERSATION, None), "empty": (EMPTY_CONVERSATION, None),
              "inline": (INLINE_REASONING_CONVERSATION, None)}
     if name not in USER_FIRST:
         cases["opening"] = (OPENING_CONVERSATION, None)
+        cases["consecutive"] = (CONSECUTIVE_CONVERSATION, None)
     if name not in NO_TOOLS:
         cases["tools"] = (TOOL_CONVERSATION, TOOLS)
+        cases["retry"] = (RETRY_CONVERSATION, RETRY_TOOLS)
         if name not in ONE_CALL_PER_MESSAGE:
             cases["parallel"] = (PARALLEL_CONVERSATION, TOOLS)
+    if name in CONTENT_PARTS:
+        cases["parts"] = (PARTS_CONVERSATION, None)
     return {label: (_for_template(name, messages), tools) for label, (messages, tools) in cases.items()}
 
 

@@ -507,34 +507,48 @@ def test_the_cli_stops_at_a_bad_row_leaving_nothing(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # neither --out nor its partial folder
 
 
+def trained_by_training(tmp_path, row: dict, seq_len: int, overlong: str = "drop", loss_on: str = "assistant"):
+    """What training does with one conversation: its labels' count and the tokens it keeps."""
+    source = write_jsonl(tmp_path / "alone" / "c.jsonl", [row])
+    dataset = ChatDataset(encode_source(str(source), SETTINGS), seq_len, overlong, seed=0, pad_id=0, loss_on=loss_on)
+    labels = sum(int((dataset[i]["labels"] != -100).sum()) for i in range(len(dataset)))
+    return labels, int(dataset.packing.lengths.sum())
+
+
 def test_inspect_shows_rows_as_training_sees_them(tmp_path, capsys):
     source = write_jsonl(tmp_path / "c.jsonl", [GOOD, {"messages": [{"role": "user", "content": "No answer."}]},
                                                  LAST])
     assert main(["data", "inspect", str(source), "--tokenizer", QWEN3, "--rows", "2", "--seq-len", "64"]) == 0
     shown = capsys.readouterr().out
-    ids, targets = SETTINGS.template().encode(conversation(GOOD))
-    count = int(targets[1:].sum())
-    assert shown == (f"── {source}:1: {len(ids)} tokens, {count} trained ({count / len(ids):.0%}), fits seq_len 64\n"
+    count, tokens = trained_by_training(tmp_path, GOOD, 64)
+    assert shown == (f"── {source}:1: {tokens} tokens, {count} trained ({count / tokens:.0%}), fits seq_len 64\n"
                      "<|im_start|>user\nHello?<|im_end|>\n<|im_start|>assistant\n"
                      "⟦<think>\n\n</think>\n\nHello.<|im_end|>⟧\n\n"
                      f"── {source}:2: cannot be used: it has no assistant turn\n\n")
+    with pytest.raises(SystemExit) as excinfo:
+        main(["data", "inspect", str(source), "--tokenizer", QWEN3, "--rows", "0"])
+    assert excinfo.value.code == 2
+    assert capsys.readouterr().err == ("mop: error: argument --rows: '0' is not a positive number of rows; see mop data "
+                                       "inspect --help\n")
 
 
 def test_inspect_says_what_happens_to_an_overlong_row_and_colours_on_request(tmp_path, capsys):
-    source = write_jsonl(tmp_path / "c.jsonl", [{"messages": GOOD["messages"] + LAST["messages"]}])
-    ids, targets = SETTINGS.template().encode(conversation({"messages": GOOD["messages"] + LAST["messages"]}))
+    row = {"messages": GOOD["messages"] + LAST["messages"]}
+    source = write_jsonl(tmp_path / "c.jsonl", [row])
+    ids, targets = SETTINGS.template().encode(conversation(row))
     first_end = int(np.flatnonzero(targets)[0]) + int(np.argmin(targets[np.flatnonzero(targets)[0]:]))
     seq_len = first_end + 2  # room for the first answer, not the second
     assert main(["data", "inspect", str(source), "--tokenizer", QWEN3, "--seq-len", str(seq_len), "--overlong",
                  "truncate", "--color", "always"]) == 0
     header, text = capsys.readouterr().out.split("\n", 1)
-    count = int(targets[1:first_end].sum())
+    count, kept = trained_by_training(tmp_path, row, seq_len, "truncate")
+    assert kept == first_end
     assert header == (f"── {source}:1: {len(ids)} tokens, {count} trained ({count / len(ids):.0%}), overlong "
-                      f"({len(ids)} > seq_len {seq_len}): truncated to its first {first_end} tokens (data.overlong = "
+                      f"({len(ids)} > seq_len {seq_len}): truncated to its first {kept} tokens (data.overlong = "
                       "truncate)")
     assert text.count("\x1b[1;32m") == 1 and "⟦" not in text  # the second answer is cut off: not trained
     assert main(["data", "inspect", str(source), "--tokenizer", QWEN3, "--seq-len", str(seq_len)]) == 0
-    assert "): dropped (data.overlong = drop)" in capsys.readouterr().out
+    assert "0 trained (0%), overlong" in capsys.readouterr().out.replace("): dropped (data.overlong = drop)", "")
 
 
 def test_inspect_reads_a_prepared_folder_as_its_source(prepared, capsys):
@@ -547,7 +561,8 @@ def test_inspect_reads_a_prepared_folder_as_its_source(prepared, capsys):
     assert len(from_source) == len(from_folder) == 3
     for k, (shown, folder_shown) in enumerate(zip(from_source, from_folder)):
         assert folder_shown == shown.replace(f"{source}:{k + 1}:", f"{out} conversation {k}:", 1)
-    assert main(["data", "inspect", str(out), "--tokenizer", QWEN3, "--rows", "1", "--loss-on", "all", "--seq-len", "4096"]) == 0
+    assert main(["data", "inspect", str(out), "--tokenizer", QWEN3, "--rows", "1", "--loss-on", "all",
+                 "--seq-len", "4096"]) == 0
     header, text = capsys.readouterr().out.split("\n", 1)
-    tokens = int(re.search(r": (\d+) tokens, ", header).group(1))
-    assert f"{tokens} tokens, {tokens - 1} trained" in header and text.startswith("<|im_start|>⟦")
+    count, tokens = trained_by_training(out.parent, json.loads(source.read_text().splitlines()[0]), 4096, loss_on="all")
+    assert f"{tokens} tokens, {count} trained" in header and text.startswith("<|im_start|>⟦")

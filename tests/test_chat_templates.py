@@ -12,7 +12,7 @@ import pytest
 
 import chat_cases
 from mop.data.conversations import conversation
-from mop.data.errors import ConversationError
+from mop.data.errors import ConversationError, DataError
 from mop.data.prepared import ChatSettings
 from mop.data.templates import Conversation
 
@@ -50,12 +50,12 @@ def assert_equal_to_the_oracle(name: str, folder, template):
     generation = chat_cases.generation_text(name)
     for label, (messages, tools) in chat_cases.conversations(name).items():
         expected, mine = oracle(folder, messages, tools, generation), mop_encoding(template, messages, tools)
-        assert (expected is None) == (mine is None), f"{name} {label}: one side refuses the conversation"
-        if expected is not None:
-            real = oracle(folder, messages, tools, chat_cases.template_text(name))
-            assert real[0] == expected[0], f"{name} {label}: the generation copy renders other text"
-            assert mine[0].tolist() == expected[0], f"{name} {label}: token ids"
-            assert mine[1].tolist() == expected[1].tolist(), f"{name} {label}: targets"
+        assert expected is not None, f"{name} {label}: transformers refuses the conversation"
+        assert mine is not None, f"{name} {label}: mop refuses the conversation"
+        real = oracle(folder, messages, tools, chat_cases.template_text(name))
+        assert real[0] == expected[0], f"{name} {label}: the generation copy renders other text"
+        assert mine[0].tolist() == expected[0], f"{name} {label}: token ids"
+        assert mine[1].tolist() == expected[1].tolist(), f"{name} {label}: targets"
 
 
 def test_the_templates_are_the_published_ones():
@@ -187,3 +187,47 @@ def test_mixtral_trains_the_space_its_answers_start_with(folders):
     edges = np.flatnonzero(np.diff(np.concatenate([[0], targets.astype(int), [0]])))
     runs = [template.tokenizer.decode(ids[a:b], special=True) for a, b in zip(edges[::2], edges[1::2])]
     assert runs == [" Gut, danke — und dir? 😊</s>", " Red\nBlue</s>", "  Green.</s>"]
+
+
+# Two template shapes no test template above has, each with its copy marking what the model writes:
+# a generation prompt that opens a think block earlier turns do not show (DeepSeek-R1's, Qwen3-2507
+# Thinking's), and a template that needs a system prompt (so its probes must give it one).
+FORCED_THINK = ("{% for m in messages %}{% if m.role == 'user' %}<U>{{ m.content }}"
+                "{% elif m.role == 'system' %}<S>{{ m.content }}{% else %}{{ '<A>' }}{% generation %}"
+                "{{ m.content.split('</think>')[-1] + '<E>' }}{% endgeneration %}"
+                "{% endif %}{% endfor %}{% if add_generation_prompt %}<A><think>\n{% endif %}")
+NEEDS_SYSTEM = ("{% if messages[0].role != 'system' %}{{ raise_exception('a system prompt first') }}{% endif %}"
+                "{% for m in messages %}{% if m.role == 'assistant' %}{{ '### Answer:\n' }}{% generation %}"
+                "{{ m.content + '\n### End' }}{% endgeneration %}{{ '\n\n' }}{% else %}### {{ m.role }}:\n"
+                "{{ m.content }}\n\n{% endif %}{% endfor %}{% if add_generation_prompt %}### Answer:\n{% endif %}")
+SHAPE_CONVERSATION = [{"role": "system", "content": "Be brief."},
+                      {"role": "user", "content": "Line one\nLine two: what is 2+2?"},
+                      {"role": "assistant", "content": "<think>\nAdd.\n</think>4"},
+                      {"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "6"}]
+
+
+@pytest.mark.parametrize("generation", [FORCED_THINK, NEEDS_SYSTEM], ids=["forced-think", "needs-system"])
+def test_template_shapes_train_what_the_marked_copy_marks(generation, tmp_path):
+    from transformers import AutoTokenizer
+
+    plain = tmp_path / "plain.jinja"
+    plain.write_text(generation.replace("{% generation %}", "").replace("{% endgeneration %}", ""))
+    folder = chat_cases.SHIPPED["qwen3"]
+    ids, targets = ChatSettings(str(folder), chat_template=str(plain)).template().encode(Conversation(SHAPE_CONVERSATION))
+    out = AutoTokenizer.from_pretrained(str(folder)).apply_chat_template(
+        SHAPE_CONVERSATION, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, chat_template=generation)
+    assert ids.tolist() == out["input_ids"] and targets.tolist() == [bool(m) for m in out["assistant_masks"]]
+    assert targets.sum() > 0
+
+
+def test_a_generation_block_whose_place_cannot_be_told_is_refused(tmp_path):
+    for inside in ("{% macro turn(m) %}{% generation %}{{ m.content }}{% endgeneration %}{% endmacro %}"
+                   "{% for m in messages %}{{ turn(m) }}{% endfor %}",
+                   "{% for m in messages %}{% set text %}{% generation %}{{ m.content }}{% endgeneration %}{% endset %}"
+                   "{{ text }}{% endfor %}"):
+        path = tmp_path / "inside.jinja"
+        path.write_text(inside)
+        with pytest.raises(DataError, match=r"data\.chat_template: .*inside\.jinja has a \{% generation %\} block "
+                                            r"inside a macro or a set, filter or call block"):
+            ChatSettings(str(chat_cases.SHIPPED["qwen3"]), chat_template=str(path)).template()
+

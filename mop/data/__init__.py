@@ -5,7 +5,8 @@ prepared folders, packing of whole conversations).
 ``build_data(source, tokenizer, seq_len, seed)`` wires the pieces: a tokenizer
 (``tokenizer``), the packed token stream of a source (``sources``, ``packing``; for chat,
 ``conversations``, ``templates`` with ``turns``, ``prepared``, ``chat_packing``) and the order in
-which training reads it (``loader``); ``inspection`` shows what training sees of chat data. Each module's docstring states its invariants.
+which training reads it (``loader``); ``inspection`` shows what training sees of chat data. Each
+module's docstring states its invariants.
 
 The names below are imported on first use (PEP 562): a worker process of ``mop data prepare``
 imports ``mop.data.prepared`` alone, without torch (about 200 MB and seconds per worker).

@@ -64,6 +64,14 @@ def fitted_lengths(corpus: ChatCorpus, seq_len: int, overlong: str) -> tuple[np.
     return kept, len(over) - truncated, truncated
 
 
+def trained_tokens(targets: np.ndarray, loss_on: str) -> np.ndarray:
+    """Which tokens of a conversation the loss predicts (the label of the position before each): its
+    targets, or every token with `loss_on = "all"`; never its first, which no position of it predicts."""
+    trained = np.ones(len(targets), dtype=bool) if loss_on == "all" else np.array(targets, dtype=bool)
+    trained[:1] = False
+    return trained
+
+
 def truncated_length(targets: np.ndarray) -> int:
     """The longest prefix of an overlong conversation, given its first `seq_len + 1` targets, that
     ends at a turn boundary (the end of a run of targets) within `seq_len` tokens; 0 where none does."""
@@ -151,11 +159,8 @@ class ChatDataset(Dataset):
         for number, k in enumerate(range(p.bounds[i], p.bounds[i + 1])):
             start, n = int(self.corpus.offsets[p.items[k]]), int(p.lengths[k])
             ids[at:at + n] = self.corpus.tokens[start:start + n]
-            if self.loss_on == "all":
-                labels[at:at + n - 1] = ids[at + 1:at + n]
-            else:
-                targets = np.asarray(self.corpus.targets[start + 1:start + n], dtype=bool)
-                labels[at:at + n - 1] = np.where(targets, ids[at + 1:at + n], IGNORE_INDEX)
+            trained = trained_tokens(self.corpus.targets[start:start + n], self.loss_on)
+            labels[at:at + n - 1] = np.where(trained[1:], ids[at + 1:at + n], IGNORE_INDEX)
             positions[at:at + n] = np.arange(n)
             documents[at:at + n] = number
             at += n

@@ -12,12 +12,13 @@ A row that cannot be used is shown with its one-line reason.
 
 from __future__ import annotations
 
+import argparse
 import sys
 from itertools import islice
 
 import numpy as np
 
-from mop.data.chat_packing import truncated_length
+from mop.data.chat_packing import trained_tokens, truncated_length
 from mop.data.conversations import chat_files, conversation, iter_rows
 from mop.data.errors import ConversationError
 from mop.data.prepared import ChatSettings, is_prepared, open_prepared
@@ -33,7 +34,7 @@ def add_arguments(parser, defaults) -> None:
     parser.add_argument("--tokenizer", required=True, help="the model's Hugging Face tokenizer folder (data.tokenizer)")
     parser.add_argument("--chat-template", default=defaults.chat_template,
                         help="a Jinja template file instead of the tokenizer folder's (data.chat_template)")
-    parser.add_argument("--rows", type=int, default=3, help="conversations to show, from the first (default 3)")
+    parser.add_argument("--rows", type=_positive, default=3, help="conversations to show, from the first (default 3)")
     parser.add_argument("--seq-len", type=int, default=defaults.seq_len, help="data.seq_len, to tell overlong "
                         f"conversations (default {defaults.seq_len})")
     parser.add_argument("--loss-on", choices=("assistant", "all"), default=defaults.loss_on, help="data.loss_on")
@@ -42,11 +43,17 @@ def add_arguments(parser, defaults) -> None:
                         help="mark trained tokens in colour (auto: on a terminal) or between ⟦ and ⟧")
 
 
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of rows")
+    return int(text)
+
+
 def run(args) -> None:
     settings = ChatSettings(args.tokenizer, args.chat_template)
     template = settings.template()
     marks = MARKS["color" if args.color == "always" or (args.color == "auto" and sys.stdout.isatty()) else "plain"]
-    for where, encoded in islice(_encoded(args.source, settings, template), max(args.rows, 0)):
+    for where, encoded in islice(_encoded(args.source, settings, template), args.rows):
         print(show(where, encoded, template.tokenizer, args.seq_len, args.loss_on, args.overlong, marks), end="\n\n")
 
 
@@ -56,7 +63,8 @@ def _encoded(source: str, settings: ChatSettings, template: ChatTemplate):
         corpus = open_prepared(source, settings)
         for k in range(len(corpus.offsets) - 1):
             part = slice(int(corpus.offsets[k]), int(corpus.offsets[k + 1]))
-            yield f"{source} conversation {k}", (np.asarray(corpus.tokens[part]), np.asarray(corpus.targets[part], bool))
+            encoded = np.asarray(corpus.tokens[part]), np.asarray(corpus.targets[part], dtype=bool)
+            yield f"{source} conversation {k}", encoded
         return
     for path in chat_files(source):
         for where, row in iter_rows(path):
@@ -71,8 +79,7 @@ def show(where: str, encoded, tokenizer, seq_len: int, loss_on: str, overlong: s
     if isinstance(encoded, str):
         return f"── {where}: cannot be used: {encoded}"
     ids, targets = encoded
-    trained = np.ones(len(ids), dtype=bool) if loss_on == "all" else targets.copy()
-    trained[:1] = False
+    trained = trained_tokens(targets, loss_on)
     fit = f"fits seq_len {seq_len}"
     if len(ids) > seq_len:
         kept = truncated_length(targets[:seq_len + 1]) if overlong == "truncate" else 0

@@ -12,10 +12,10 @@ A prepared folder holds `tokens.bin` (uint16 when the vocabulary fits, else uint
 (uint8), `offsets.npy` (int64) and `manifest.json`: the format version, the source and its
 fingerprint (file names, sizes and sampled bytes), the tokenizer's fingerprint (sha256 of its
 tokenizer.json), the template's sha256 and origin, the version of the assistant targets'
-definition (`mop.data.templates.TARGETS_VERSION`; a folder of another version is refused), the
-counts (conversations, tokens, targets, skipped ones with examples) and a length histogram. A run whose tokenizer or template
-differ from the manifest's is refused in one line (`data.loss_on` and `data.overlong` apply
-when sequences are built, so one folder serves them all).
+definition (`mop.data.templates.TARGETS_VERSION`), the counts (conversations, tokens, targets,
+skipped ones with examples) and a length histogram. A run whose tokenizer, template or targets'
+version differ from the manifest's is refused in one line (`data.loss_on` and `data.overlong`
+apply when sequences are built, so one folder serves them all).
 
 `prepare` streams: the main process reads rows a chunk at a time, `workers` processes render and
 tokenize the chunks (at most two chunks per worker in flight, collected in order), and the main

@@ -56,6 +56,7 @@ TARGETS_VERSION = 2
 _RECORDING = "_mop_recording"  # the render variable holding a `_Recording`, if any
 _PROBE = [{"role": "user", "content": "mop probe one"}, {"role": "assistant", "content": "mop answer one"},
           {"role": "user", "content": "mop probe two"}, {"role": "assistant", "content": "mop answer two"}]
+_SYSTEM_PROBE = {"role": "system", "content": "mop probe system"}
 
 
 def _raise_exception(message):
@@ -129,11 +130,27 @@ def compile_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
-def _marks_generation(template: jinja2.Template, source: str) -> bool:
-    """Whether the template has `{% generation %}` blocks."""
-    tree = template.environment.parse(source)
-    return any(isinstance(node.call, jinja2.nodes.Call) and isinstance(node.call.node, jinja2.nodes.ExtensionAttribute)
-               and node.call.node.name == "_record" for node in tree.find_all(jinja2.nodes.CallBlock))
+def _marks_generation(template: jinja2.Template, source: str, origin: str) -> bool:
+    """Whether the template has `{% generation %}` blocks; refused where one sits in a macro, a
+    `{% set %}`, `{% filter %}` or `{% call %}` block, whose output Jinja buffers: its place in the
+    output could not be told (transformers would mark the wrong text)."""
+    def blocks(node, buffered: bool):
+        for child in node.iter_child_nodes():
+            if isinstance(child, jinja2.nodes.CallBlock) and isinstance(child.call, jinja2.nodes.Call) and \
+                    isinstance(child.call.node, jinja2.nodes.ExtensionAttribute) and child.call.node.name == "_record":
+                yield buffered
+                yield from blocks(child, True)
+            else:
+                inside = isinstance(child, (jinja2.nodes.Macro, jinja2.nodes.AssignBlock, jinja2.nodes.FilterBlock,
+                                            jinja2.nodes.CallBlock))
+                yield from blocks(child, buffered or inside)
+
+    found = list(blocks(template.environment.parse(source), False))
+    if any(found):
+        raise DataError(f"data.chat_template: {origin} has a {{% generation %}} block inside a macro or a set, filter "
+                        "or call block (or another generation block), whose place in the output cannot be told; move "
+                        "it into the message loop")
+    return bool(found)
 
 
 def read_template(tokenizer_dir: Path | None, override: str = "") -> tuple[str, str]:
@@ -185,8 +202,9 @@ def _prepared_messages(messages: list[dict]) -> list[dict]:
 
 
 def _overlapping(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
-    """Whether each token's `[start, end)` characters overlap one of the sorted, disjoint spans."""
-    spans = np.asarray([s for s in spans if s[1] > s[0]], dtype=np.int64).reshape(-1, 2)
+    """Whether each token's `[start, end)` characters overlap one of the sorted, disjoint spans (an
+    empty span marks a token that holds its place inside it: transformers' rule)."""
+    spans = np.asarray(spans, dtype=np.int64).reshape(-1, 2)
     if not len(spans):
         return np.zeros(len(offsets), dtype=bool)
     k = np.searchsorted(spans[:, 1], offsets[:, 0], side="right")  # the first span ending after the token starts
@@ -207,7 +225,7 @@ class ChatTemplate:
                             f"{e.lineno}); fix the template") from None
         self.tokenizer = tokenizer
         self._special_tokens = tokenizer.special_tokens_map()
-        self.marks_generation = _marks_generation(self._template, source)
+        self.marks_generation = _marks_generation(self._template, source, origin)
         # what finding the turns needs (mop.data.turns); a template with generation blocks marks them itself
         self._prompt = "" if self.marks_generation else self._generation_prompt()
         self._closes_turns = self.marks_generation or self._probe_turn_ends()
@@ -239,7 +257,7 @@ class ChatTemplate:
         if self.marks_generation:
             recording = _Recording()
             text = self.render(conversation, recording=recording)
-            return text, sorted(recording.spans)
+            return text, sorted(recording.spans)  # blocks are never nested (`_marks_generation`): disjoint
         return assistant_spans(lambda messages, prompt: self.render(conversation, prompt, messages),
                                conversation.messages, self._prompt, self._closes_turns)
 
@@ -249,35 +267,36 @@ class ChatTemplate:
         ids, offsets = self.tokenizer.encode_with_offsets(text)
         return ids, _overlapping(offsets, spans)
 
+    def _probe(self, messages: list[dict], add_generation_prompt: bool) -> str | None:
+        """A probe conversation rendered, with a system prompt before it where the template needs one
+        (None where neither renders)."""
+        for probe in (messages, [_SYSTEM_PROBE, *messages]):
+            try:
+                return self.render(Conversation(probe), add_generation_prompt)
+            except ConversationError:
+                continue
+        return None
+
     def _generation_prompt(self) -> str:
-        """What `add_generation_prompt` adds after a user turn ("" where it adds nothing, or where the
-        template cannot render a lone user turn)."""
-        probe = Conversation(_PROBE[:1])
-        try:
-            plain, prompted = self.render(probe), self.render(probe, add_generation_prompt=True)
-        except ConversationError:
+        """What `add_generation_prompt` adds after a user turn ("" where it adds nothing, or where no
+        probe renders)."""
+        plain, prompted = self._probe(_PROBE[:1], False), self._probe(_PROBE[:1], True)
+        if plain is None or prompted is None or not prompted.startswith(plain):
             return ""
-        return prompted[len(plain):] if prompted.startswith(plain) else ""
+        return prompted[len(plain):]
 
     def _probe_turn_ends(self) -> bool:
         """Whether the template closes an assistant turn with text of its own (a two-turn probe
         followed by the generation prompt); refused where nothing but whitespace separates an
         assistant turn from the next user turn. True where the probe cannot be rendered (a template
-        that needs a system prompt or tools)."""
-        try:
-            text = self.render(Conversation(_PROBE))
-            prompted = self.render(Conversation(_PROBE[:2]), add_generation_prompt=True)
-        except ConversationError:
+        that needs tools)."""
+        text, prompted = self._probe(_PROBE, False), self._probe(_PROBE[:2], True)
+        answer, next_user = _PROBE[1]["content"], _PROBE[2]["content"]
+        if text is None or prompted is None or answer not in text or next_user not in text or answer not in prompted:
             return True
-        answer = _PROBE[1]["content"]
-        if answer not in text or _PROBE[2]["content"] not in text:
-            return True
-        between = text[text.index(answer) + len(answer):text.index(_PROBE[2]["content"])]
-        if not between.strip():
+        if not text[text.index(answer) + len(answer):text.index(next_user)].strip():
             raise DataError(f"data.chat_template: {self.origin} renders nothing between an assistant turn and the next "
                             "user turn, so a turn's end cannot be told; use a template that separates turns")
-        if answer not in prompted:
-            return True
         after = prompted[prompted.index(answer) + len(answer):]
         if self._prompt and after.endswith(self._prompt):
             after = after[:-len(self._prompt)]
