@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import json
+import random
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -223,3 +224,42 @@ def _for_template(name: str, messages: list[dict]) -> list[dict]:
             for call in message.get("tool_calls", ()):
                 call["function"]["arguments"] = json.dumps(call["function"]["arguments"], ensure_ascii=False)
     return messages
+
+
+_PIECES = ["ok", "Hi", "yes", "42", "", " ", "Grüße", "東京", "a\nb", "<think>\nx\n</think>\n\ny", "same", "same", "\n",
+           "Done."]
+
+
+def random_conversation(name: str, seed: int) -> tuple[list[dict], list[dict] | None]:
+    """A conversation drawn from `seed`, in the form template `name` reads: 1-5 user turns, each
+    answered by one or two assistant messages (text drawn from short pieces, empty, repeated,
+    non-ASCII, with newlines or a think block; reasoning sometimes; tool calls with no, numeric or
+    string arguments and their results sometimes), a system prompt and a closing user turn sometimes.
+    Some the template refuses (gpt-oss content and reasoning beside a tool call, Mistral's and
+    Mixtral's alternation): mop must refuse them too."""
+    r = random.Random(seed)
+
+    def text() -> str:
+        return r.choice(_PIECES) + (r.choice(_PIECES) if r.random() < 0.3 else "")
+
+    messages = [{"role": "system", "content": text() or "Be brief."}] if r.random() < 0.4 else []
+    calls = 0
+    for _ in range(r.randint(1, 5)):
+        messages.append({"role": "user", "content": text()})
+        for _ in range(r.choice([1, 1, 1, 2])):
+            answer = {"role": "assistant", "content": text()}
+            if r.random() < 0.4:
+                answer["reasoning_content"] = text()
+            messages.append(answer)
+            if name in NO_TOOLS or r.random() >= 0.35:
+                continue
+            ids = [f"call{calls + k + 1:05d}" for k in range(1 if name in ONE_CALL_PER_MESSAGE else r.choice([1, 1, 2]))]
+            calls += len(ids)
+            answer["tool_calls"] = [_call(i, r.choice(["weather", "cleanup"]), r.choice(
+                [{}, {"a": r.randint(0, 9)}, {"city": text()}, {"a": 1, "city": text()}])) for i in ids]
+            messages += [_result(i, "weather", text()) for i in ids]
+    if messages[-1]["role"] == "assistant" and r.random() < 0.3:
+        messages.append({"role": "user", "content": text()})
+    tools = TOOLS + RETRY_TOOLS if calls else None
+    return _for_template(name, messages), tools
+

@@ -71,6 +71,19 @@ def test_ids_and_targets_equal_the_generation_marked_oracle(name, folders):
 
 
 @pytest.mark.parametrize("name", chat_cases.TEMPLATES)
+def test_random_conversations_train_what_the_oracle_marks(name, folders):
+    """40 drawn conversations per template (`chat_cases.random_conversation`): equal, or refused by both."""
+    folder = folders(name)
+    template, generation = ChatSettings(str(folder)).template(), chat_cases.generation_text(name)
+    for seed in range(40):
+        messages, tools = chat_cases.random_conversation(name, seed)
+        expected, mine = oracle(folder, messages, tools, generation), mop_encoding(template, messages, tools)
+        assert (expected is None) == (mine is None), f"{name} seed {seed}: one side refuses the conversation"
+        if expected is not None:
+            assert mine[0].tolist() == expected[0] and mine[1].tolist() == expected[1].tolist(), f"{name} seed {seed}"
+
+
+@pytest.mark.parametrize("name", chat_cases.TEMPLATES)
 def test_targets_do_not_depend_on_which_tokens_are_flagged_special(name, folders):
     folder = folders(name, flipped=True)
     assert_equal_to_the_oracle(name, folder, ChatSettings(str(folder)).template())
