@@ -94,14 +94,14 @@ def _turn_start(render: Render, messages: list[dict], whole: _Rendering, i: int,
     header = prompt if prompt and before.endswith(prompt) else ""
     context = before[:len(before) - len(header)]
     values = whole.values(i)
-    high = values[0] if values is not None else whole.next_value(i)
+    high = values[0] if values is not None else whole.next_value(i, done)
     if not context:  # nothing before the turn but its header: it opens the conversation
         at = whole.text.find(header, done, high) if header else -1
         if at < 0:
             raise _unfound(i, "starts")
         return at + len(header)
     found = _longest_end(context, whole.text, done, high)
-    previous = whole.last_value(i - 1)
+    previous = whole.last_value(i - 1, high)
     if found is None or (previous is not None and previous >= done and not found[0] <= previous <= found[1]):
         raise _unfound(i, "starts")  # the match must span the last text before the turn: it pins the place
     at = found[1]
@@ -116,7 +116,7 @@ def _turn_end(render: Render, messages: list[dict], whole: _Rendering, i: int, p
     after = render(messages[:i + 1], True)
     if prompt and after.endswith(prompt):
         after = after[:-len(prompt)]
-    found = _longest_end(after, text, start, whole.next_value(i))
+    found = _longest_end(after, text, start, whole.next_value(i, start))
     values = whole.values(i)
     pinned = values[1] if values is not None else start  # what the match must span: the turn's last text, or its start
     if found is None or not found[0] <= pinned <= found[1]:
@@ -186,17 +186,20 @@ class _Rendering:
             self._values[j] = None if other == self.text else _difference(self.text, other)
         return self._values[j]
 
-    def next_value(self, i: int) -> int:
-        """Where the first rendered value of a message after message i starts (the text's end without one)."""
+    def next_value(self, i: int, after: int) -> int:
+        """Where the first rendered value of a message after message i starts, of those starting after
+        `after` (the text's end without one). A perturbed message that moves text elsewhere (Mistral's
+        tools go before the last user turn, and before any equal to it) seems to start before."""
         for j in range(i + 1, len(self._messages)):
-            if (values := self.values(j)) is not None:
+            if (values := self.values(j)) is not None and values[0] > after:
                 return values[0]
         return len(self.text)
 
-    def last_value(self, i: int) -> int | None:
-        """Where the last rendered value of message i or an earlier one ends (None without one)."""
+    def last_value(self, i: int, before: int) -> int | None:
+        """Where the last rendered value of message i or an earlier one ends, of those ending by
+        `before` (None without one)."""
         for j in range(i, -1, -1):
-            if (values := self.values(j)) is not None:
+            if (values := self.values(j)) is not None and values[1] <= before:
                 return values[1]
         return None
 
