@@ -263,3 +263,32 @@ def random_conversation(name: str, seed: int) -> tuple[list[dict], list[dict] | 
     tools = TOOLS + RETRY_TOOLS if calls else None
     return _for_template(name, messages), tools
 
+
+def agent_conversation(name: str, seed: int) -> tuple[list[dict], list[dict]]:
+    """An agent trace drawn from `seed`: a task, then 3-25 tool-calling turns (short content, or none
+    and reasoning sometimes, one or two calls with no, numeric or string arguments) each followed by its
+    results, a user's nudge now and then, and a final answer; long enough that turns are found from
+    short prefix renderings (`mop.data.turns._prefixes`)."""
+    r = random.Random(seed)
+
+    def text() -> str:
+        return r.choice(_PIECES) + (r.choice(_PIECES) if r.random() < 0.3 else "")
+
+    messages = [{"role": "system", "content": "You are an agent."}] if r.random() < 0.5 else []
+    messages.append({"role": "user", "content": "Do it." + text()})
+    calls = 0
+    for _ in range(r.randint(3, 25)):
+        turn = {"role": "assistant", "content": "" if r.random() < 0.6 else text()}
+        if not turn["content"] and r.random() < 0.5:  # reasoning or content beside a call, as gpt-oss reads them
+            turn["reasoning_content"] = text() or "Think."
+        count = 1 if name in ONE_CALL_PER_MESSAGE else r.choice([1, 1, 2])
+        ids = [f"call{calls + k + 1:05d}" for k in range(count)]
+        calls += len(ids)
+        turn["tool_calls"] = [_call(i, "weather", r.choice([{}, {"a": r.randint(0, 99)}, {"city": text()},
+                                                             {"a": 3, "city": text()}])) for i in ids]
+        messages += [turn, *(_result(i, "weather", text()) for i in ids)]
+        if r.random() < 0.1:
+            messages.append({"role": "user", "content": text() or "Go on."})
+    messages.append({"role": "assistant", "content": text() or "Done."})
+    return _for_template(name, messages), TOOLS + RETRY_TOOLS
+

@@ -528,8 +528,8 @@ def test_inspect_shows_rows_as_training_sees_them(tmp_path, capsys):
     with pytest.raises(SystemExit) as excinfo:
         main(["data", "inspect", str(source), "--tokenizer", QWEN3, "--rows", "0"])
     assert excinfo.value.code == 2
-    assert capsys.readouterr().err == ("mop: error: argument --rows: '0' is not a positive number of rows; see mop data "
-                                       "inspect --help\n")
+    assert capsys.readouterr().err == ("mop: error: argument --rows: '0' is not a positive number of rows; see mop "
+                                       "data inspect --help\n")
 
 
 def test_inspect_says_what_happens_to_an_overlong_row_and_colours_on_request(tmp_path, capsys):

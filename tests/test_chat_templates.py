@@ -72,11 +72,14 @@ def test_ids_and_targets_equal_the_generation_marked_oracle(name, folders):
 
 @pytest.mark.parametrize("name", chat_cases.TEMPLATES)
 def test_random_conversations_train_what_the_oracle_marks(name, folders):
-    """40 drawn conversations per template (`chat_cases.random_conversation`): equal, or refused by both."""
+    """40 drawn conversations and, with tools, 10 agent traces per template (`chat_cases`): equal, or
+    refused by both."""
     folder = folders(name)
     template, generation = ChatSettings(str(folder)).template(), chat_cases.generation_text(name)
-    for seed in range(40):
-        messages, tools = chat_cases.random_conversation(name, seed)
+    drawn = [chat_cases.random_conversation(name, seed) for seed in range(40)]
+    if name not in chat_cases.NO_TOOLS:
+        drawn += [chat_cases.agent_conversation(name, seed) for seed in range(10)]
+    for seed, (messages, tools) in enumerate(drawn):
         expected, mine = oracle(folder, messages, tools, generation), mop_encoding(template, messages, tools)
         assert (expected is None) == (mine is None), f"{name} seed {seed}: one side refuses the conversation"
         if expected is not None:
@@ -140,15 +143,15 @@ TOOL_TARGETS = {
         "6 × 7 = 42. Zürich: sonnig, 21 °C.<｜end▁of▁sentence｜>",
         "2 + 2 = 4.<｜end▁of▁sentence｜>"],
     "kimi-k2": [
-        '<|tool_calls_section_begin|><|tool_call_begin|>functions.multiply:0<|tool_call_argument_begin|>{"a": 6, "b": 7}'
-        "<|tool_call_end|><|tool_calls_section_end|><|im_end|>",
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.multiply:0<|tool_call_argument_begin|>"
+        '{"a": 6, "b": 7}<|tool_call_end|><|tool_calls_section_end|><|im_end|>',
         "<|tool_calls_section_begin|><|tool_call_begin|>functions.weather:0<|tool_call_argument_begin|>"
         '{"city": "Zürich", "unit": "°C"}<|tool_call_end|><|tool_calls_section_end|><|im_end|>',
         "6 × 7 = 42. Zürich: sonnig, 21 °C.<|im_end|>",
         "2 + 2 = 4.<|im_end|>"],
     "kimi-k2-thinking": [
-        '<think></think><|tool_calls_section_begin|><|tool_call_begin|>call00001<|tool_call_argument_begin|>{"a": 6, "b": 7}'
-        "<|tool_call_end|><|tool_calls_section_end|><|im_end|>",
+        "<think></think><|tool_calls_section_begin|><|tool_call_begin|>call00001<|tool_call_argument_begin|>"
+        '{"a": 6, "b": 7}<|tool_call_end|><|tool_calls_section_end|><|im_end|>',
         "<think></think><|tool_calls_section_begin|><|tool_call_begin|>call00002<|tool_call_argument_begin|>"
         '{"city": "Zürich", "unit": "°C"}<|tool_call_end|><|tool_calls_section_end|><|im_end|>',
         "<think></think>6 × 7 = 42. Zürich: sonnig, 21 °C.<|im_end|>",
@@ -213,22 +216,33 @@ NEEDS_SYSTEM = ("{% if messages[0].role != 'system' %}{{ raise_exception('a syst
                 "{% for m in messages %}{% if m.role == 'assistant' %}{{ '### Answer:\n' }}{% generation %}"
                 "{{ m.content + '\n### End' }}{% endgeneration %}{{ '\n\n' }}{% else %}### {{ m.role }}:\n"
                 "{{ m.content }}\n\n{% endif %}{% endfor %}{% if add_generation_prompt %}### Answer:\n{% endif %}")
+# And one that numbers every message after its text, so that a short prefix rendering (`turns._prefixes`)
+# ends unlike the whole and the full prefix is rendered instead.
+NUMBERED = ("{% for m in messages %}{% if m.role == 'assistant' %}A: {% generation %}{{ m.content }} "
+            "[{{ loop.index }}]{% endgeneration %}{{ '\\n' }}"
+            "{% else %}{{ m.role }}: {{ m.content }} [{{ loop.index }}]\n{% endif %}{% endfor %}"
+            "{% if add_generation_prompt %}A: {% endif %}")
 SHAPE_CONVERSATION = [{"role": "system", "content": "Be brief."},
                       {"role": "user", "content": "Line one\nLine two: what is 2+2?"},
                       {"role": "assistant", "content": "<think>\nAdd.\n</think>4"},
-                      {"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "6"}]
+                      {"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "6"},
+                      {"role": "user", "content": "4+4?"}, {"role": "assistant", "content": "8"},
+                      {"role": "user", "content": "5+5?"}, {"role": "assistant", "content": "10"}]
 
 
-@pytest.mark.parametrize("generation", [FORCED_THINK, NEEDS_SYSTEM], ids=["forced-think", "needs-system"])
+@pytest.mark.parametrize("generation", [FORCED_THINK, NEEDS_SYSTEM, NUMBERED],
+                         ids=["forced-think", "needs-system", "numbered"])
 def test_template_shapes_train_what_the_marked_copy_marks(generation, tmp_path):
     from transformers import AutoTokenizer
 
     plain = tmp_path / "plain.jinja"
     plain.write_text(generation.replace("{% generation %}", "").replace("{% endgeneration %}", ""))
     folder = chat_cases.SHIPPED["qwen3"]
-    ids, targets = ChatSettings(str(folder), chat_template=str(plain)).template().encode(Conversation(SHAPE_CONVERSATION))
+    template = ChatSettings(str(folder), chat_template=str(plain)).template()
+    ids, targets = template.encode(Conversation(SHAPE_CONVERSATION))
     out = AutoTokenizer.from_pretrained(str(folder)).apply_chat_template(
-        SHAPE_CONVERSATION, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, chat_template=generation)
+        SHAPE_CONVERSATION, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
+        chat_template=generation)
     assert ids.tolist() == out["input_ids"] and targets.tolist() == [bool(m) for m in out["assistant_masks"]]
     assert targets.sum() > 0
 

@@ -11,6 +11,9 @@
 4. Start-up: `load_dataset` on the prepared folder at each of `--seq-lens` (open the memory maps,
    check the manifest, pack every conversation by best-fit decreasing), what `mop train` does
    before its first step: seconds, sequences, padding.
+5. Agent traces: 20 conversations of each of `--agent-calls` tool calls (the shipped calculator, a
+   reasoned call and its result per step, then the answer) encoded in this process: tokens/s by
+   the number of calls, which finding each assistant turn (`mop.data.turns`) must keep flat.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=0, help="prepare's worker processes (0: one per core)")
     parser.add_argument("--baseline-mb", type=float, default=20, help="source MB encoded in one process (baseline)")
     parser.add_argument("--seq-lens", default="4096,32768,131072", help="data.seq_len values to start a run at")
+    parser.add_argument("--agent-calls", default="4,16,64", help="tool calls per generated agent trace")
     parser.add_argument("--work-dir", type=Path, default=None, help="where the generated file and prepared folder go "
                         "(default: a folder beside --out, named after it)")
     parser.add_argument("--out", type=Path, default=Path("runs/bench/data.json"))
@@ -57,6 +61,36 @@ def generate(path: Path, size_bytes: float) -> int:
             f.write(line)
             written += len(line.encode())
             rows += 1
+    return rows
+
+
+def agent_traces(path: Path, calls: int, rows: int = 20) -> None:
+    """`rows` agent traces of `calls` tool calls each (the module docstring, 5)."""
+    shipped_file = resources.files("mop.data") / "corpus" / "conversations.jsonl"
+    tools = next(json.loads(line)["tools"] for line in shipped_file.read_text().splitlines() if '"tools"' in line)
+    with path.open("w") as f:
+        for row in range(rows):
+            messages = [{"role": "user", "content": f"({row}) Add the numbers 0 to {calls} one step at a time."}]
+            for step in range(calls):
+                call = {"type": "function", "function": {"name": "calculator", "arguments": {
+                    "a": step * (step + 1) // 2, "b": step + 1, "op": "add"}}}
+                messages += [{"role": "assistant", "content": "", "reasoning_content": f"Step {step}: add {step + 1}.",
+                              "tool_calls": [call]},
+                             {"role": "tool", "content": str((step + 1) * (step + 2) // 2)}]
+            messages.append({"role": "assistant", "content": f"The sum is {calls * (calls + 1) // 2}."})
+            f.write(json.dumps({"messages": messages, "tools": tools}) + "\n")
+
+
+def encode_agents(work: Path, tokenizer: str, counts: list[int]) -> list[dict]:
+    rows = []
+    for calls in counts:
+        path = work / f"agents-{calls}.jsonl"
+        agent_traces(path, calls)
+        start = time.perf_counter()
+        corpus = encode_source(str(path), ChatSettings(tokenizer))
+        seconds = time.perf_counter() - start
+        rows.append({"calls": calls, "conversations": len(corpus.offsets) - 1, "tokens": len(corpus.tokens),
+                     "tokens_per_s": len(corpus.tokens) / seconds})
     return rows
 
 
@@ -145,8 +179,9 @@ def run(args) -> dict:
     prepared = prepare(source, folder, args.tokenizer, workers)
     alone = baseline(source, work / "baseline.jsonl", args.baseline_mb * MB, args.tokenizer)
     starts = start_up(folder, args.tokenizer, [int(s) for s in args.seq_lens.split(",")])
+    agents = encode_agents(work, args.tokenizer, [int(c) for c in args.agent_calls.split(",")])
     results = {"rows": rows, "source_bytes": source.stat().st_size, "workers": workers, "prepare": prepared,
-               "in_process": alone, "start_up": starts,
+               "in_process": alone, "start_up": starts, "agent_traces": agents,
                "throughput_ratio": prepared["tokens_per_s"] / alone["tokens_per_s"],
                "in_process_memory_for_the_whole_source_bytes": alone["growth_bytes_per_source_mb"]
                * source.stat().st_size / MB}
@@ -169,4 +204,7 @@ def report(args, results: dict) -> None:
                 ["data.seq_len", "seconds", "sequences", "padding share", "overlong dropped", "truncated"],
                 [[r["seq_len"], r["seconds"], r["sequences"], r["data_padding_share"], r["data_overlong_dropped"],
                   r["data_overlong_truncated"]] for r in results["start_up"]]))
+    print(table("agent traces encoded in one process (a call with reasoning and its result per step)",
+                ["tool calls", "conversations", "tokens", "tokens/s"],
+                [[r["calls"], r["conversations"], r["tokens"], r["tokens_per_s"]] for r in results["agent_traces"]]))
     print(f"JSON: {args.out}")

@@ -10,28 +10,35 @@ tokenizer flags special plays no part: everything comes from renderings of the c
 
 For assistant message i of a conversation rendered as R ("found" below: the longest end of a text
 that R holds ending within a range, at the first such place, by a binary search of `str.find`):
-1. values: every message's strings (content, reasoning, tool-call argument strings, tool results)
-   are wrapped in private-use characters of its own and the conversation rendered once; where taking
-   them out gives R back and every message's marks pair up, a message's first and last marks bound
-   its values in R. Otherwise (a template that cuts or reformats a value, as Qwen3 splits a `<think>`
-   block off the content), and for a message without marked strings, they are where R and a
-   rendering with that message's strings, empty ones too, and numbers perturbed differ;
-2. start: the model starts writing turn i where the rendering of `messages[:i]` with the generation
-   prompt, P, ends. P less that prompt is found ending between the previous turn's end and turn i's
-   first value (the next message's, for a turn without one), spanning the last value before the turn
-   when it lies there; the turn starts after it and as much of the prompt as R continues with (a
-   prompt that opens a think block earlier turns do not show, as DeepSeek-R1's, is only partly
-   there). When P cannot be rendered (a template that needs a first message), the turn opens the
-   conversation: it starts after the prompt's first place in R;
-3. end: the rendering of `messages[:i + 1]` with the generation prompt, Q, shows the turn followed by
-   nothing but the next turn's prompt. Q less that prompt is found ending between the turn's start and
-   the next value of a later message, spanning the turn's last value in R (its start, for a turn
-   without one); the turn ends there, trailing whitespace left out (Qwen3's newline after
-   `<|im_end|>`). The conversation's last message ends where R does, trailing whitespace left out;
+1. values: every message's strings (content, reasoning, tool-call arguments, tool results; each
+   inside its surrounding whitespace, which templates strip) and numbers (as strings, whose JSON
+   quotes are taken out again) are wrapped in private-use characters of its own and the
+   conversation rendered once; where taking them out gives R back and every message's marks pair
+   up, a message's first and last marks bound its values in R. Otherwise (a template that cuts or
+   reformats a value, as Qwen3 splits a `<think>` block off the content), and for an assistant turn
+   without marks, they are where R and a rendering with that message's values, empty strings too,
+   perturbed differ;
+2. start: the model starts writing turn i where a rendering of the messages before it with the
+   generation prompt, P, ends. P less that prompt is found ending between the previous turn's end
+   and turn i's first value (the next message's, for a turn without one), spanning the previous
+   message's last value when it lies there; the turn starts after it and as much of the prompt as R
+   continues with (a prompt that opens a think block earlier turns do not show, as DeepSeek-R1's, is
+   only partly there). When no P can be rendered (a template that needs a first message), the turn
+   opens the conversation: it starts after the prompt's first place in R;
+3. end: a rendering of the messages through turn i with the generation prompt, Q, shows the turn
+   followed by nothing but the next turn's prompt. Q less that prompt is found ending between the
+   turn's start and the next value of a later message, spanning the turn's last value in R (its
+   start, for a turn without one); the turn ends there, trailing whitespace left out (Qwen3's
+   newline after `<|im_end|>`). The conversation's last message ends where R does, trailing
+   whitespace left out;
 4. a template that closes an assistant turn with no text of its own (GLM-4.5, whose generation
    stops on the next message's `<|user|>` or `<|observation|>`, the token its own fine-tuning code
    trains) has each turn but the conversation's last extended through the first character of what
    follows it, so the token holding it is a target.
+P and Q are rendered first from a short conversation: the messages up to the first user turn and the
+last four or so before the cut (from a message that is no tool result). What those leave out changes
+what is rendered before the last messages, not after them, which is all a match uses; where the short
+rendering is not found so (a template that numbers its messages), the whole prefix is rendered.
 Why prefix renderings, matched by their ends, and not one rendering with markers alone: templates are
 not prefix-stable (Qwen3 and gpt-oss drop earlier turns' reasoning, gpt-oss ends the last turn with
 `<|return|>` and earlier ones with `<|end|>`), a turn's header differs with what precedes it
@@ -41,15 +48,16 @@ repeated by templates, so they cannot be marked. P and Q agree with R right befo
 right before it ends, whatever they render differently earlier; that a match spans a value pins it to
 its turn when later turns repeat the same text. A turn whose start or end is not found so is a
 `ConversationError` saying to mark the template's assistant text with `{% generation %}` blocks.
-Cost: two renderings of the conversation and two of its prefix up to each assistant turn, plus one
-per message the markers do not place: quadratic in the number of turns.
+Cost: two renderings of the conversation, two short ones per assistant turn, and one of the whole
+conversation per assistant turn without marks (an empty turn, a call without arguments): linear in
+the conversation's length but for those.
 """
 
 from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from mop.data.errors import ConversationError
 
@@ -58,9 +66,11 @@ Render = Callable[[list[dict], bool], str]
 
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 OPEN, CLOSE = "\ue000", "\ue001"  # private-use characters wrapped around perturbed values
-_MARKER_BASE = 0xF0000  # message j's values are wrapped in chr(base + 2j) ... chr(base + 2j + 1)
+_MARKER_BASE = 0xF0000  # message j's strings between chr(base + 4j) and chr(base + 4j + 1), numbers + 2 and + 3
 _MARKER = re.compile("[\U000F0000-\U000FFFFD]")
-_MAX_MARKED = (0xFFFFD - _MARKER_BASE) // 2  # messages that get markers of their own
+_QUOTED_MARK = re.compile('"([\U000F0000-\U000FFFFD])([^"\U000F0000-\U000FFFFD]*)([\U000F0000-\U000FFFFD])"')
+_MAX_MARKED = (0xFFFFD - _MARKER_BASE) // 4  # messages that get markers of their own
+_KEPT = 4  # messages before a cut that a short prefix rendering keeps (more where it would start at a tool result)
 
 
 def assistant_spans(render: Render, messages: list[dict], prompt: str, closes_turns: bool) -> tuple[str, list]:
@@ -82,46 +92,60 @@ def assistant_spans(render: Render, messages: list[dict], prompt: str, closes_tu
     return whole.text, spans
 
 
+def _prefixes(render: Render, messages: list[dict], upto: int) -> Iterator[str]:
+    """Renderings of `messages[:upto]` with the generation prompt, a short one first: the messages up
+    to the first user turn and the last `_KEPT` or so, from a message that is no tool result (those
+    between change what is rendered before the last ones, which is all a match uses), then all of
+    them; one that cannot be rendered left out."""
+    head = next((j + 1 for j, m in enumerate(messages[:upto]) if m.get("role") == "user"), 0)
+    cut = upto - _KEPT
+    while cut > head and messages[cut].get("role") == "tool":  # with the call its results answer
+        cut -= 1
+    cuts = [messages[:head] + messages[cut:upto]] if cut > head else []
+    for cut in [*cuts, messages[:upto]]:
+        try:
+            yield render(cut, True)
+        except ConversationError:
+            continue
+
+
 def _turn_start(render: Render, messages: list[dict], whole: _Rendering, i: int, prompt: str, done: int) -> int:
-    """Step 2: where the rendering of `messages[:i]` before its generation prompt is found, then as
-    much of the prompt as follows it."""
-    try:
-        before = render(messages[:i], True)
-    except ConversationError:
-        if not prompt:
-            raise
-        before = prompt
-    header = prompt if prompt and before.endswith(prompt) else ""
-    context = before[:len(before) - len(header)]
+    """Step 2: where a rendering of the messages before turn i, less its generation prompt, is found,
+    then as much of the prompt as follows it."""
     values = whole.values(i)
     high = values[0] if values is not None else whole.next_value(i, done)
-    if not context:  # nothing before the turn but its header: it opens the conversation
-        at = whole.text.find(header, done, high) if header else -1
-        if at < 0:
-            raise _unfound(i, "starts")
-        return at + len(header)
-    found = _longest_end(context, whole.text, done, high)
-    previous = whole.last_value(i - 1, high)
-    if found is None or (previous is not None and previous >= done and not found[0] <= previous <= found[1]):
-        raise _unfound(i, "starts")  # the match must span the last text before the turn: it pins the place
-    at = found[1]
-    return at + _common_prefix(whole.text[at:at + len(header)], header, len(header))
+    previous = whole.values(i - 1)[1] if i and whole.values(i - 1) is not None else -1
+    pinned = done <= previous <= high  # the match must span the previous message's text, where it lies between
+    for before in _prefixes(render, messages, i):
+        header = prompt if prompt and before.endswith(prompt) else ""
+        context = before[:len(before) - len(header)]
+        if not context:  # nothing before the turn but its header: it opens the conversation
+            break
+        found = _longest_end(context, whole.text, done, high)
+        if found is not None and (not pinned or found[0] <= previous <= found[1]):
+            at = found[1]
+            return at + _common_prefix(whole.text[at:at + len(header)], header, len(header))
+    at = whole.text.find(prompt, done, high) if prompt and not pinned else -1  # an opening turn
+    if at < 0:
+        raise _unfound(i, "starts")
+    return at + len(prompt)
 
 
 def _turn_end(render: Render, messages: list[dict], whole: _Rendering, i: int, prompt: str, start: int) -> int:
-    """Step 3: where the rendering of `messages[:i + 1]` up to the next generation prompt is found."""
+    """Step 3: where a rendering of the messages through turn i, less the next generation prompt, is
+    found."""
     text = whole.text
     if i == len(messages) - 1:
         return len(text.rstrip())
-    after = render(messages[:i + 1], True)
-    if prompt and after.endswith(prompt):
-        after = after[:-len(prompt)]
-    found = _longest_end(after, text, start, whole.next_value(i, start))
     values = whole.values(i)
     pinned = values[1] if values is not None else start  # what the match must span: the turn's last text, or its start
-    if found is None or not found[0] <= pinned <= found[1]:
-        raise _unfound(i, "ends")
-    return start + len(text[start:found[1]].rstrip())
+    for after in _prefixes(render, messages, i + 1):
+        if prompt and after.endswith(prompt):
+            after = after[:-len(prompt)]
+        found = _longest_end(after, text, start, whole.next_value(i, start))
+        if found is not None and found[0] <= pinned <= found[1]:
+            return start + len(text[start:found[1]].rstrip())
+    raise _unfound(i, "ends")
 
 
 def _longest_end(pattern: str, text: str, low: int, high: int) -> tuple[int, int] | None:
@@ -153,16 +177,17 @@ def _unfound(i: int, what: str) -> ConversationError:
 class _Rendering:
     """The conversation rendered without the generation prompt, and where each message's values are
     in the text (the module docstring's step 1): read off markers, or found by perturbing one message
-    (every message, where the markers fail; a message the markers did not place, where they work)."""
+    (every message, where the markers fail; an assistant turn the markers did not place, where they work)."""
 
-    def __init__(self, render: Render, messages: list[dict], text: str, values: dict):
+    def __init__(self, render: Render, messages: list[dict], text: str, values: dict | None):
         self._render, self._messages, self.text = render, messages, text
-        self._values: dict[int, tuple[int, int] | None] = values
+        self._marked = values is not None
+        self._values: dict[int, tuple[int, int] | None] = values or {}
 
     @classmethod
     def of(cls, render: Render, messages: list[dict]) -> _Rendering:
         plain = render(messages, False)
-        values = {}
+        values = None
         if len(messages) <= _MAX_MARKED:
             try:
                 text, marked = _unmarked(render(_with_markers(messages), False), len(messages))
@@ -173,10 +198,12 @@ class _Rendering:
         return cls(render, messages, plain, values)
 
     def values(self, j: int) -> tuple[int, int] | None:
-        """Where message j's rendered values start and end; None where none is rendered."""
-        if j not in self._values:
-            # numbers and empty strings too: a turn of numeric arguments or an empty result still has a place
-            changed = _perturbed(self._messages[j], OPEN, CLOSE, every_leaf=True)
+        """Where message j's rendered values start and end; None where none is rendered. Where the
+        markers worked, only an assistant turn without marks is perturbed: a turn needs a place, and
+        another message without marks (an empty result) is passed over at one rendering less each."""
+        if j not in self._values and (not self._marked or self._messages[j].get("role") == "assistant"):
+            # empty strings too: a turn of no arguments or an empty result still has a place
+            changed = _perturbed(self._messages[j], (OPEN, CLOSE, OPEN, CLOSE), empty=True)
             messages = list(self._messages)
             messages[j] = changed
             try:
@@ -184,7 +211,7 @@ class _Rendering:
             except ConversationError:  # a template that refuses the perturbed message (gpt-oss: content and thinking)
                 other = self.text
             self._values[j] = None if other == self.text else _difference(self.text, other)
-        return self._values[j]
+        return self._values.get(j)
 
     def next_value(self, i: int, after: int) -> int:
         """Where the first rendered value of a message after message i starts, of those starting after
@@ -195,64 +222,70 @@ class _Rendering:
                 return values[0]
         return len(self.text)
 
-    def last_value(self, i: int, before: int) -> int | None:
-        """Where the last rendered value of message i or an earlier one ends, of those ending by
-        `before` (None without one)."""
-        for j in range(i, -1, -1):
-            if (values := self.values(j)) is not None and values[1] <= before:
-                return values[1]
-        return None
-
 
 def _with_markers(messages: list[dict]) -> list[dict]:
-    return [_perturbed(m, chr(_MARKER_BASE + 2 * j), chr(_MARKER_BASE + 2 * j + 1), every_leaf=False)
+    return [_perturbed(m, tuple(chr(_MARKER_BASE + 4 * j + k) for k in range(4)), empty=False)
             for j, m in enumerate(messages)]
 
 
 def _unmarked(text: str, count: int) -> tuple[str, dict[int, tuple[int, int]] | None]:
-    """The text without markers, and where the first and last marker of each message that has any
-    are in it; None where some message's markers do not come in opening-closing pairs (a template
-    that cut a value: its ends would be wrong)."""
+    """The text without markers (and without the quotes JSON put around a marked number), and where
+    the first and last marker of each message that has any are in it; None where some message's
+    markers do not come in opening-closing pairs (a template that cut a value: its ends would be
+    wrong)."""
+    def unquoted(match: re.Match) -> str:
+        opening, closing = (ord(match.group(k)) - _MARKER_BASE for k in (1, 3))
+        return match.group()[1:-1] if opening % 4 == 2 and closing == opening + 1 else match.group()
+
+    text = _QUOTED_MARK.sub(unquoted, text)
     values: dict[int, tuple[int, int]] = {}
-    opened: dict[int, bool] = {}
+    opened: dict[int, int] = {}  # message -> the kind of its open marker
     for removed, match in enumerate(_MARKER.finditer(text)):
         code, at = ord(match.group()) - _MARKER_BASE, match.start() - removed
-        j, closing = divmod(code, 2)
-        if j >= count or opened.get(j, False) != bool(closing):
+        j, kind = divmod(code, 4)
+        closing = kind % 2
+        if j >= count or (j in opened) != bool(closing) or (closing and opened[j] != kind - 1):
             return _MARKER.sub("", text), None
-        opened[j] = not closing
+        if closing:
+            del opened[j]
+        else:
+            opened[j] = kind
         values[j] = (values[j][0] if j in values else at, at)
-    return _MARKER.sub("", text), None if any(opened.values()) else values
+    return _MARKER.sub("", text), None if opened else values
 
 
-def _perturbed(message: dict, opening: str, closing: str, every_leaf: bool) -> dict:
-    """The message with its values wrapped in the two characters: its content and reasoning, a tool
+def _perturbed(message: dict, marks: tuple[str, ...], empty: bool) -> dict:
+    """The message with its values wrapped in `marks` (`_wrapped`): its content and reasoning, a tool
     call's arguments (not its name, id or type, which templates check or repeat elsewhere)."""
     out = dict(message)
     for key in ("content", *REASONING_FIELDS):
         if key in out:
-            out[key] = _wrapped(out[key], opening, closing, every_leaf)
+            out[key] = _wrapped(out[key], marks, empty)
     if out.get("tool_calls"):
         calls = copy.deepcopy(out["tool_calls"])
         for call in calls:
             holder = call.get("function", call) if isinstance(call, dict) else None
             if isinstance(holder, dict) and "arguments" in holder:
-                holder["arguments"] = _wrapped(holder["arguments"], opening, closing, every_leaf)
+                holder["arguments"] = _wrapped(holder["arguments"], marks, empty)
         out["tool_calls"] = calls
     return out
 
 
-def _wrapped(value, opening: str, closing: str, every_leaf: bool):
-    """`value` with its non-empty string leaves wrapped, and with `every_leaf` its empty strings and
-    numbers too (markers on those would change what the template renders: `""` tests false, a number
-    becomes a quoted string in JSON). A "type" entry (of a content part) is left as it is."""
+def _wrapped(value, marks: tuple[str, ...], empty: bool):
+    """`value` with its leaves wrapped: a string between `marks[0]` and `marks[1]` inside its
+    surrounding whitespace (which templates strip), a number as a string between `marks[2]` and
+    `marks[3]` (JSON quotes it; `_unmarked` takes those quotes out), an empty string only with `empty`
+    (it would test true). A "type" entry (of a content part) is left as it is."""
     if isinstance(value, dict):
-        return {k: v if k == "type" else _wrapped(v, opening, closing, every_leaf) for k, v in value.items()}
+        return {k: v if k == "type" else _wrapped(v, marks, empty) for k, v in value.items()}
     if isinstance(value, list):
-        return [_wrapped(v, opening, closing, every_leaf) for v in value]
-    if isinstance(value, str) and (value or every_leaf) or (
-            every_leaf and isinstance(value, (int, float)) and not isinstance(value, bool)):
-        return f"{opening}{value}{closing}"
+        return [_wrapped(v, marks, empty) for v in value]
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return f"{marks[2]}{value}{marks[3]}"
+    if isinstance(value, str) and (value or empty):
+        core = value.strip() or value
+        head = value.index(core)
+        return f"{value[:head]}{marks[0]}{core}{marks[1]}{value[head + len(core):]}"
     return value
 
 
