@@ -253,7 +253,8 @@ def random_conversation(name: str, seed: int) -> tuple[list[dict], list[dict] | 
             messages.append(answer)
             if name in NO_TOOLS or r.random() >= 0.35:
                 continue
-            ids = [f"call{calls + k + 1:05d}" for k in range(1 if name in ONE_CALL_PER_MESSAGE else r.choice([1, 1, 2]))]
+            count = 1 if name in ONE_CALL_PER_MESSAGE else r.choice([1, 1, 2])
+            ids = [f"call{calls + k + 1:05d}" for k in range(count)]
             calls += len(ids)
             answer["tool_calls"] = [_call(i, r.choice(["weather", "cleanup"]), r.choice(
                 [{}, {"a": r.randint(0, 9)}, {"city": text()}, {"a": 1, "city": text()}])) for i in ids]

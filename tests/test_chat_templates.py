@@ -222,16 +222,21 @@ NUMBERED = ("{% for m in messages %}{% if m.role == 'assistant' %}A: {% generati
             "[{{ loop.index }}]{% endgeneration %}{{ '\\n' }}"
             "{% else %}{{ m.role }}: {{ m.content }} [{{ loop.index }}]\n{% endif %}{% endfor %}"
             "{% if add_generation_prompt %}A: {% endif %}")
+# And a generation prompt with text before the header earlier turns show.
+PREFIXED = ("{% for m in messages %}{% if m.role == 'assistant' %}<A>{% generation %}{{ m.content + '<E>' }}"
+            "{% endgeneration %}{% else %}<{{ m.role }}>{{ m.content }}{% endif %}{% endfor %}"
+            "{% if add_generation_prompt %}(be brief)<A>{% endif %}")
 SHAPE_CONVERSATION = [{"role": "system", "content": "Be brief."},
                       {"role": "user", "content": "Line one\nLine two: what is 2+2?"},
                       {"role": "assistant", "content": "<think>\nAdd.\n</think>4"},
-                      {"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "6"},
-                      {"role": "user", "content": "4+4?"}, {"role": "assistant", "content": "8"},
-                      {"role": "user", "content": "5+5?"}, {"role": "assistant", "content": "10"}]
+                      {"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "<b>6</b>"},
+                      {"role": "user", "content": "4+4?"}, {"role": "assistant", "content": "<think>8"},
+                      {"role": "user", "content": ""}, {"role": "assistant", "content": "10"},
+                      {"role": "user", "content": "5+5?"}, {"role": "assistant", "content": "<t>10</t>"}]
 
 
-@pytest.mark.parametrize("generation", [FORCED_THINK, NEEDS_SYSTEM, NUMBERED],
-                         ids=["forced-think", "needs-system", "numbered"])
+@pytest.mark.parametrize("generation", [FORCED_THINK, NEEDS_SYSTEM, NUMBERED, PREFIXED],
+                         ids=["forced-think", "needs-system", "numbered", "prefixed"])
 def test_template_shapes_train_what_the_marked_copy_marks(generation, tmp_path):
     from transformers import AutoTokenizer
 
@@ -257,4 +262,23 @@ def test_a_generation_block_whose_place_cannot_be_told_is_refused(tmp_path):
         with pytest.raises(DataError, match=r"data\.chat_template: .*inside\.jinja has a \{% generation %\} block "
                                             r"inside a macro or a set, filter or call block"):
             ChatSettings(str(chat_cases.SHIPPED["qwen3"]), chat_template=str(path)).template()
+
+
+@pytest.mark.parametrize("name", chat_cases.TEMPLATES)
+def test_finding_turns_renders_a_bounded_number_of_messages_per_turn(name, folders, monkeypatch):
+    """Twice the turns, at most about twice the messages rendered: each turn is found from renderings
+    of a short conversation (`mop.data.turns._prefixes`), whatever the template checks."""
+    template = ChatSettings(str(folders(name))).template()
+    rendered = []
+    render = template.render
+    monkeypatch.setattr(template, "render", lambda conversation, prompt=False, messages=None, **kw: (
+        rendered.append(len(conversation.messages if messages is None else messages)),
+        render(conversation, prompt, messages, **kw))[1])
+    counts = []
+    for rounds in (20, 40):
+        rendered.clear()
+        template.encode(Conversation([m for k in range(rounds) for m in (
+            {"role": "user", "content": f"Question {k}?"}, {"role": "assistant", "content": f"Answer {k}."})]))
+        counts.append(sum(rendered))
+    assert counts[1] <= 2.2 * counts[0], counts
 

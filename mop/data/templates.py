@@ -49,7 +49,7 @@ import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from mop.data.errors import ConversationError, DataError
-from mop.data.turns import REASONING_FIELDS, assistant_spans
+from mop.data.turns import REASONING_FIELDS, Headers, assistant_spans
 
 TARGETS_VERSION = 2
 """1: targets from marked values to the next special token (mop before issue 36); 2: `mop.data.turns`."""
@@ -227,7 +227,7 @@ class ChatTemplate:
         self._special_tokens = tokenizer.special_tokens_map()
         self.marks_generation = _marks_generation(self._template, source, origin)
         # what finding the turns needs (mop.data.turns); a template with generation blocks marks them itself
-        self._prompt = "" if self.marks_generation else self._generation_prompt()
+        self._headers = Headers("", "") if self.marks_generation else self._probe_headers()
         self._closes_turns = self.marks_generation or self._probe_turn_ends()
 
     def render(self, conversation: Conversation, add_generation_prompt: bool = False, messages=None,
@@ -245,7 +245,7 @@ class ChatTemplate:
             return "".join(parts)
         except jinja2.exceptions.TemplateError as e:
             raise ConversationError(f"the chat template {self.origin} fails to render it ({e})") from None
-        except (TypeError, AttributeError, KeyError, ValueError) as e:
+        except (TypeError, AttributeError, LookupError, ValueError, ArithmeticError) as e:
             raise ConversationError(f"the chat template {self.origin} fails to render it "
                                     f"({type(e).__name__}: {e})") from None
 
@@ -259,7 +259,7 @@ class ChatTemplate:
             text = self.render(conversation, recording=recording)
             return text, sorted(recording.spans)  # blocks are never nested (`_marks_generation`): disjoint
         return assistant_spans(lambda messages, prompt: self.render(conversation, prompt, messages),
-                               conversation.messages, self._prompt, self._closes_turns)
+                               conversation.messages, self._headers, self._closes_turns)
 
     def encode(self, conversation: Conversation) -> tuple[np.ndarray, np.ndarray]:
         """Token ids (int64) and the assistant targets (bool) of one conversation."""
@@ -277,13 +277,16 @@ class ChatTemplate:
                 continue
         return None
 
-    def _generation_prompt(self) -> str:
+    def _probe_headers(self) -> Headers:
         """What `add_generation_prompt` adds after a user turn ("" where it adds nothing, or where no
-        probe renders)."""
+        probe renders), and what the template writes before an earlier turn's answer in its place."""
         plain, prompted = self._probe(_PROBE[:1], False), self._probe(_PROBE[:1], True)
+        text = self._probe(_PROBE, False)
         if plain is None or prompted is None or not prompted.startswith(plain):
-            return ""
-        return prompted[len(plain):]
+            return Headers("", "")
+        prompt, answer = prompted[len(plain):], _PROBE[1]["content"]
+        shown = text[len(plain):text.index(answer)] if text and text.startswith(plain) and answer in text else ""
+        return Headers(prompt, shown)
 
     def _probe_turn_ends(self) -> bool:
         """Whether the template closes an assistant turn with text of its own (a two-turn probe
@@ -298,6 +301,6 @@ class ChatTemplate:
             raise DataError(f"data.chat_template: {self.origin} renders nothing between an assistant turn and the next "
                             "user turn, so a turn's end cannot be told; use a template that separates turns")
         after = prompted[prompted.index(answer) + len(answer):]
-        if self._prompt and after.endswith(self._prompt):
-            after = after[:-len(self._prompt)]
+        if self._headers.prompt and after.endswith(self._headers.prompt):
+            after = after[:-len(self._headers.prompt)]
         return bool(after.strip())

@@ -9,25 +9,26 @@ after it (Qwen3's newline after `<|im_end|>`), nor any system, user or tool turn
 tokenizer flags special plays no part: everything comes from renderings of the conversation.
 
 For assistant message i of a conversation rendered as R ("found" below: the longest end of a text
-that R holds ending within a range, at the first such place, by a binary search of `str.find`):
+that R holds ending within a range, at the first such place; with a pin, of the ends that hold the
+character before the pin, the last of a value):
 1. values: every message's strings (content, reasoning, tool-call arguments, tool results; each
-   inside its surrounding whitespace, which templates strip) and numbers (as strings, whose JSON
-   quotes are taken out again) are wrapped in private-use characters of its own and the
-   conversation rendered once; where taking them out gives R back and every message's marks pair
-   up, a message's first and last marks bound its values in R. Otherwise (a template that cuts or
-   reformats a value, as Qwen3 splits a `<think>` block off the content), and for an assistant turn
-   without marks, they are where R and a rendering with that message's values, empty strings too,
-   perturbed differ;
+   inside its surrounding whitespace and after a `</think>` it holds, what templates strip or cut
+   off; blank ones not) and numbers (as strings, whose JSON quotes are taken out again) are wrapped
+   in private-use characters of its own and the conversation rendered once; where taking them out
+   gives R back and every message's marks pair up, a message's first and last marks bound its
+   values in R. Otherwise, and for an assistant turn without marks, they are where R and a rendering
+   with that message's values, blank strings too, perturbed differ;
 2. start: the model starts writing turn i where a rendering of the messages before it with the
    generation prompt, P, ends. P less that prompt is found ending between the previous turn's end
-   and turn i's first value (the next message's, for a turn without one), spanning the previous
-   message's last value when it lies there; the turn starts after it and as much of the prompt as R
-   continues with (a prompt that opens a think block earlier turns do not show, as DeepSeek-R1's, is
-   only partly there). When no P can be rendered (a template that needs a first message), the turn
-   opens the conversation: it starts after the prompt's first place in R;
+   and turn i's first value (the next message's, for a turn without one), pinned at the previous
+   message's last value when that lies there; the turn starts after it and the header R continues
+   with: the prompt, else the part of it that earlier turns show (DeepSeek-R1's prompt opens a
+   think block they do not), else none. When no P is found so and nothing pins it (a template that
+   needs a first message cannot render P for an opening turn), the turn starts after the first
+   header in that range;
 3. end: a rendering of the messages through turn i with the generation prompt, Q, shows the turn
    followed by nothing but the next turn's prompt. Q less that prompt is found ending between the
-   turn's start and the next value of a later message, spanning the turn's last value in R (its
+   turn's start and the next value of a later message, pinned at the turn's last value in R (its
    start, for a turn without one); the turn ends there, trailing whitespace left out (Qwen3's
    newline after `<|im_end|>`). The conversation's last message ends where R does, trailing
    whitespace left out;
@@ -35,22 +36,25 @@ that R holds ending within a range, at the first such place, by a binary search 
    stops on the next message's `<|user|>` or `<|observation|>`, the token its own fine-tuning code
    trains) has each turn but the conversation's last extended through the first character of what
    follows it, so the token holding it is a target.
-P and Q are rendered first from a short conversation: the messages up to the first user turn and the
-last four or so before the cut (from a message that is no tool result). What those leave out changes
-what is rendered before the last messages, not after them, which is all a match uses; where the short
-rendering is not found so (a template that numbers its messages), the whole prefix is rendered.
+P (where its match is pinned) and Q are rendered first from a short conversation: the messages up to
+the first user turn and those from an assistant turn four or more before the cut (which keeps a
+template's alternation and a tool result's call). What those leave out changes what is rendered
+before the last messages, not after them, which is all a match uses; where the short rendering is
+not found so (a template that numbers its messages), the whole prefix is rendered. An unpinned start
+always uses the whole prefix: a short rendering that ends otherwise would be found by a short end at
+a place nothing refuses.
 Why prefix renderings, matched by their ends, and not one rendering with markers alone: templates are
 not prefix-stable (Qwen3 and gpt-oss drop earlier turns' reasoning, gpt-oss ends the last turn with
 `<|return|>` and earlier ones with `<|end|>`), a turn's header differs with what precedes it
 (DeepSeek-V3.1 writes none after a tool result; Mistral's `[INST]` templates have no generation
 prompt), and a tool call's opening text, name and id are written by the model but checked or
 repeated by templates, so they cannot be marked. P and Q agree with R right before a turn starts and
-right before it ends, whatever they render differently earlier; that a match spans a value pins it to
-its turn when later turns repeat the same text. A turn whose start or end is not found so is a
+right before it ends, whatever they render differently earlier; the pins hold a match to its turn
+when other turns repeat the same text. A turn whose start or end is not found so is a
 `ConversationError` saying to mark the template's assistant text with `{% generation %}` blocks.
 Cost: two renderings of the conversation, two short ones per assistant turn, and one of the whole
-conversation per assistant turn without marks (an empty turn, a call without arguments): linear in
-the conversation's length but for those.
+conversation per assistant turn without marks (an empty turn, a call without arguments) or after a
+message without (an empty tool result): linear in the conversation's length but for those.
 """
 
 from __future__ import annotations
@@ -58,11 +62,20 @@ from __future__ import annotations
 import copy
 import re
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 from mop.data.errors import ConversationError
 
 Render = Callable[[list[dict], bool], str]
 """Renders messages with the conversation's tools, with or without the generation prompt."""
+
+
+class Headers(NamedTuple):
+    """A template's assistant header: `prompt`, what `add_generation_prompt` adds after a user turn
+    ("" for a template without one), and `shown`, what it writes before an earlier assistant turn."""
+
+    prompt: str
+    shown: str
 
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 OPEN, CLOSE = "\ue000", "\ue001"  # private-use characters wrapped around perturbed values
@@ -73,17 +86,17 @@ _MAX_MARKED = (0xFFFFD - _MARKER_BASE) // 4  # messages that get markers of thei
 _KEPT = 4  # messages before a cut that a short prefix rendering keeps (more where it would start at a tool result)
 
 
-def assistant_spans(render: Render, messages: list[dict], prompt: str, closes_turns: bool) -> tuple[str, list]:
+def assistant_spans(render: Render, messages: list[dict], headers: Headers, closes_turns: bool) -> tuple[str, list]:
     """The conversation's rendering and the `(start, end)` characters of what the model writes in
-    its assistant turns, in order, turns that write nothing left out (the module docstring); `prompt`
-    is the template's generation prompt and `closes_turns` whether it ends a turn with text of its own."""
+    its assistant turns, in order, turns that write nothing left out (the module docstring);
+    `closes_turns`: whether the template ends a turn with text of its own."""
     whole = _Rendering.of(render, messages)
     spans = []
     done = 0  # where the previous turn's own text ends
     for i, message in enumerate(messages):
         if message.get("role") == "assistant":
-            start = _turn_start(render, messages, whole, i, prompt, done)
-            done = max(start, _turn_end(render, messages, whole, i, prompt, start))
+            start = _turn_start(render, messages, whole, i, headers, done)
+            done = max(start, _turn_end(render, messages, whole, i, headers.prompt, start))
             stop = done
             if not closes_turns and i < len(messages) - 1:  # step 4: through the next message's first character
                 stop = min(len(whole.text) - len(whole.text[done:].lstrip()) + 1, len(whole.text))
@@ -92,43 +105,52 @@ def assistant_spans(render: Render, messages: list[dict], prompt: str, closes_tu
     return whole.text, spans
 
 
-def _prefixes(render: Render, messages: list[dict], upto: int) -> Iterator[str]:
-    """Renderings of `messages[:upto]` with the generation prompt, a short one first: the messages up
-    to the first user turn and the last `_KEPT` or so, from a message that is no tool result (those
-    between change what is rendered before the last ones, which is all a match uses), then all of
-    them; one that cannot be rendered left out."""
+def _prefixes(render: Render, messages: list[dict], upto: int, short: bool = True) -> Iterator[str]:
+    """Renderings of `messages[:upto]` with the generation prompt: with `short`, first the messages up
+    to the first user turn and those from an assistant turn `_KEPT` or more before the end (what they
+    leave out changes what is rendered before the last ones, which is all a match uses; from an
+    assistant turn keeps a template's alternation and a tool result's call), then all of them; one
+    that cannot be rendered left out."""
     head = next((j + 1 for j, m in enumerate(messages[:upto]) if m.get("role") == "user"), 0)
     cut = upto - _KEPT
-    while cut > head and messages[cut].get("role") == "tool":  # with the call its results answer
+    while cut > head and messages[cut].get("role") != "assistant":
         cut -= 1
-    cuts = [messages[:head] + messages[cut:upto]] if cut > head else []
-    for cut in [*cuts, messages[:upto]]:
+    for part in ([messages[:head] + messages[cut:upto]] if short and cut > head else []) + [messages[:upto]]:
         try:
-            yield render(cut, True)
+            yield render(part, True)
         except ConversationError:
             continue
 
 
-def _turn_start(render: Render, messages: list[dict], whole: _Rendering, i: int, prompt: str, done: int) -> int:
+def _turn_start(render: Render, messages: list[dict], whole: _Rendering, i: int, headers: Headers, done: int) -> int:
     """Step 2: where a rendering of the messages before turn i, less its generation prompt, is found,
-    then as much of the prompt as follows it."""
-    values = whole.values(i)
-    high = values[0] if values is not None else whole.next_value(i, done)
-    previous = whole.values(i - 1)[1] if i and whole.values(i - 1) is not None else -1
+    then the header that follows it."""
+    span = whole.value_span(i)
+    high = span[0] if span is not None else whole.next_value_start(i, done)
+    previous = whole.value_span(i - 1)[1] if i and whole.value_span(i - 1) is not None else -1
     pinned = done <= previous <= high  # the match must span the previous message's text, where it lies between
-    for before in _prefixes(render, messages, i):
-        header = prompt if prompt and before.endswith(prompt) else ""
-        context = before[:len(before) - len(header)]
+    # a short rendering only where the match is pinned: one that ends otherwise than the whole prefix (a
+    # template that numbers its messages) is found by a shorter end, at a place only a pin can refuse
+    for before in _prefixes(render, messages, i, short=pinned):
+        prompted = bool(headers.prompt) and before.endswith(headers.prompt)
+        context = before[:len(before) - len(headers.prompt)] if prompted else before
         if not context:  # nothing before the turn but its header: it opens the conversation
             break
-        found = _longest_end(context, whole.text, done, high)
-        if found is not None and (not pinned or found[0] <= previous <= found[1]):
-            at = found[1]
-            return at + _common_prefix(whole.text[at:at + len(header)], header, len(header))
-    at = whole.text.find(prompt, done, high) if prompt and not pinned else -1  # an opening turn
-    if at < 0:
-        raise _unfound(i, "starts")
-    return at + len(prompt)
+        found = _longest_end(context, whole.text, done, high, previous if pinned else None)
+        if found is not None:
+            return found[1] + (_header_length(whole.text, found[1], headers) if prompted else 0)
+    for at in range(done, high) if not pinned else ():  # an opening turn: after the first header
+        if length := _header_length(whole.text, at, headers):
+            return at + length
+    raise _unfound(i, "starts")
+
+
+def _header_length(text: str, at: int, headers: Headers) -> int:
+    """How much of a turn's header `text` holds at `at`: the generation prompt, else the header
+    earlier turns show where it is part of the prompt (DeepSeek-R1's prompt opens a think block
+    they do not show), else nothing."""
+    shown = headers.shown if headers.shown and headers.shown in headers.prompt else ""
+    return next((len(h) for h in (headers.prompt, shown) if h and text.startswith(h, at)), 0)
 
 
 def _turn_end(render: Render, messages: list[dict], whole: _Rendering, i: int, prompt: str, start: int) -> int:
@@ -137,35 +159,49 @@ def _turn_end(render: Render, messages: list[dict], whole: _Rendering, i: int, p
     text = whole.text
     if i == len(messages) - 1:
         return len(text.rstrip())
-    values = whole.values(i)
-    pinned = values[1] if values is not None else start  # what the match must span: the turn's last text, or its start
+    span = whole.value_span(i)
+    spanned = span[1] if span is not None else start  # what the match must span: the turn's last text, or its start
     for after in _prefixes(render, messages, i + 1):
         if prompt and after.endswith(prompt):
             after = after[:-len(prompt)]
-        found = _longest_end(after, text, start, whole.next_value(i, start))
-        if found is not None and found[0] <= pinned <= found[1]:
+        found = _longest_end(after, text, start, whole.next_value_start(i, start), spanned)
+        if found is not None:
             return start + len(text[start:found[1]].rstrip())
     raise _unfound(i, "ends")
 
 
-def _longest_end(pattern: str, text: str, low: int, high: int) -> tuple[int, int] | None:
-    """The longest end of `pattern` found in `text` ending between `low` and `high`, at its first
-    such place, as `(start, end)` in `text`; None where not even its last character is."""
-    def place(length: int) -> int:
-        return text.find(pattern[len(pattern) - length:], max(0, low - length), high)
+def _longest_end(pattern: str, text: str, low: int, high: int, pin: int | None = None) -> tuple[int, int] | None:
+    """The longest end of `pattern` found in `text` ending between `low` and `high`, at its first such
+    place, as `(start, end)` in `text`; with `pin`, only the ends found spanning it (from before it to
+    at or after it: the match holds the last character of the value that ends there). None where
+    there is none."""
+    if pin is None:
+        def place(length: int) -> int:
+            return text.find(pattern[len(pattern) - length:], max(0, low - length), high)
 
-    # an end found is found with every shorter end of it (ending at the same place): binary search
-    shortest, longest = 0, min(len(pattern), high)
-    while shortest < longest:
-        middle = (shortest + longest + 1) // 2
-        if place(middle) >= 0:
-            shortest = middle
+        # an end found is found with every shorter end of it (ending at the same place): a binary search
+        length = _search(min(len(pattern), high), lambda n: place(n) >= 0)
+        return (place(length), place(length) + length) if length else None
+    # a match spanning the pin ends at an `end` where `text[pin - 1:end]` ends the pattern: few places
+    best = None
+    for end in range(max(low, pin), min(high, pin - 1 + len(pattern)) + 1):
+        if pattern.endswith(text[pin - 1:end]):
+            length = _search(min(len(pattern), end), lambda n: text[end - n:end] == pattern[len(pattern) - n:])
+            if best is None or length > best[1] - best[0]:
+                best = (end - length, end)
+    return best
+
+
+def _search(most: int, holds) -> int:
+    """The largest n in [0, most] for which `holds(n)`, which holds for every smaller n where it holds."""
+    low, high = 0, most
+    while low < high:
+        middle = (low + high + 1) // 2
+        if holds(middle):
+            low = middle
         else:
-            longest = middle - 1
-    if shortest == 0:
-        return None
-    at = place(shortest)
-    return at, at + shortest
+            high = middle - 1
+    return low
 
 
 def _unfound(i: int, what: str) -> ConversationError:
@@ -197,10 +233,10 @@ class _Rendering:
                 values = marked
         return cls(render, messages, plain, values)
 
-    def values(self, j: int) -> tuple[int, int] | None:
+    def value_span(self, j: int) -> tuple[int, int] | None:
         """Where message j's rendered values start and end; None where none is rendered. Where the
-        markers worked, only an assistant turn without marks is perturbed: a turn needs a place, and
-        another message without marks (an empty result) is passed over at one rendering less each."""
+        markers worked, a message without marks is perturbed only if it is an assistant turn, which
+        needs a place; another (an empty tool result) has none, and costs no rendering."""
         if j not in self._values and (not self._marked or self._messages[j].get("role") == "assistant"):
             # empty strings too: a turn of no arguments or an empty result still has a place
             changed = _perturbed(self._messages[j], (OPEN, CLOSE, OPEN, CLOSE), empty=True)
@@ -213,13 +249,13 @@ class _Rendering:
             self._values[j] = None if other == self.text else _difference(self.text, other)
         return self._values.get(j)
 
-    def next_value(self, i: int, after: int) -> int:
+    def next_value_start(self, i: int, after: int) -> int:
         """Where the first rendered value of a message after message i starts, of those starting after
         `after` (the text's end without one). A perturbed message that moves text elsewhere (Mistral's
         tools go before the last user turn, and before any equal to it) seems to start before."""
         for j in range(i + 1, len(self._messages)):
-            if (values := self.values(j)) is not None and values[0] > after:
-                return values[0]
+            if (span := self.value_span(j)) is not None and span[0] > after:
+                return span[0]
         return len(self.text)
 
 
@@ -245,7 +281,7 @@ def _unmarked(text: str, count: int) -> tuple[str, dict[int, tuple[int, int]] | 
         j, kind = divmod(code, 4)
         closing = kind % 2
         if j >= count or (j in opened) != bool(closing) or (closing and opened[j] != kind - 1):
-            return _MARKER.sub("", text), None
+            return text, None
         if closing:
             del opened[j]
         else:
@@ -273,18 +309,20 @@ def _perturbed(message: dict, marks: tuple[str, ...], empty: bool) -> dict:
 
 def _wrapped(value, marks: tuple[str, ...], empty: bool):
     """`value` with its leaves wrapped: a string between `marks[0]` and `marks[1]` inside its
-    surrounding whitespace (which templates strip), a number as a string between `marks[2]` and
-    `marks[3]` (JSON quotes it; `_unmarked` takes those quotes out), an empty string only with `empty`
-    (it would test true). A "type" entry (of a content part) is left as it is."""
+    surrounding whitespace and after a reasoning block it holds (which templates strip or cut off), a
+    number as a string between `marks[2]` and `marks[3]` (JSON quotes it; `_unmarked` takes those
+    quotes out), a blank string only with `empty` (it would no longer test false or strip to nothing).
+    A "type" entry (of a content part) is left as it is."""
     if isinstance(value, dict):
         return {k: v if k == "type" else _wrapped(v, marks, empty) for k, v in value.items()}
     if isinstance(value, list):
         return [_wrapped(v, marks, empty) for v in value]
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return f"{marks[2]}{value}{marks[3]}"
-    if isinstance(value, str) and (value or empty):
-        core = value.strip() or value
-        head = value.index(core)
+    if isinstance(value, str) and (value.strip() or empty):
+        head = value.rfind("</think>") + len("</think>") if "</think>" in value else 0  # what templates keep of it
+        core = value[head:].strip() or value[head:]
+        head = value.index(core, head)
         return f"{value[:head]}{marks[0]}{core}{marks[1]}{value[head + len(core):]}"
     return value
 
@@ -297,12 +335,4 @@ def _difference(a: str, b: str) -> tuple[int, int]:
 
 
 def _common_prefix(a: str, b: str, limit: int) -> int:
-    # binary search on slice equality: C-speed comparisons, log(n) of them
-    low, high = 0, limit
-    while low < high:
-        mid = (low + high + 1) // 2
-        if a[:mid] == b[:mid]:
-            low = mid
-        else:
-            high = mid - 1
-    return low
+    return _search(limit, lambda n: a[:n] == b[:n])  # C-speed slice comparisons, log(n) of them
