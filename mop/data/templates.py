@@ -22,10 +22,12 @@ is a target when its characters overlap a target span (the offsets transformers'
 reads), so the targets equal `apply_chat_template(..., return_assistant_tokens_mask=True)`'s mask
 for a copy of the template with `{% generation %}` around what the model writes.
 
-Two probes when a template is loaded: its generation prompt (what `add_generation_prompt` adds
-after a user turn) and whether it closes an assistant turn with text of its own (GLM-4.5's does
-not: the next message's first token is then the turn's last target). A template that renders
-nothing between an assistant turn and the next user turn is refused: its turns have no boundary.
+Probes when a template is loaded (a user turn, then two turns; with a system prompt first where the
+template needs one): its assistant header (`mop.data.turns.Headers`: what `add_generation_prompt`
+adds after a user turn, and what it writes before an earlier answer) and whether it closes an
+assistant turn with text of its own (GLM-4.5's does not: the next message's first token is then the
+turn's last target). A template that renders nothing between an assistant turn and the next user
+turn is refused: its turns have no boundary.
 
 The targets kept are always the assistant's: `data.loss_on = "all"` is applied when sequences are
 built (`mop.data.chat_packing`), so one encoding serves both, and the assistant turns' ends are the

@@ -77,13 +77,14 @@ class Headers(NamedTuple):
     prompt: str
     shown: str
 
+
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 OPEN, CLOSE = "\ue000", "\ue001"  # private-use characters wrapped around perturbed values
 _MARKER_BASE = 0xF0000  # message j's strings between chr(base + 4j) and chr(base + 4j + 1), numbers + 2 and + 3
 _MARKER = re.compile("[\U000F0000-\U000FFFFD]")
 _QUOTED_MARK = re.compile('"([\U000F0000-\U000FFFFD])([^"\U000F0000-\U000FFFFD]*)([\U000F0000-\U000FFFFD])"')
 _MAX_MARKED = (0xFFFFD - _MARKER_BASE) // 4  # messages that get markers of their own
-_KEPT = 4  # messages before a cut that a short prefix rendering keeps (more where it would start at a tool result)
+_KEPT = 4  # messages before a cut that a short prefix rendering keeps (back to an assistant turn)
 
 
 def assistant_spans(render: Render, messages: list[dict], headers: Headers, closes_turns: bool) -> tuple[str, list]:
@@ -238,7 +239,7 @@ class _Rendering:
         markers worked, a message without marks is perturbed only if it is an assistant turn, which
         needs a place; another (an empty tool result) has none, and costs no rendering."""
         if j not in self._values and (not self._marked or self._messages[j].get("role") == "assistant"):
-            # empty strings too: a turn of no arguments or an empty result still has a place
+            # blank strings too: a turn of no arguments and blank content still has a place
             changed = _perturbed(self._messages[j], (OPEN, CLOSE, OPEN, CLOSE), empty=True)
             messages = list(self._messages)
             messages[j] = changed
