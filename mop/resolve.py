@@ -10,7 +10,7 @@
    reference strategy's one process), the layout (`mop.parallel.mesh.Layout`), and each part's
    own cross-field checks in its own module (`CHECKS`);
 3. the result is a `ResolvedConfig`: the frozen settings plus the world and node size they were
-   resolved for. A run uses it as it is (`mop.runtime.setup_runtime` resolves only a raw config)
+   resolved for. A run uses it as it is (`mop.train.setup_runtime` resolves only a raw config)
    and writes it to the run directory as `config.json`.
 Every problem raises `ConfigError` (an impossible layout: `LayoutError`) naming the setting.
 """
@@ -20,13 +20,12 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import torch
-
 from mop import build, evaluation, metrics
 from mop.config import Config, ConfigError, check_fields
 from mop.optim import optimizer, schedule
 from mop.parallel import baseline, checkpointing, llep, ulysses, vocab
 from mop.parallel.mesh import Layout
+from mop.runtime import check_ranks_fit_gpus, visible_gpus
 
 # Each part's own cross-field checks, `check_settings(config, world)`, in this order.
 CHECKS = (checkpointing, vocab, llep, ulysses, baseline, optimizer, schedule, build, evaluation, metrics)
@@ -40,22 +39,6 @@ class ResolvedConfig(Config):
     """The ranks the settings were resolved for."""
     local_world: int = 0
     """The ranks of the smallest node, which the automatic degrees divide."""
-
-
-def visible_gpus(device: str) -> int:
-    """The GPUs a local launch gives one rank each under `train.device = device`: 0 on the CPU."""
-    if device == "cpu" or not torch.cuda.is_available():
-        return 0
-    return torch.cuda.device_count()
-
-
-def check_ranks_fit_gpus(ranks: int, device: str, setting: str) -> None:
-    """Each local rank needs its own GPU; `setting` is the one that sets `ranks` (mop's launcher:
-    --parallel.nproc; torchrun: --nproc_per_node)."""
-    gpus = visible_gpus(device)
-    if gpus and ranks > gpus:
-        raise ConfigError("parallel.nproc", f"{ranks} ranks on this node but {gpus} visible GPU(s), and each rank "
-                          f"needs its own GPU; start at most {gpus} ({setting}={gpus}), or use --train.device=cpu")
 
 
 def resolve(config: Config, world: int | None = None, local_world: int | None = None) -> ResolvedConfig:

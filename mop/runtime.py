@@ -1,16 +1,17 @@
 """Where a training process sits: joining the ranks torchrun (or `mop.launch`) started, its device and layout.
 
 A process started by torchrun (or torch's elastic launcher) finds RANK, WORLD_SIZE, LOCAL_RANK and
-LOCAL_WORLD_SIZE in its environment, joins the others (gloo on CPU, NCCL on CUDA: the backend
-follows the device), and builds the layout (`DistLayout`) from the configured degrees, resolved
-for the world size. Without them it is the single process of the reference strategy.
+LOCAL_WORLD_SIZE in its environment and joins the others (`join`: gloo on CPU, NCCL on CUDA, the
+backend follows the device); once its caller has resolved the settings for that world
+(`mop.train.setup_runtime`), it builds the layout (`DistLayout`) of their degrees (`joined`).
+Without them it is the single process of the reference strategy. Also the reductions over all
+ranks that the loop and the evaluation share.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 from datetime import timedelta
 
 import torch
@@ -18,9 +19,6 @@ import torch.distributed as dist
 
 from mop.config import Config, ConfigError
 from mop.parallel.mesh import DistLayout, Layout, TorchrunEnv, device_for, init_distributed, set_rank_threads
-
-if TYPE_CHECKING:
-    from mop.resolve import ResolvedConfig
 
 
 @dataclass
@@ -47,6 +45,22 @@ def under_torchrun() -> bool:
     return all(key in os.environ for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"))
 
 
+def visible_gpus(device: str) -> int:
+    """The GPUs a local launch gives one rank each under `train.device = device`: 0 on the CPU."""
+    if device == "cpu" or not torch.cuda.is_available():
+        return 0
+    return torch.cuda.device_count()
+
+
+def check_ranks_fit_gpus(ranks: int, device: str, setting: str) -> None:
+    """Each local rank needs its own GPU; `setting` is the one that sets `ranks` (mop's launcher:
+    --parallel.nproc; torchrun: --nproc_per_node)."""
+    gpus = visible_gpus(device)
+    if gpus and ranks > gpus:
+        raise ConfigError("parallel.nproc", f"{ranks} ranks on this node but {gpus} visible GPU(s), and each rank "
+                          f"needs its own GPU; start at most {gpus} ({setting}={gpus}), or use --train.device=cpu")
+
+
 def pick_device(config: Config, local_rank: int) -> torch.device:
     if config.train.device == "cpu":
         return torch.device("cpu")
@@ -55,27 +69,22 @@ def pick_device(config: Config, local_rank: int) -> torch.device:
     return device_for(local_rank)
 
 
-def setup_runtime(config: Config) -> tuple[ResolvedConfig, Runtime]:
-    """Join the ranks (under torchrun) and build the layout; returns the config resolved for this
-    world (`mop.resolve`: a config resolved for it already, as mop's launcher passes its ranks,
-    is used as it is) and where this process sits."""
-    from mop.resolve import ResolvedConfig, check_ranks_fit_gpus, resolve  # it imports the parts that import this
-
-    if not under_torchrun():
-        config = config if isinstance(config, ResolvedConfig) and config.world == 1 else resolve(config, world=1)
-        return config, Runtime(0, 1, pick_device(config, 0), None)
-    env = TorchrunEnv.from_environ()
+def join(config, env: TorchrunEnv) -> torch.device:
+    """Join the ranks torchrun started (`env`): this rank's device, its threads on a CPU, the
+    process group (the backend follows the device)."""
     check_ranks_fit_gpus(env.local_world_size, config.train.device, "torchrun --nproc_per_node")
     device = pick_device(config, env.local_rank)
     if device.type == "cpu":
         set_rank_threads(env.local_world_size)
-    timeout = timedelta(seconds=config.parallel.timeout_s)
-    init_distributed(device, timeout)
-    if not (isinstance(config, ResolvedConfig) and config.world == env.world_size):
-        config = resolve(config, world=env.world_size, local_world=smallest_node(env.local_world_size, device))
+    init_distributed(device, timedelta(seconds=config.parallel.timeout_s))
+    return device
+
+
+def joined(config, env: TorchrunEnv, device: torch.device) -> Runtime:
+    """Where this rank sits once `config` is resolved for the world: its layout of the degrees."""
     p = config.parallel
-    layout = DistLayout(Layout(env.world_size, p.sequence, p.expert, p.vocab), device, timeout)
-    return config, Runtime(env.rank, env.world_size, device, layout)
+    layout = DistLayout(Layout(env.world_size, p.sequence, p.expert, p.vocab), device, timedelta(seconds=p.timeout_s))
+    return Runtime(env.rank, env.world_size, device, layout)
 
 
 def smallest_node(local_world: int, device: torch.device) -> int:

@@ -13,7 +13,8 @@ the learning-rate schedule (`mop.optim.schedule`), and one metrics record per st
 What is trained is built by `mop.build.build_run` (strategies: "reference" runs the plain model
 in one process; "mop" applies `parallelize`, each technique on its sub-group of ranks; "fsdp2"
 applies `parallelize_fsdp2`, the baseline from torch's own pieces). Processes are started by
-torchrun or by `mop.launch`; each joins the others in `mop.runtime`.
+torchrun or by `mop.launch`; each joins the others in `mop.runtime` and resolves the settings for
+their world (`setup_runtime`).
 """
 
 from __future__ import annotations
@@ -40,7 +41,10 @@ from mop.optim.optimizer import Optimizer
 from mop.optim.schedule import learning_rate
 from mop.progress import StepProgress
 from mop.run_dir import shared_run_dir
-from mop.runtime import Runtime, per_rank, setup_runtime, sum_over_ranks, sum_tensor_over_ranks
+from mop.parallel.mesh import TorchrunEnv
+from mop.resolve import ResolvedConfig, resolve
+from mop.runtime import (Runtime, join, joined, per_rank, pick_device, smallest_node, sum_over_ranks,
+                         sum_tensor_over_ranks, under_torchrun)
 
 
 def step_memory(runtime: Runtime, offload_store) -> dict:
@@ -185,6 +189,20 @@ def utilisation(model_flops: float, seconds: float, runtime: Runtime) -> dict:
     per_rank = model_flops / seconds / runtime.world
     peak = peak_flops(runtime.device)
     return {"model_tflops_per_s_per_rank": per_rank / 1e12, **({"mfu": per_rank / peak} if peak else {})}
+
+
+def setup_runtime(config: Config) -> tuple[ResolvedConfig, Runtime]:
+    """Join the ranks (under torchrun, `mop.runtime.join`), resolve the settings for that world
+    (`mop.resolve`: a config resolved for it already, as mop's launcher passes its ranks, is used as
+    it is) and build the layout; returns the resolved config and where this process sits."""
+    if not under_torchrun():
+        config = config if isinstance(config, ResolvedConfig) and config.world == 1 else resolve(config, world=1)
+        return config, Runtime(0, 1, pick_device(config, 0), None)
+    env = TorchrunEnv.from_environ()
+    device = join(config, env)
+    if not (isinstance(config, ResolvedConfig) and config.world == env.world_size):
+        config = resolve(config, world=env.world_size, local_world=smallest_node(env.local_world_size, device))
+    return config, joined(config, env, device)
 
 
 def train(config: Config) -> list[dict]:

@@ -180,7 +180,7 @@ def test_more_local_ranks_than_gpus_is_one_line_naming_nproc(monkeypatch, capsys
 
 
 def test_torchrun_with_more_ranks_on_a_node_than_gpus_names_nproc_per_node(monkeypatch):
-    from mop.runtime import setup_runtime
+    from mop.train import setup_runtime
 
     pretend_gpus(monkeypatch, 2)
     for key, value in {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "4"}.items():

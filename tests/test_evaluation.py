@@ -8,7 +8,7 @@ from mop.build import build_run
 from mop.cli import main
 from mop.config import load_config
 from mop.metrics import read_metrics
-from mop.runtime import setup_runtime
+from mop.train import setup_runtime
 from test_train import TINY, run
 
 EVAL = ["--eval.every=2", "--eval.sequences=4"]
