@@ -269,14 +269,17 @@ class Config:
 
 
 def field_docs(cls) -> dict[str, str]:
-    """The docstring under each field of a dataclass, read from its source."""
-    docs, previous = {}, None
-    for node in ast.parse(inspect.getsource(cls)).body[0].body:
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            previous = node.target.id
-        elif previous and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
-            docs[previous] = " ".join(str(node.value.value).split())
-            previous = None
+    """The docstring under each field of a dataclass and of the dataclasses it extends, read from
+    their source."""
+    docs = {}
+    for owner in reversed([c for c in cls.__mro__ if dataclasses.is_dataclass(c)]):
+        previous = None
+        for node in ast.parse(inspect.getsource(owner)).body[0].body:
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                previous = node.target.id
+            elif previous and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+                docs[previous] = " ".join(str(node.value.value).split())
+                previous = None
     return docs
 
 

@@ -1,7 +1,8 @@
 """`mop convert`: between mop checkpoints and Hugging Face model directories.
 
-- `to-hf CHECKPOINT OUT`: the checkpoint's weights (saved by any layout) as a `qwen3_moe` or
-  `mixtral` directory that transformers loads (`mop.models.hf.write_hf`, file by file), with the tokenizer the
+- `to-hf CHECKPOINT OUT`: the checkpoint's weights (saved by any layout) as a directory of its family
+  (or of another that expresses it exactly, `--model-type`) that transformers loads
+  (`mop.models.hf.write_hf`, file by file), with the tokenizer the
   checkpoint was trained with (a copy of its `tokenizer/`: the HF files of the tokenizer, for the
   byte tokenizer its exact HF equivalent), `generation_config.json` (its bos/eos/pad ids) and
   `eos_token_id`/`bos_token_id` in config.json. No `pad_token_id` goes into config.json:
@@ -35,7 +36,7 @@ from mop.config import Config, ConfigError, DataConfig
 from mop.data.tokenizer import COMPANION_FILES, AnyTokenizer, load_tokenizer
 from mop.models.config import ModelConfig
 from mop.models.families import FAMILIES
-from mop.models.hf import MAX_SHARD_BYTES, HFConversionError, HFWeights, write_hf
+from mop.models.hf import MAX_SHARD_BYTES, HFConversionError, HFWeights, model_types, write_hf
 from mop.models.transformer import MoETransformer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -52,7 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     to_hf.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                        help="dtype of the written weights (default: the train.dtype the checkpoint was trained in)")
     from_hf = directions.add_parser("from-hf", help="import a Hugging Face model directory as a mop checkpoint")
-    from_hf.add_argument("hf_dir", type=Path, help="a qwen3_moe, mixtral or glm4_moe directory (config.json + safetensors)")
+    from_hf.add_argument("hf_dir", type=Path, help="a Hugging Face directory (config.json + safetensors) of model_type "
+                         f"{', '.join(model_types())}")
     from_hf.add_argument("checkpoint", type=Path, help="the checkpoint directory to create")
     from_hf.add_argument("--tokenizer", default=None,
                          help="the model's tokenizer: a tokenizer.json or its directory, or 'byte' "

@@ -39,10 +39,10 @@ from mop.metrics import MetricsLogger, WandbRun, peak_memory_bytes, plot_run, re
 from mop.models.transformer import MoETransformer
 from mop.optim.optimizer import Optimizer
 from mop.optim.schedule import learning_rate
-from mop.progress import StepProgress
-from mop.run_dir import shared_run_dir
 from mop.parallel.mesh import TorchrunEnv
+from mop.progress import StepProgress
 from mop.resolve import ResolvedConfig, resolve
+from mop.run_dir import shared_run_dir
 from mop.runtime import (Runtime, join, joined, per_rank, pick_device, smallest_node, sum_over_ranks,
                          sum_tensor_over_ranks, under_torchrun)
 

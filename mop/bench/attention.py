@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from mop.bench.report import MIB, table, write_json
+from mop.bench.shape import add_shape_arguments
 from mop.data import build_data, sequence_shard
 from mop.models.config import ModelConfig
 from mop.models.documents import Documents
@@ -42,11 +43,7 @@ from mop.train import micro_batch_objective
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-lens", default="1024,2048,4096,8192", help="block sequence lengths, comma-separated")
     parser.add_argument("--model-seq-len", type=int, default=4096, help="sequence length of the whole-model part")
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--head-dim", type=int, default=32)
-    parser.add_argument("--layers", type=int, default=4, help="blocks of the whole-model part")
+    add_shape_arguments(parser, hidden=256, heads=8, kv_heads=2, head_dim=32, layers=4)  # layers: the whole-model part
     parser.add_argument("--head-chunks", type=int, default=4, help="head chunks of the chunked Ulysses variant")
     parser.add_argument("--repeats", type=int, default=2, help="timed forward+backward passes after a warm-up")
     parser.add_argument("--documents", choices=["packed", "single"], default="packed",

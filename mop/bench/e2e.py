@@ -100,6 +100,7 @@ import torch
 import torch.distributed as dist
 
 from mop.bench.report import MIB, table, write_json
+from mop.bench.shape import add_shape_arguments
 from mop.config import ConfigError, load_config
 from mop.resolve import resolve
 from mop.testing import run_distributed
@@ -137,14 +138,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fsdp2-configs", default="all",
                         help="comma-separated fsdp2 setups, each 'plain' or '+'-joined options of "
                              f"{', '.join(FSDP2_OPTIONS)}; 'all': every combination")
-    parser.add_argument("--vocab", type=int, default=16384)
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--head-dim", type=int, default=32)
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--intermediate", type=int, default=256, help="expert intermediate width")
+    add_shape_arguments(parser, vocab=16384, hidden=128, layers=4, heads=4, kv_heads=2, head_dim=32, experts=8,
+                        intermediate=256)
     parser.add_argument("--head-chunks", type=int, default=1, help="mop's attention head chunks")
     parser.add_argument("--llep-chunks", type=int, default=4, help="mop's expert token chunks")
     parser.add_argument("--token-block", type=int, default=1024, help="tokens per logit tile of mop's ring loss")

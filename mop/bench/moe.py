@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from mop.bench.report import MIB, table, write_json
+from mop.bench.shape import add_shape_arguments
 from mop.config import ConfigError
 from mop.models.config import ModelConfig
 from mop.models.moe import Experts
@@ -57,10 +58,7 @@ MODES = ("bare", "checkpointed")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world", type=int, default=2, help="ranks (one expert group)")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--intermediate", type=int, default=512)
-    parser.add_argument("--experts", type=int, default=32)
-    parser.add_argument("--top-k", type=int, default=2)
+    add_shape_arguments(parser, hidden=256, intermediate=512, experts=32, top_k=2)
     parser.add_argument("--min-chunk", type=int, default=256, help="LLEP m (the paper's 1024 is for 16-32K tokens per GPU)")
     parser.add_argument("--chunks", type=int, default=4, help="chunks of the memory-efficient variant")
     parser.add_argument("--repeats", type=int, default=3)

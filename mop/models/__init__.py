@@ -10,5 +10,6 @@ A micro-batch's path through `MoETransformer.loss_terms` (transformer.py):
 4. the router sums pass the `router_sums` seam, and `objective` divides the sums by the step's
    global counts, so any layout and micro-batching computes the same objective.
 A parallel layout (`mop.parallel`) swaps only the seams. A family (`families.py`, one folder each)
-supplies the attention, the shape spec (spec.py) and the Hugging Face mapping (hf_mapping.py, hf.py).
+supplies the attention, the shape spec (spec.py) and the Hugging Face mapping (hf_mapping.py, hf.py);
+README.md here says what a new family owns and may extend.
 """

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mop.models.config import ModelConfig
 from mop.models.documents import Documents, document_attention
 from mop.models.layers import RMSNorm
 from mop.models.rope import YarnOptions, apply_rope, rope_cos_sin
+from mop.models.shape import ModelShape
 from mop.models.spec import AttentionSpec, core_saved_bytes, norm_saved_bytes
 
 
@@ -44,7 +44,7 @@ class AttentionCore(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, qkv_bias: bool = False, o_bias: bool = False, rotary_dim: int | None = None,
+    def __init__(self, cfg: ModelShape, qkv_bias: bool = False, o_bias: bool = False, rotary_dim: int | None = None,
                  rope: YarnOptions | None = None, sinks: bool = False, core: AttentionCore | None = None):
         """`qkv_bias`, `o_bias`: biases on the q, k and v projections, on o; `rotary_dim`: RoPE turns
         only the first `rotary_dim` dims of each head (partial rotary; default all of them); `rope`:
@@ -95,7 +95,7 @@ class GQASpec(AttentionSpec):
     sinks: bool = False
 
     @classmethod
-    def of(cls, cfg: ModelConfig, qkv_bias: bool = False, o_bias: bool = False, sinks: bool = False) -> "GQASpec":
+    def of(cls, cfg: ModelShape, qkv_bias: bool = False, o_bias: bool = False, sinks: bool = False) -> "GQASpec":
         return cls(cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.head_dim, cfg.hidden, cfg.qk_norm, qkv_bias, o_bias,
                    sinks)
 

@@ -1,12 +1,13 @@
-"""The registry of model families: `model.family` -> `Family`. A new family is a folder and a line here."""
+"""The registry of model families: `model.family` -> `Family`, and the family's `Options` built from a
+table (`family_options`). A new family is a folder and a line here (README.md beside this file)."""
 
 from __future__ import annotations
 
 from dataclasses import fields, is_dataclass
 
 from mop.models import deepseek_v3, glm4_moe, gpt_oss, mixtral, qwen3_moe
-from mop.models.config import ModelConfig
 from mop.models.family import Family
+from mop.models.shape import ModelShape
 from mop.models.spec import ModelSpec
 
 FAMILIES: dict[str, Family] = {family.name: family for family in (
@@ -30,10 +31,10 @@ def family_options(family: str, given):
     return given
 
 
-def family_of(cfg: ModelConfig) -> Family:
+def family_of(cfg: ModelShape) -> Family:
     return FAMILIES[cfg.family]
 
 
-def model_spec(cfg: ModelConfig) -> ModelSpec:
+def model_spec(cfg: ModelShape) -> ModelSpec:
     """The shape facts of `cfg`: parameter counts, FLOPs, activation widths and bytes."""
     return family_of(cfg).spec(cfg)

@@ -43,7 +43,7 @@ MAX_SHARD_BYTES = 5 * 10**9
 def config_from_hf(source: str | Path | dict) -> ModelConfig:
     """The `ModelConfig` of a HF model directory, config.json file or parsed config dict."""
     hf = source if isinstance(source, dict) else _read_config(Path(source))
-    cfg = _family_of_type(hf.get("model_type")).hf.config_from_hf(hf)
+    cfg = ModelConfig.of(_family_of_type(hf.get("model_type")).hf.config_from_hf(hf))
     problems = cfg.validate()
     if problems:
         raise HFConversionError("config.json describes no valid mop model: " + "; ".join(f"{k} {m}" for k, m in problems))
@@ -54,13 +54,18 @@ def config_to_hf(cfg: ModelConfig, model_type: str | None = None, dtype: torch.d
     """The config.json dict of `cfg` as `model_type` (None: its own family's)."""
     family = _expressible_family(cfg, model_type)
     cfg = replace(cfg, family=family.name)  # a config saved as another family it fits becomes one
-    return {**shared_config_to_hf(cfg, family.hf.ARCHITECTURE, dtype), **family.hf.config_to_hf(cfg)}
+    return {**shared_config_to_hf(cfg, family.hf.architecture, dtype), **family.hf.config_to_hf(cfg)}
+
+
+def model_types() -> dict[str, Family]:
+    """The `model_type`s mop converts, each with its family: a family's name and its mapping's
+    `model_types` (Kimi-K2's `kimi_k2` is deepseek_v3)."""
+    return {kind: family for family in FAMILIES.values() for kind in (family.name, *family.hf.model_types)}
 
 
 def _family_of_type(model_type) -> Family:
-    """The family whose checkpoints have `model_type` (its name, or one of its mapping's
-    `MODEL_TYPES`: Kimi-K2's `kimi_k2` is deepseek_v3)."""
-    types = {kind: family for family in FAMILIES.values() for kind in getattr(family.hf, "MODEL_TYPES", (family.name,))}
+    """The family whose checkpoints have `model_type` (`model_types`)."""
+    types = model_types()
     if model_type not in types:
         raise HFConversionError(
             f"config.json: model_type={model_type!r} is not supported; mop converts {', '.join(types)}")
@@ -121,7 +126,7 @@ class HFWeights:
         self.tensors = _open_checkpoint(self.path, self._stack)
         # Multi-token-prediction layers (after the last block, in DeepSeek-V3 and GLM-4.5 checkpoints)
         # are not part of the model mop trains: left out, and `dropped` says so.
-        mtp = getattr(FAMILIES[self.cfg.family].hf, "MTP_LAYERS", False)
+        mtp = FAMILIES[self.cfg.family].hf.mtp_layers
         self.dropped = sorted(key for key in self.tensors if _layer_of(key) >= self.cfg.layers) if mtp else []
         for key in self.dropped:
             del self.tensors[key]

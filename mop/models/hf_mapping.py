@@ -1,11 +1,11 @@
 """What a family's Hugging Face mapping is made of: the config keys and checkpoint tensors the
-families share, and the `HFMapping` interface each family folder implements in its `hf.py`.
+families share, and the `HFMapping` each family folder builds in its `hf.py`.
 
-A mapping turns a parsed `config.json` into a `ModelConfig` and back, says which configs it cannot
+A mapping turns a parsed `config.json` into a `ModelShape` and back, says which configs it cannot
 express, and lists the checkpoint tensors (`Piece`s) that hold each mop parameter. The loading and
 saving machinery (`mop.models.hf`) is family-independent: it reads and writes pieces.
 
-Shared by every family here (`config.json` key -> `ModelConfig` field):
+Shared by every family here (`config.json` key -> `ModelShape` field):
     hidden_size -> hidden, num_hidden_layers -> layers, num_attention_heads -> heads,
     num_key_value_heads -> kv_heads, head_dim -> head_dim (default hidden / heads), vocab_size,
     rms_norm_eps -> norm_eps, rope_parameters.rope_theta or rope_theta -> rope_theta,
@@ -32,12 +32,12 @@ Shared tensors (mop parameter <- checkpoint tensor), per layer i under `model.la
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
-from mop.models.config import ModelConfig
+from mop.models.shape import ModelShape
 
 
 class HFConversionError(ValueError):
@@ -54,23 +54,28 @@ class Piece:
     key: str
 
 
-class HFMapping(Protocol):
-    """A family's mapping to and from its HF checkpoints (a family folder's `hf.py` module)."""
+@dataclass(frozen=True)
+class HFMapping:
+    """A family's mapping to and from its HF checkpoints, built once in its folder's `hf.py`
+    (`MAPPING`): every attribute `mop.models.hf` reads of a family's mapping."""
 
-    ARCHITECTURE: str
+    architecture: str
     """The HF class name, `architectures[0]` in config.json."""
-
-    def config_from_hf(self, hf: dict) -> ModelConfig:
-        """The model of a parsed config.json of this family; raises `HFConversionError`."""
-
-    def config_to_hf(self, cfg: ModelConfig) -> dict:
-        """The family's own config.json keys for `cfg` (the shared ones: `shared_config_to_hf`)."""
-
-    def inexpressible(self, cfg: ModelConfig) -> list[str]:
-        """The settings of `cfg` the family's HF model has no equivalent of (empty: it saves exactly)."""
-
-    def block_pieces(self, cfg: ModelConfig, layer: int, stacked: bool) -> list[Piece]:
-        """The tensors of block `layer`, its experts in the stacked layout when `stacked`."""
+    config_from_hf: Callable[[dict], ModelShape]
+    """The model a parsed config.json of this family describes, its options built; raises
+    `HFConversionError`."""
+    config_to_hf: Callable[[ModelShape], dict]
+    """The family's own config.json keys for a model (the shared ones: `shared_config_to_hf`)."""
+    inexpressible: Callable[[ModelShape], list[str]]
+    """The settings of a model the family's HF model has no equivalent of (empty: it saves exactly)."""
+    block_pieces: Callable[[ModelShape, int, bool], list[Piece]]
+    """`(cfg, layer, stacked)`: the tensors of block `layer`, its experts in the stacked layout when
+    `stacked`."""
+    model_types: tuple[str, ...] = ()
+    """The `model_type`s its checkpoints carry besides the family's name (Kimi-K2's `kimi_k2`)."""
+    mtp_layers: bool = False
+    """Its checkpoints hold multi-token-prediction layers after the last block, which mop does not
+    train: `mop.models.hf` leaves them out on import and says how many."""
 
 
 # ---------------------------------------------------------------- config
@@ -83,7 +88,7 @@ def required(hf: dict, key: str):
 
 
 def shared_config_from_hf(hf: dict, defaults: dict, attention_bias: bool = False, yarn: bool = False) -> dict:
-    """The `ModelConfig` fields every family reads alike; `defaults`: the family's class defaults
+    """The `ModelShape` fields every family reads alike; `defaults`: the family's class defaults
     for `rms_norm_eps`, `rope_theta` and `router_aux_loss_coef`; `attention_bias`: the family's
     attention takes biases (its own option); `yarn`: the family implements YaRN (`yarn_options`)."""
     check_shared_features(hf, attention_bias, yarn)
@@ -133,7 +138,7 @@ def yarn_options(hf: dict) -> dict:
             "yarn_truncate": bool(rope.get("truncate", True))}
 
 
-def yarn_to_hf(cfg: ModelConfig) -> dict:
+def yarn_to_hf(cfg: ModelShape) -> dict:
     """The RoPE keys of config.json for a family with `YarnOptions` (the default RoPE when off)."""
     o = cfg.options
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
@@ -160,7 +165,7 @@ def check_shared_features(hf: dict, attention_bias: bool = False, yarn: bool = F
         raise HFConversionError(f"config.json: rope_type={kind!r}; mop's {hf['model_type']} implements {supported}")
 
 
-def shared_config_to_hf(cfg: ModelConfig, architecture: str, dtype: torch.dtype) -> dict:
+def shared_config_to_hf(cfg: ModelShape, architecture: str, dtype: torch.dtype) -> dict:
     """The config.json keys every family writes alike. Both `rope_theta` (read by transformers 4.x)
     and `rope_parameters` (5.x), and both `torch_dtype` and `dtype`, are written so that every
     transformers version reads the same model."""
@@ -192,7 +197,7 @@ def shared_config_to_hf(cfg: ModelConfig, architecture: str, dtype: torch.dtype)
 # ---------------------------------------------------------------- tensors
 
 
-def model_pieces(cfg: ModelConfig, mapping: HFMapping, stacked_layers: set[int]) -> list[Piece]:
+def model_pieces(cfg: ModelShape, mapping: HFMapping, stacked_layers: set[int]) -> list[Piece]:
     """The checkpoint tensors of a model, MoE layers in `stacked_layers` in the stacked layout."""
     pieces = [Piece("embed.weight", (), "model.embed_tokens.weight"), Piece("norm.weight", (), "model.norm.weight")]
     if not cfg.tie_embeddings:
@@ -207,14 +212,14 @@ def stacked_experts_key(layer: int) -> str:
     return f"model.layers.{layer}.mlp.experts.gate_up_proj"
 
 
-def gqa_block_pieces(cfg: ModelConfig, layer: int, stacked: bool, hub_experts) -> list[Piece]:
+def gqa_block_pieces(cfg: ModelShape, layer: int, stacked: bool, hub_experts) -> list[Piece]:
     """A block of grouped-query attention and a SwiGLU MoE (or a dense MLP), its experts in the
     stacked layout or in the family's hub layout, `hub_experts(cfg, mop_prefix, hf_prefix)`."""
     attention = ["q_proj", "k_proj", "v_proj", "o_proj"] + (["q_norm", "k_norm"] if cfg.qk_norm else [])
     return block_pieces(cfg, layer, stacked, [f"{name}.weight" for name in attention], hub_experts)
 
 
-def block_pieces(cfg: ModelConfig, layer: int, stacked: bool, attention: list[str], hub_experts) -> list[Piece]:
+def block_pieces(cfg: ModelShape, layer: int, stacked: bool, attention: list[str], hub_experts) -> list[Piece]:
     """A block whose attention holds the tensors `attention` (names under `self_attn.`, the same in
     mop under `attention.`) and a SwiGLU MoE or dense MLP, as `gqa_block_pieces`."""
     mop, hf = f"layers.{layer}.", f"model.layers.{layer}."
@@ -231,7 +236,7 @@ def block_pieces(cfg: ModelConfig, layer: int, stacked: bool, attention: list[st
     return pieces + hub_experts(cfg, mop + "mlp.", hf)
 
 
-def sigmoid_router_pieces(cfg: ModelConfig, layer: int) -> list[Piece]:
+def sigmoid_router_pieces(cfg: ModelShape, layer: int) -> list[Piece]:
     """DeepSeek-V3-style MoE extras (glm4_moe, deepseek_v3): the router's score-correction bias
     (an fp32 buffer) and the shared experts, whose `n_shared_experts` are one wider SwiGLU."""
     if layer < cfg.dense_layers:
@@ -244,12 +249,12 @@ def sigmoid_router_pieces(cfg: ModelConfig, layer: int) -> list[Piece]:
     return pieces
 
 
-def hub_swiglu_experts(cfg: ModelConfig, mop: str, hf: str) -> list[Piece]:
+def hub_swiglu_experts(cfg: ModelShape, mop: str, hf: str) -> list[Piece]:
     """The hub's per-expert `mlp.experts.{e}.{gate,up,down}_proj` (Qwen3-MoE, GLM-4.5, DeepSeek-V3)."""
     return per_expert_pieces(cfg, mop, hf + "mlp.", ("gate_proj", "up_proj", "down_proj"))
 
 
-def per_expert_pieces(cfg: ModelConfig, mop: str, moe: str, names: tuple[str, str, str]) -> list[Piece]:
+def per_expert_pieces(cfg: ModelShape, mop: str, moe: str, names: tuple[str, str, str]) -> list[Piece]:
     """The router and one (gate, up, down) tensor triple per expert, under the HF prefix `moe`."""
     gate, up, down = names
     inter = cfg.expert_intermediate

@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mop.models.config import ModelConfig
 from mop.models.layers import SwiGLU
+from mop.models.shape import ModelShape
 
 
 @dataclass
@@ -64,7 +64,7 @@ def load_balancing_loss(stats: RouterStats) -> torch.Tensor:
 
 
 class Router(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelShape):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(cfg.experts, cfg.hidden))
         self.top_k = cfg.top_k
@@ -95,7 +95,7 @@ class GroupRoutingOptions:
     bias moves by this rate x sign(mean load - load), from the step's global expert counts
     (DeepSeek-V3 pre-trains with 0.001); 0 keeps it frozen, the fine-tuning default."""
 
-    def routing_problems(self, model: ModelConfig) -> list[tuple[str, str]]:
+    def routing_problems(self, model: ModelShape) -> list[tuple[str, str]]:
         problems = []
         if self.groups < 1 or model.experts % self.groups:
             problems.append(("groups", f"must be >= 1 and divide model.experts={model.experts}, got {self.groups}"))
@@ -109,7 +109,7 @@ class GroupRoutingOptions:
                                                         f"{self.router_bias_update_rate}"))
         return problems
 
-    def router(self, model: ModelConfig) -> "GroupLimitedSigmoidRouter":
+    def router(self, model: ModelShape) -> "GroupLimitedSigmoidRouter":
         return GroupLimitedSigmoidRouter(model, self.groups, self.groups_per_token, self.routed_scaling_factor,
                                          self.router_bias_update_rate)
 
@@ -125,7 +125,7 @@ class GroupLimitedSigmoidRouter(nn.Module):
     The first output, what the load-balancing statistics sum, is the scores normalised over the
     experts (DeepSeek-V3's sequence-wise balance loss uses these)."""
 
-    def __init__(self, cfg: ModelConfig, groups: int, groups_per_token: int, scaling: float,
+    def __init__(self, cfg: ModelShape, groups: int, groups_per_token: int, scaling: float,
                  bias_update_rate: float = 0.0):
         super().__init__()
         self.bias_update_rate = bias_update_rate  # read by MoETransformer.update_router_biases
@@ -297,7 +297,7 @@ SWIGLU_KIND = ExpertKind(("w_gate_up", "w_down"), stacked_swiglu)
 class Experts(nn.Module):
     kind = SWIGLU_KIND
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelShape):
         super().__init__()
         self.num_experts = cfg.experts
         self.w_gate_up = nn.Parameter(torch.empty(cfg.experts, 2 * cfg.expert_intermediate, cfg.hidden))
@@ -314,13 +314,13 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        from mop.models.families import family_of  # the families import this module
+    """An MoE layer: the family's router and routed experts (handed over by its block: `Router` and
+    `Experts` by default) and an optional shared expert."""
 
+    def __init__(self, cfg: ModelShape, router=Router, experts=Experts):
         super().__init__()
-        family = family_of(cfg)
-        self.router = family.router(cfg)
-        self.experts = family.experts(cfg)
+        self.router = router(cfg)
+        self.experts = experts(cfg)
         self.shared = SwiGLU(cfg.hidden, cfg.shared_expert_intermediate) if cfg.shared_expert_intermediate else None
 
     def forward(self, x: torch.Tensor, padding: torch.Tensor | None = None):

@@ -26,7 +26,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from mop.models.config import ModelConfig
+from mop.models.shape import ModelShape
 
 FP32 = 4
 
@@ -106,9 +106,9 @@ class AttentionSpec(ABC):
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """The shape of one `ModelConfig`: parameter counts, FLOPs, activation widths and bytes."""
+    """The shape of one `ModelShape`: parameter counts, FLOPs, activation widths and bytes."""
 
-    cfg: ModelConfig
+    cfg: ModelShape
     attention: AttentionSpec
 
     # ---------------------------------------------------------------- parameters

@@ -57,11 +57,13 @@ class LossTerms:
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
+        family = family_of(cfg)
         self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
-        self.attention = family_of(cfg).attention(cfg, layer)
+        self.attention = family.attention(cfg, layer)
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.is_moe = layer >= cfg.dense_layers
-        self.mlp = MoE(cfg) if self.is_moe else SwiGLU(cfg.hidden, cfg.dense_intermediate)
+        self.mlp = (MoE(cfg, family.router, family.experts) if self.is_moe
+                    else SwiGLU(cfg.hidden, cfg.dense_intermediate))
 
     def forward(self, h, position_ids, documents: Documents | None, padding: torch.Tensor | None = None):
         h = h + self.attention(self.attn_norm(h), position_ids, documents)

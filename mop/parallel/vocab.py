@@ -81,6 +81,31 @@ def _wait(works) -> None:
         work.wait()
 
 
+@dataclass
+class _Step:
+    """One step of a ring pass: the shard held now and what its tiles need; its successor is already
+    on its way from rank+1 (`incoming`, `works`)."""
+
+    incoming: list[torch.Tensor] | None
+    works: list
+    local: torch.Tensor
+    """The labels as columns of the shard held now (outside `[0, rows)`: another shard's)."""
+    valid_columns: int
+    blocks: list[slice]
+    """The token blocks to tile (none for a shard of pure padding)."""
+
+
+def _ring_step(ring: Ring, step: int, shard: torch.Tensor, labels: torch.Tensor) -> _Step:
+    """Step `step` of a pass in which this rank starts with its own shard `shard`: sends it on (but
+    at the last step) and says which shard it is."""
+    j = (ring.rank + step) % ring.size
+    rows = shard.shape[0]
+    incoming, works = ring.shift([shard]) if step + 1 < ring.size else (None, [])
+    valid_columns = ring.valid_columns(j, rows)
+    blocks = _blocks(labels.shape[0], ring.token_block) if valid_columns else []
+    return _Step(incoming, works, labels - j * rows, valid_columns, blocks)
+
+
 class _RingCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, ring: Ring):
@@ -94,14 +119,11 @@ class _RingCrossEntropy(torch.autograd.Function):
         # The shard travels in the compute dtype (half the bytes in bf16).
         compute_hidden, shard = hidden.detach().to(dtype), weight.detach().to(dtype)
         for step in range(ring.size):
-            j = (ring.rank + step) % ring.size
-            incoming, works = ring.shift([shard]) if step + 1 < ring.size else (None, [])
-            local = labels - j * rows
-            valid_columns = ring.valid_columns(j, rows)
-            for block in _blocks(tokens, ring.token_block) if valid_columns else []:
-                logits = _logits(compute_hidden[block], shard, valid_columns)
-                mine = (local[block] >= 0) & (local[block] < rows)
-                picked = logits.gather(1, local[block].clamp(0, rows - 1).unsqueeze(1)).squeeze(1)
+            now = _ring_step(ring, step, shard, labels)
+            for block in now.blocks:
+                logits = _logits(compute_hidden[block], shard, now.valid_columns)
+                mine = (now.local[block] >= 0) & (now.local[block] < rows)
+                picked = logits.gather(1, now.local[block].clamp(0, rows - 1).unsqueeze(1)).squeeze(1)
                 target[block] = torch.where(mine, picked, target[block])
                 new_max = torch.maximum(running_max[block], logits.max(dim=1).values)
                 # In place on the tile: one [block, V/P] tensor is all this step allocates.
@@ -109,9 +131,9 @@ class _RingCrossEntropy(torch.autograd.Function):
                 running_sum[block] = running_sum[block] * torch.exp(running_max[block] - new_max) + tile_sum
                 running_max[block] = new_max
                 del logits
-            _wait(works)
-            if incoming is not None:
-                shard = incoming[0]
+            _wait(now.works)
+            if now.incoming is not None:
+                shard = now.incoming[0]
         lse = running_max + torch.log(running_sum)
         valid = labels != IGNORE_INDEX
         loss = torch.where(valid, lse - target + ring.z_loss * lse.square(), torch.zeros_like(lse)).sum()
@@ -123,7 +145,7 @@ class _RingCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         hidden, weight, labels, lse = ctx.saved_tensors
         ring = ctx.ring
-        tokens, rows = hidden.shape[0], weight.shape[0]
+        rows = weight.shape[0]
         valid = (labels != IGNORE_INDEX).float() * grad_loss.float()
         scale = (1 + 2 * ring.z_loss * lse) * valid
         # Both gradients accumulate in fp32 over the ring's steps (the tiles' products are in the
@@ -132,17 +154,14 @@ class _RingCrossEntropy(torch.autograd.Function):
         compute_hidden, shard = hidden.to(ctx.dtype), weight.detach().to(ctx.dtype)
         shard_grad = torch.zeros_like(weight, dtype=torch.float32)
         for step in range(ring.size):
-            j = (ring.rank + step) % ring.size
-            incoming, works = ring.shift([shard]) if step + 1 < ring.size else (None, [])
-            local = labels - j * rows
-            valid_columns = ring.valid_columns(j, rows)
-            for block in _blocks(tokens, ring.token_block) if valid_columns else []:
-                d_logits = _logits(compute_hidden[block], shard, valid_columns)
+            now = _ring_step(ring, step, shard, labels)
+            for block in now.blocks:
+                d_logits = _logits(compute_hidden[block], shard, now.valid_columns)
                 d_logits.sub_(lse[block].unsqueeze(1)).exp_().mul_(scale[block].unsqueeze(1))
                 # Minus the one-hot target where it lies in this shard (adding 0 elsewhere): no
                 # data-dependent shapes, so no device-to-host synchronisation per tile.
-                in_shard = (local[block] >= 0) & (local[block] < rows)
-                d_logits.scatter_add_(1, local[block].clamp(0, rows - 1).unsqueeze(1),
+                in_shard = (now.local[block] >= 0) & (now.local[block] < rows)
+                d_logits.scatter_add_(1, now.local[block].clamp(0, rows - 1).unsqueeze(1),
                                       -(valid[block] * in_shard).unsqueeze(1))
                 grad_hidden[block] += d_logits.to(ctx.dtype) @ shard
                 shard_grad.addmm_(d_logits.t(), compute_hidden[block].float())
@@ -152,8 +171,8 @@ class _RingCrossEntropy(torch.autograd.Function):
             del shard
             # The gradient buffer follows its shard; the last hop brings it home to its owner.
             (shard_grad,), grad_works = ring.shift([shard_grad])
-            _wait(works + grad_works)
-            shard = incoming[0] if incoming is not None else None
+            _wait(now.works + grad_works)
+            shard = now.incoming[0] if now.incoming is not None else None
         if ring.replica_group is not None:
             dist.all_reduce(shard_grad, group=ring.replica_group)
         return grad_hidden.to(hidden.dtype), shard_grad.to(weight.dtype), None, None

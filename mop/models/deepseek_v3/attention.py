@@ -27,16 +27,16 @@ import torch
 from torch import nn
 
 from mop.models.attention import AttentionCore
-from mop.models.config import ModelConfig
 from mop.models.documents import Documents
 from mop.models.layers import RMSNorm
 from mop.models.rope import apply_rope, deinterleave, rope_cos_sin, yarn_mscale
+from mop.models.shape import ModelShape
 from mop.models.spec import AttentionSpec, core_saved_bytes, norm_saved_bytes
 
 LATENT_NORM_EPS = 1e-6
 
 
-def softmax_scale(cfg: ModelConfig) -> float:
+def softmax_scale(cfg: ModelShape) -> float:
     options = cfg.options
     scale = cfg.head_dim ** -0.5
     if options.yarn and options.yarn_mscale_all_dim:
@@ -45,7 +45,7 @@ def softmax_scale(cfg: ModelConfig) -> float:
 
 
 class MultiHeadLatentAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelShape):
         super().__init__()
         o = cfg.options
         self.heads, self.rope_dim, self.v_dim = cfg.heads, o.qk_rope_head_dim, o.v_head_dim
@@ -93,7 +93,7 @@ class MLASpec(AttentionSpec):
     bias: bool
 
     @classmethod
-    def of(cls, cfg: ModelConfig) -> "MLASpec":
+    def of(cls, cfg: ModelShape) -> "MLASpec":
         o = cfg.options
         return cls(cfg.heads, cfg.heads, cfg.head_dim, o.v_head_dim, cfg.hidden, o.q_lora_rank, o.kv_lora_rank,
                    o.qk_rope_head_dim, o.attention_bias)

@@ -17,36 +17,35 @@ experts mlp.experts.{e}.{gate,up,down}_proj. Multi-token-prediction layers
 
 from __future__ import annotations
 
-from mop.models.config import ModelConfig
-from mop.models.hf_mapping import (Piece, block_pieces as mlp_block_pieces, hub_swiglu_experts, required,
+from mop.models.deepseek_v3.options import Options
+from mop.models.hf_mapping import (HFMapping, Piece, block_pieces as mlp_block_pieces, hub_swiglu_experts, required,
                                    shared_config_from_hf, sigmoid_router_pieces, yarn_options, yarn_to_hf)
+from mop.models.shape import ModelShape
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
-MODEL_TYPES = ("deepseek_v3", "kimi_k2")
-MTP_LAYERS = True
 DEFAULTS = {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "router_aux_loss_coef": 0.0}
 
 
-def config_from_hf(hf: dict) -> ModelConfig:
+def config_from_hf(hf: dict) -> ModelShape:
     bias = bool(hf.get("attention_bias", False))
     shared = shared_config_from_hf({**hf, "model_type": "deepseek_v3"}, DEFAULTS, attention_bias=bias, yarn=True)
     rope, nope = required(hf, "qk_rope_head_dim"), required(hf, "qk_nope_head_dim")
     expert_intermediate = required(hf, "moe_intermediate_size")
     shared.update(kv_heads=shared["heads"], head_dim=nope + rope)
-    return ModelConfig(
+    return ModelShape(
         **shared, experts=hf.get("n_routed_experts", hf.get("num_local_experts")) or required(hf, "n_routed_experts"),
         expert_intermediate=expert_intermediate,
         shared_expert_intermediate=(hf.get("n_shared_experts") or 0) * expert_intermediate,
         dense_layers=hf.get("first_k_dense_replace", 0), dense_intermediate=required(hf, "intermediate_size"),
         qk_norm=False, norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
-        options={"q_lora_rank": hf.get("q_lora_rank") or 0, "kv_lora_rank": required(hf, "kv_lora_rank"),
-                 "qk_rope_head_dim": rope, "v_head_dim": required(hf, "v_head_dim"),
-                 "rope_interleave": bool(hf.get("rope_interleave", True)), "attention_bias": bias,
-                 "groups": hf.get("n_group") or 1, "groups_per_token": hf.get("topk_group") or 1,
-                 "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)), **yarn_options(hf)})
+        options=Options(q_lora_rank=hf.get("q_lora_rank") or 0, kv_lora_rank=required(hf, "kv_lora_rank"),
+                        qk_rope_head_dim=rope, v_head_dim=required(hf, "v_head_dim"),
+                        rope_interleave=bool(hf.get("rope_interleave", True)), attention_bias=bias,
+                        groups=hf.get("n_group") or 1, groups_per_token=hf.get("topk_group") or 1,
+                        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)), **yarn_options(hf)))
 
 
-def config_to_hf(cfg: ModelConfig) -> dict:
+def config_to_hf(cfg: ModelShape) -> dict:
     o = cfg.options
     return dict(n_routed_experts=cfg.experts, moe_intermediate_size=cfg.expert_intermediate,
                 n_shared_experts=cfg.shared_expert_intermediate // cfg.expert_intermediate,
@@ -60,7 +59,7 @@ def config_to_hf(cfg: ModelConfig) -> dict:
                 **yarn_to_hf(cfg))
 
 
-def inexpressible(cfg: ModelConfig) -> list[str]:
+def inexpressible(cfg: ModelShape) -> list[str]:
     problems = []
     if cfg.shared_expert_intermediate % cfg.expert_intermediate:
         problems.append(f"model.shared_expert_intermediate={cfg.shared_expert_intermediate} (deepseek_v3's shared "
@@ -70,7 +69,7 @@ def inexpressible(cfg: ModelConfig) -> list[str]:
     return problems
 
 
-def attention_tensors(cfg: ModelConfig) -> list[str]:
+def attention_tensors(cfg: ModelShape) -> list[str]:
     o = cfg.options
     names = ["q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight"] if o.q_lora_rank else ["q_proj.weight"]
     names += ["kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "kv_b_proj.weight", "o_proj.weight"]
@@ -79,6 +78,10 @@ def attention_tensors(cfg: ModelConfig) -> list[str]:
     return names
 
 
-def block_pieces(cfg: ModelConfig, layer: int, stacked: bool) -> list[Piece]:
+def block_pieces(cfg: ModelShape, layer: int, stacked: bool) -> list[Piece]:
     return mlp_block_pieces(cfg, layer, stacked, attention_tensors(cfg), hub_swiglu_experts) + sigmoid_router_pieces(
         cfg, layer)
+
+
+MAPPING = HFMapping(ARCHITECTURE, config_from_hf, config_to_hf, inexpressible, block_pieces, model_types=("kimi_k2",),
+                    mtp_layers=True)

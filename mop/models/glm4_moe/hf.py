@@ -16,33 +16,33 @@ mlp.experts.{e}.{gate,up,down}_proj. The multi-token-prediction layers of the hu
 
 from __future__ import annotations
 
-from mop.models.config import ModelConfig
-from mop.models.hf_mapping import (Piece, gqa_block_pieces, hub_swiglu_experts, required, shared_config_from_hf,
-                                  sigmoid_router_pieces)
+from mop.models.glm4_moe.options import Options
+from mop.models.hf_mapping import (HFMapping, Piece, gqa_block_pieces, hub_swiglu_experts, required,
+                                   shared_config_from_hf, sigmoid_router_pieces)
+from mop.models.shape import ModelShape
 
 ARCHITECTURE = "Glm4MoeForCausalLM"
-MTP_LAYERS = True  # the checkpoint's layers after the last block (num_nextn_predict_layers) are dropped
 # The transformers class defaults for the keys a config.json may omit.
 DEFAULTS = {"rms_norm_eps": 1e-5, "rope_theta": 10000.0, "router_aux_loss_coef": 0.0}
 
 
-def config_from_hf(hf: dict) -> ModelConfig:
+def config_from_hf(hf: dict) -> ModelShape:
     bias = bool(hf.get("attention_bias", False))
     shared = shared_config_from_hf(hf, DEFAULTS, attention_bias=bias)
     expert_intermediate = required(hf, "moe_intermediate_size")
     rotary = (hf.get("rope_parameters") or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.5))
-    return ModelConfig(
+    return ModelShape(
         **shared, experts=hf.get("n_routed_experts", hf.get("num_local_experts")) or required(hf, "n_routed_experts"),
         expert_intermediate=expert_intermediate,
         shared_expert_intermediate=hf.get("n_shared_experts", 1) * expert_intermediate,
         dense_layers=hf.get("first_k_dense_replace", 1), dense_intermediate=required(hf, "intermediate_size"),
         qk_norm=bool(hf.get("use_qk_norm", False)), norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
-        options={"attention_bias": bias, "partial_rotary_factor": float(rotary), "groups": hf.get("n_group", 1),
-                 "groups_per_token": hf.get("topk_group", 1),
-                 "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0))})
+        options=Options(attention_bias=bias, partial_rotary_factor=float(rotary), groups=hf.get("n_group", 1),
+                        groups_per_token=hf.get("topk_group", 1),
+                        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0))))
 
 
-def config_to_hf(cfg: ModelConfig) -> dict:
+def config_to_hf(cfg: ModelShape) -> dict:
     options = cfg.options
     return dict(n_routed_experts=cfg.experts, moe_intermediate_size=cfg.expert_intermediate,
                 n_shared_experts=cfg.shared_expert_intermediate // cfg.expert_intermediate,
@@ -53,16 +53,20 @@ def config_to_hf(cfg: ModelConfig) -> dict:
                 num_nextn_predict_layers=0)
 
 
-def inexpressible(cfg: ModelConfig) -> list[str]:
+def inexpressible(cfg: ModelShape) -> list[str]:
     if cfg.shared_expert_intermediate % cfg.expert_intermediate:
         return [f"model.shared_expert_intermediate={cfg.shared_expert_intermediate} (glm4_moe's shared experts are "
                 f"whole multiples of model.expert_intermediate={cfg.expert_intermediate})"]
     return []
 
 
-def block_pieces(cfg: ModelConfig, layer: int, stacked: bool) -> list[Piece]:
+def block_pieces(cfg: ModelShape, layer: int, stacked: bool) -> list[Piece]:
     pieces = gqa_block_pieces(cfg, layer, stacked, hub_swiglu_experts)
     if cfg.options.attention_bias:
         pieces += [Piece(f"layers.{layer}.attention.{name}.bias", (), f"model.layers.{layer}.self_attn.{name}.bias")
                    for name in ("q_proj", "k_proj", "v_proj")]
     return pieces + sigmoid_router_pieces(cfg, layer)
+
+
+MAPPING = HFMapping(ARCHITECTURE, config_from_hf, config_to_hf, inexpressible, block_pieces,
+                    mtp_layers=True)  # the checkpoint's layers after the last block (num_nextn_predict_layers)

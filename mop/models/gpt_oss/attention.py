@@ -62,8 +62,8 @@ from functools import cache, partial
 import torch
 
 from mop.models.attention import Attention, AttentionCore
-from mop.models.config import ModelConfig
 from mop.models.documents import Documents, Segment, varlen_dtype, varlen_operands
+from mop.models.shape import ModelShape
 
 _forward_kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _backward_kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -232,12 +232,12 @@ class SinkWindowCore(AttentionCore):
         return out.flatten(1, 2)[:, :length]
 
 
-def layer_window(cfg: ModelConfig, layer: int) -> int | None:
+def layer_window(cfg: ModelShape, layer: int) -> int | None:
     """The window of block `layer`: gpt-oss's even blocks slide, the odd ones attend fully."""
     return cfg.options.sliding_window if layer % 2 == 0 else None
 
 
-def gpt_oss_attention(cfg: ModelConfig, layer: int) -> Attention:
+def gpt_oss_attention(cfg: ModelShape, layer: int) -> Attention:
     """Block `layer`'s attention: the shared GQA `Attention` with biases on q, k, v and o, YaRN, one
     sink per head and the sink/window core of its block."""
     o = cfg.options

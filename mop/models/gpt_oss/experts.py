@@ -38,14 +38,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mop.models.config import ModelConfig
 from mop.models.moe import CUDA_GROUP_ROWS, ExpertKind, device_ints, expert_order, row_product, row_ranges
+from mop.models.shape import ModelShape
 
 NAMES = ("gate_up_weight", "gate_up_bias", "down_weight", "down_bias")
 
 
 class GptOssRouter(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelShape):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(cfg.experts, cfg.hidden))
         self.bias = nn.Parameter(torch.empty(cfg.experts))
@@ -133,7 +133,7 @@ def _loop(rows, counts: list[int], stacked, alpha: float, limit: float, probe) -
 
 
 class GptOssExperts(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelShape):
         super().__init__()
         experts, hidden, inter = cfg.experts, cfg.hidden, cfg.expert_intermediate
         self.num_experts = experts

@@ -18,9 +18,10 @@ HF's stacked layout, so the hub's and transformers' files are the same):
 
 from __future__ import annotations
 
-from mop.models.config import ModelConfig
-from mop.models.hf_mapping import (HFConversionError, Piece, block_pieces as shared_block_pieces, required,
+from mop.models.gpt_oss.options import Options
+from mop.models.hf_mapping import (HFMapping, HFConversionError, Piece, block_pieces as shared_block_pieces, required,
                                    shared_config_from_hf, yarn_options, yarn_to_hf)
+from mop.models.shape import ModelShape
 
 ARCHITECTURE = "GptOssForCausalLM"
 DEFAULTS = {"rms_norm_eps": 1e-5, "rope_theta": 150000.0, "router_aux_loss_coef": 0.001}
@@ -35,7 +36,7 @@ def alternating_layers(layers: int) -> list[str]:
     return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
 
 
-def config_from_hf(hf: dict) -> ModelConfig:
+def config_from_hf(hf: dict) -> ModelShape:
     layers = required(hf, "num_hidden_layers")
     if hf.get("layer_types") not in (None, alternating_layers(layers)):
         raise HFConversionError("config.json: layer_types is not gpt-oss's alternation (sliding_attention on the even "
@@ -44,15 +45,15 @@ def config_from_hf(hf: dict) -> ModelConfig:
         hf = {**hf, "rope_parameters": {**DEFAULT_ROPE, "rope_theta": hf.get("rope_theta", DEFAULTS["rope_theta"])}}
     bias = bool(hf.get("attention_bias", True))
     shared = shared_config_from_hf(hf, DEFAULTS, attention_bias=bias, yarn=True)
-    return ModelConfig(
+    return ModelShape(
         **shared, experts=required(hf, "num_local_experts"), expert_intermediate=required(hf, "intermediate_size"),
         shared_expert_intermediate=0, dense_layers=0, qk_norm=False, norm_topk_prob=True,
-        options={"sliding_window": required(hf, "sliding_window"), "attention_bias": bias,
-                 "swiglu_limit": float(hf.get("swiglu_limit", 7.0)), "swiglu_alpha": float(hf.get("swiglu_alpha", 1.702)),
-                 **yarn_options(hf)})
+        options=Options(sliding_window=required(hf, "sliding_window"), attention_bias=bias,
+                        swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+                        swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)), **yarn_options(hf)))
 
 
-def config_to_hf(cfg: ModelConfig) -> dict:
+def config_to_hf(cfg: ModelShape) -> dict:
     o = cfg.options
     return dict(num_local_experts=cfg.experts, intermediate_size=cfg.expert_intermediate,
                 sliding_window=o.sliding_window, layer_types=alternating_layers(cfg.layers),
@@ -60,7 +61,7 @@ def config_to_hf(cfg: ModelConfig) -> dict:
                 max_position_embeddings=int(o.yarn_original_context * o.yarn_factor), **yarn_to_hf(cfg))
 
 
-def inexpressible(cfg: ModelConfig) -> list[str]:
+def inexpressible(cfg: ModelShape) -> list[str]:
     problems = []
     if cfg.dense_layers:
         problems.append(f"model.dense_layers={cfg.dense_layers} (every gpt_oss block is an MoE block)")
@@ -71,18 +72,21 @@ def inexpressible(cfg: ModelConfig) -> list[str]:
     return problems
 
 
-def attention_tensors(cfg: ModelConfig) -> list[str]:
+def attention_tensors(cfg: ModelShape) -> list[str]:
     kinds = ("weight", "bias") if cfg.options.attention_bias else ("weight",)
     return [f"{name}.{kind}" for name in ("q_proj", "k_proj", "v_proj", "o_proj") for kind in kinds] + ["sinks"]
 
 
-def experts(cfg: ModelConfig, mop: str, hf: str) -> list[Piece]:
+def experts(cfg: ModelShape, mop: str, hf: str) -> list[Piece]:
     """The biased router and the stacked experts (one layout on the hub and in transformers)."""
     pieces = [Piece(f"{mop}router.{kind}", (), f"{hf}mlp.router.{kind}") for kind in ("weight", "bias")]
     return pieces + [Piece(f"{mop}experts.{name}", (), f"{hf}mlp.experts.{key}") for name, key in EXPERT_TENSORS.items()]
 
 
-def block_pieces(cfg: ModelConfig, layer: int, stacked: bool) -> list[Piece]:
+def block_pieces(cfg: ModelShape, layer: int, stacked: bool) -> list[Piece]:
     # `stacked` (the loader saw mlp.experts.gate_up_proj) changes nothing: gpt-oss has one layout,
     # which the shared stacked branch (mlp.gate, SwiGLU names) does not describe.
     return shared_block_pieces(cfg, layer, False, attention_tensors(cfg), experts)
+
+
+MAPPING = HFMapping(ARCHITECTURE, config_from_hf, config_to_hf, inexpressible, block_pieces)

@@ -6,4 +6,6 @@ from mop.models.family import Family
 from mop.models.mixtral import hf
 from mop.models.spec import ModelSpec
 
-FAMILY = Family("mixtral", attention=lambda cfg, layer: Attention(cfg), spec=lambda cfg: ModelSpec(cfg, GQASpec.of(cfg)), hf=hf)
+FAMILY = Family("mixtral", attention=lambda cfg, layer: Attention(cfg),
+                spec=lambda cfg: ModelSpec(cfg, GQASpec.of(cfg)),
+                hf=hf.MAPPING)

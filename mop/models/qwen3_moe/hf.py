@@ -10,16 +10,16 @@ w_gate_up[e, I:] <- up_proj, w_down[e] <- down_proj.
 
 from __future__ import annotations
 
-from mop.models.config import ModelConfig
-from mop.models.hf_mapping import (HFConversionError, Piece, gqa_block_pieces, hub_swiglu_experts, required,
+from mop.models.hf_mapping import (HFMapping, HFConversionError, Piece, gqa_block_pieces, hub_swiglu_experts, required,
                                    shared_config_from_hf)
+from mop.models.shape import ModelShape
 
 ARCHITECTURE = "Qwen3MoeForCausalLM"
 # The transformers class defaults for the keys a config.json may omit.
 DEFAULTS = {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "norm_topk_prob": False, "router_aux_loss_coef": 0.001}
 
 
-def config_from_hf(hf: dict) -> ModelConfig:
+def config_from_hf(hf: dict) -> ModelShape:
     shared = shared_config_from_hf(hf, DEFAULTS)
     if hf.get("sliding_window") is not None and hf.get("use_sliding_window"):
         raise HFConversionError(
@@ -28,7 +28,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
     experts = hf.get("num_experts", hf.get("num_local_experts"))
     if experts is None:
         raise HFConversionError("config.json lacks num_experts (or num_local_experts); add the expert count")
-    return ModelConfig(**shared, experts=experts, expert_intermediate=required(hf, "moe_intermediate_size"),
+    return ModelShape(**shared, experts=experts, expert_intermediate=required(hf, "moe_intermediate_size"),
                        dense_intermediate=required(hf, "intermediate_size"),
                        norm_topk_prob=bool(hf.get("norm_topk_prob", DEFAULTS["norm_topk_prob"])), qk_norm=True,
                        dense_layers=_dense_layers(hf, shared["layers"]))
@@ -49,14 +49,14 @@ def _dense_layers(hf: dict, layers: int) -> int:
     return len(dense)
 
 
-def config_to_hf(cfg: ModelConfig) -> dict:
+def config_to_hf(cfg: ModelShape) -> dict:
     return dict(num_experts=cfg.experts, moe_intermediate_size=cfg.expert_intermediate,
                 intermediate_size=cfg.dense_intermediate, norm_topk_prob=cfg.norm_topk_prob,
                 mlp_only_layers=list(range(cfg.dense_layers)), decoder_sparse_step=1,
                 attention_bias=False, use_sliding_window=False, sliding_window=None)
 
 
-def inexpressible(cfg: ModelConfig) -> list[str]:
+def inexpressible(cfg: ModelShape) -> list[str]:
     problems = []
     if cfg.shared_expert_intermediate:
         problems.append(f"model.shared_expert_intermediate={cfg.shared_expert_intermediate} (a shared expert)")
@@ -65,5 +65,8 @@ def inexpressible(cfg: ModelConfig) -> list[str]:
     return problems
 
 
-def block_pieces(cfg: ModelConfig, layer: int, stacked: bool) -> list[Piece]:
+def block_pieces(cfg: ModelShape, layer: int, stacked: bool) -> list[Piece]:
     return gqa_block_pieces(cfg, layer, stacked, hub_swiglu_experts)
+
+
+MAPPING = HFMapping(ARCHITECTURE, config_from_hf, config_to_hf, inexpressible, block_pieces)
