@@ -153,7 +153,13 @@ class WandbRun:
         self.run.log(scalars, step=step)
 
     def close(self) -> None:
+        import wandb
+
         self.run.finish()
+        # finish() can return before wandb's service process has written the run's last records
+        # (an offline .wandb file read at once held no history); teardown waits for it, where the
+        # atexit hook that would otherwise do so does not run in spawned ranks.
+        wandb.teardown()
 
 
 def check_settings(config, world: int) -> None:
