@@ -511,7 +511,7 @@ def quantize_mxfp4(folder) -> dict:
     `quantization_config`; returns what its dequantization gives for each of them."""
     from safetensors.torch import load_file, save_file
 
-    from mop.models.hf_quantized import E2M1
+    from mop.models.formats import E2M1
 
     table = torch.tensor(E2M1)
     tensors = load_file(folder / "model.safetensors")

@@ -23,11 +23,10 @@ from __future__ import annotations
 
 import torch
 
+from mop.models.formats import decode_fp8, decode_mxfp4
 from mop.models.hf_mapping import HFConversionError
 
 SUPPORTED = "fp8 e4m3 block-scaled (DeepSeek-V3, Kimi-K2), mxfp4 (gpt-oss) and unquantized checkpoints"
-# e2m1 values by their 4-bit code: sign bit 3, then 0, 0.5, 1, 1.5, 2, 3, 4, 6
-E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 class Unquantized:
@@ -44,8 +43,12 @@ class Unquantized:
 
     def rows(self, handle, key: str, first: int | None = None, count: int | None = None) -> torch.Tensor:
         """Rows `[first, first + count)` of tensor `key` (all when `first` is None), in fp32."""
+        return self.raw_rows(handle, key, first, count).float()
+
+    def raw_rows(self, handle, key: str, first: int | None = None, count: int | None = None) -> torch.Tensor:
+        """Rows of tensor `key` as stored."""
         part = handle.get_slice(key)
-        return (part[:] if first is None else part[first:first + count]).float()
+        return part[:] if first is None else part[first:first + count]
 
 
 def reader_for(quantization: dict | None, config_file) -> Unquantized:
@@ -100,17 +103,13 @@ class Fp8BlockScales(_Companions):
                                     f"{list(self.block)} needs {want}; the checkpoint is damaged")
 
     def rows(self, handle, key: str, first: int | None = None, count: int | None = None) -> torch.Tensor:
-        values = super().rows(handle, key, first, count)
         if key not in self.companions:
-            return values
-        _, scale_key, scale_handle = self.companions[key]
+            return super().rows(handle, key, first, count)
+        stored, (_, scale_key, scale_handle) = self.raw_rows(handle, key, first, count), self.companions[key]
         first = first or 0
-        rows_per, columns_per = self.block
-        low, high = first // rows_per, -(-(first + values.shape[0]) // rows_per)
-        scale = scale_handle.get_slice(scale_key)[low:high].float()
-        scale = scale.repeat_interleave(rows_per, 0).repeat_interleave(columns_per, 1)
-        offset = first - low * rows_per
-        return values * scale[offset:offset + values.shape[0], : values.shape[1]]
+        rows_per = self.block[0]
+        scale = scale_handle.get_slice(scale_key)[first // rows_per:-(-(first + stored.shape[0]) // rows_per)]
+        return decode_fp8(stored, scale, self.block, first)
 
 
 class Mxfp4(_Companions):
@@ -127,9 +126,4 @@ class Mxfp4(_Companions):
             return super().rows(handle, key, first, count)
         stored, scale_key, scale_handle = self.companions[key]
         rows = slice(None) if first is None else slice(first, first + count)
-        blocks = handle.get_slice(stored)[rows]  # [e, b, a / 32, 16] uint8
-        exponents = scale_handle.get_slice(scale_key)[rows].to(torch.int32) - 127  # [e, b, a / 32]
-        table = torch.tensor(E2M1)
-        values = torch.stack((table[(blocks & 0x0F).long()], table[(blocks >> 4).long()]), dim=-1).flatten(-2)
-        values = torch.ldexp(values, exponents.unsqueeze(-1).float())  # [e, b, a / 32, 32]
-        return values.flatten(-2).transpose(1, 2)  # [e, a, b]
+        return decode_mxfp4(handle.get_slice(stored)[rows], scale_handle.get_slice(scale_key)[rows])  # [e, a, b]

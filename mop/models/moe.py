@@ -22,13 +22,14 @@ reduce them over exactly the tokens of a sequence and reproduce the single-devic
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from mop.models.layers import SwiGLU
+from mop.models.projections import GROUPED_DTYPES, Dense, Groups, Projection
 from mop.models.shape import ModelShape
 
 
@@ -165,45 +166,24 @@ def expert_order(expert_ids: torch.Tensor, experts: int):
 
 def grouped_gemm_applies(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> bool:
     """`torch._grouped_mm` takes fp32/bf16/fp16 with 16-byte-aligned rows (H and I multiples of 16 bytes)."""
-    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or w_gate_up.dtype != x.dtype:
-        return False
-    align = 16 // x.element_size()
-    return x.shape[-1] % align == 0 and w_down.shape[-1] % align == 0
-
-
-# Rows per expert group on CUDA: 16 bytes of bf16 rows (and of fp32 ones), whatever dtype
-# autocast computes the grouped GEMM in.
-CUDA_GROUP_ROWS = 8
-
-
-def device_ints(values: list[int], device, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """A small host-built integer tensor on `device`, without waiting for the device.
-
-    `torch.tensor(values, device=cuda)` copies with `non_blocking=False`, which synchronises the
-    stream: every kernel queued before it must finish. A non-blocking copy from pageable memory
-    is staged by CUDA before it returns, so `values` may go away at once."""
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
-
-def row_ranges(starts: list[int], lengths: list[int], device) -> torch.Tensor:
-    """`cat([arange(s, s + n) for s, n in zip(starts, lengths)])`, expanded on `device` from the
-    per-range integers (no per-row host work, no wait for the device)."""
-    total = sum(lengths)
-    start, length = device_ints(starts, device), device_ints(lengths, device)
-    shift = torch.repeat_interleave(start - (length.cumsum(0) - length), length, output_size=total)
-    return shift + torch.arange(total, device=device)
+    return x.dtype in GROUPED_DTYPES and all(Dense(w).grouped_applies(x.dtype) for w in (w_gate_up, w_down))
 
 
 def swiglu_experts(x_sorted: torch.Tensor, counts: list[int], w_gate_up: torch.Tensor, w_down: torch.Tensor,
                    grouped: bool | None = None, align: int | None = None, probe: torch.Tensor | None = None):
-    """Apply expert e to its contiguous run of `counts[e]` rows of `x_sorted`.
+    """Apply expert e to its contiguous run of `counts[e]` rows of `x_sorted`: `swiglu_projected` of
+    the plain stacked tensors."""
+    return swiglu_projected(x_sorted, counts, Dense(w_gate_up), Dense(w_down), grouped, align, probe)
 
-    One grouped GEMM per projection where `torch._grouped_mm` applies (`grouped=None` decides),
-    otherwise one GEMM pair per expert; the two give identical results (tested bit for bit).
-    Groups are padded with zero rows to a multiple of `align` rows (default on CUDA:
-    CUDA_GROUP_ROWS, whose weight-gradient grouped GEMM, grouped along the rows, needs group
-    offsets aligned to 16 bytes; none on the CPU): the padding rows are zeros, so the real rows' outputs and the
-    gradients are unchanged up to the kernel's summation order.
+
+def swiglu_projected(x_sorted: torch.Tensor, counts: list[int], gate_up: Projection, down: Projection,
+                     grouped: bool | None = None, align: int | None = None, probe: torch.Tensor | None = None):
+    """Expert e's `down(silu(gate) * up)`, `[gate | up] = gate_up(x)`, on its contiguous run of
+    `counts[e]` rows of `x_sorted`, each projection applied as `mop.models.projections` does: one
+    grouped GEMM where `torch._grouped_mm` applies (`grouped=None` decides), otherwise one GEMM per
+    expert; the two give identical results (tested bit for bit). `align` pads the groups
+    (`Groups.of`) with zero rows, so the real rows' outputs and the gradients are unchanged up to
+    the kernel's summation order.
 
     With `probe` (rows like `x_sorted`, `[rows, H]`), the per-row fp32 product `<probe, expert(x)>`
     instead of the outputs, computed as `<probe W_down, hidden>` without the down projection's
@@ -213,21 +193,12 @@ def swiglu_experts(x_sorted: torch.Tensor, counts: list[int], w_gate_up: torch.T
     gets both the experts' gradients and the routing weights' gradient (the products) after
     re-running the gate and up projections alone, not the down projection.
     """
-    if grouped is None:
-        grouped = grouped_gemm_applies(x_sorted, w_gate_up, w_down)
-    if not grouped:
-        return _expert_loop(x_sorted, counts, w_gate_up, w_down, probe)
-    align = align or (CUDA_GROUP_ROWS if x_sorted.is_cuda else 1)
-    if align == 1:
-        return _grouped_swiglu(x_sorted, counts, w_gate_up, w_down, probe)
-    padded = [-(-count // align) * align for count in counts]
-    starts = [sum(padded[:e]) for e in range(len(padded))]
-    rows = row_ranges(starts, counts, x_sorted.device)  # where each real row sits among the padded ones
-
-    def pad(t):
-        return None if t is None else t.new_zeros((sum(padded), t.shape[1])).index_copy(0, rows, t)
-
-    return _grouped_swiglu(pad(x_sorted), padded, w_gate_up, w_down, pad(probe))[rows]
+    groups = Groups.of(x_sorted, counts, (gate_up, down), grouped, align)
+    gate, up = gate_up(groups.pad(x_sorted), groups).chunk(2, dim=-1)
+    hidden = F.silu(gate) * up
+    if probe is None:
+        return groups.unpad(down(hidden, groups))
+    return groups.unpad(row_product(down.back(groups.pad(probe), groups), hidden))
 
 
 def row_product(probe_down: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -235,82 +206,94 @@ def row_product(probe_down: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
     return (probe_down * hidden).sum(-1, dtype=torch.float32)
 
 
-def _grouped_swiglu(x_sorted, counts: list[int], w_gate_up, w_down, probe=None) -> torch.Tensor:
-    offsets = device_ints(counts, x_sorted.device).cumsum(0).to(torch.int32)
-    gate, up = torch._grouped_mm(x_sorted, w_gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
-    hidden = F.silu(gate) * up
-    if probe is None:
-        return torch._grouped_mm(hidden, w_down.transpose(1, 2), offs=offsets)
-    return row_product(torch._grouped_mm(probe, w_down, offs=offsets), hidden)
+@dataclass(frozen=True)
+class StackedProjection:
+    """One of an experts module's stacked tensors that is a projection (`mop.models.projections`)."""
 
-
-def _expert_loop(x_sorted, counts: list[int], w_gate_up, w_down, probe=None) -> torch.Tensor:
-    outputs = []
-    probes = probe.split(counts) if probe is not None else [None] * len(counts)
-    # unbind once: its backward stacks the per-expert gradients in one tensor, where indexing
-    # w[expert] per expert would allocate a full-size zero gradient for every expert.
-    for rows, rows_probe, gate_up_weight, down_weight in zip(x_sorted.split(counts), probes, w_gate_up.unbind(0),
-                                                            w_down.unbind(0)):
-        if rows.shape[0] == 0:
-            continue
-        gate, up = F.linear(rows, gate_up_weight).chunk(2, dim=-1)
-        hidden = F.silu(gate) * up
-        outputs.append(F.linear(hidden, down_weight) if rows_probe is None
-                       else row_product(rows_probe @ down_weight, hidden))
-    if outputs:
-        return torch.cat(outputs)
-    # With no rows at all, an empty slice of the input keeps the output on the autograd graph.
-    return x_sorted[:0, : w_down.shape[1]] if probe is None else x_sorted[:0, 0].float()
+    name: str
+    transposed: bool = False
+    """Stored `[E, in, out]` and applied as `x W_e` (gpt-oss), rather than `[E, out, in]` and `x W_e^T`."""
+    parts: tuple[int, ...] = ()
+    """The parts its rows (dim 1) are made of, each a published tensor of its own (`w_gate_up`: the
+    gate's rows, then the up's); what a block-scaled format blocks separately (`mop.models.formats`)."""
 
 
 @dataclass(frozen=True)
 class ExpertKind:
-    """An experts module as expert parallelism sees it (`mop.parallel.llep`), with no collectives.
+    """An experts module as expert parallelism (`mop.parallel.llep`) and adapters (`mop.models.lora`)
+    see it, with no collectives.
 
     `names`: its stacked parameters, in order, each with the expert on dim 0: a partition is a
     slice of each along dim 0, and shipping expert e ships index e of each.
-    `compute(x_sorted, counts, stacked, probe=None)`: the experts whose stacked tensors are
-    `stacked` (one per name, E' experts each) applied to rows sorted by expert, `counts[e]` rows
-    for expert e (a host list); with `probe` (`[rows, H]`), each row's fp32 `<probe, expert(x)>`
-    instead, whose backward for per-row weights w is the experts' backward for the output gradient
-    `w * probe` (see `swiglu_experts`; the chunked path's backward relies on it).
+    `run(x_sorted, counts, tensors, **options, probe=None)`: the experts on rows sorted by expert,
+    `counts[e]` rows for expert e (a host list), from `tensors` by name: its `projections` as
+    `Projection`s, the other stacked tensors (biases) as they are; with `probe` (`[rows, H]`), each
+    row's fp32 `<probe, expert(x)>` instead, whose backward for per-row weights w is the experts'
+    backward for the output gradient `w * probe` (see `swiglu_projected`; the chunked path's
+    backward relies on it). `options`: the run's own keyword arguments (`with_options`).
     """
 
     names: tuple[str, ...]
-    compute: Callable[..., torch.Tensor]
+    run: Callable[..., torch.Tensor]
+    projections: tuple[StackedProjection, ...]
+    options: tuple[tuple[str, object], ...] = ()
+
+    def with_options(self, **options) -> "ExpertKind":
+        return replace(self, options=tuple(options.items()))
+
+    def tensors(self, stacked: tuple[torch.Tensor, ...]) -> dict:
+        """The stacked tensors by name, the projections as plain `Dense` ones."""
+        tensors = dict(zip(self.names, stacked))
+        for projection in self.projections:
+            tensors[projection.name] = Dense(tensors[projection.name], projection.transposed)
+        return tensors
+
+    def compute(self, x_sorted: torch.Tensor, counts: list[int], stacked: tuple[torch.Tensor, ...],
+                probe: torch.Tensor | None = None, **run_options) -> torch.Tensor:
+        """The experts whose stacked tensors are `stacked` (one per name, E' experts each) on rows
+        sorted by expert (see the class docstring); `run_options`: `grouped`, `align` of the run."""
+        return self.run(x_sorted, counts, self.tensors(stacked), **dict(self.options), probe=probe, **run_options)
+
+    def forward(self, module: nn.Module, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
+                **run_options) -> torch.Tensor:
+        """A single-device experts module's forward: `x [T, H]`, `expert_ids, weights [T, k]` ->
+        `sum_j weights[t, j] * expert_{ids[t, j]}(x[t])` (`module.num_experts` experts)."""
+        top_k = expert_ids.shape[-1]
+        order, counts = expert_order(expert_ids, module.num_experts)
+        token_of = order // top_k
+        y = self.compute(x[token_of], counts.tolist(), self.stacked(module), **run_options)
+        y = y * weights.reshape(-1)[order].unsqueeze(-1).to(y.dtype)
+        return torch.zeros_like(x).index_add_(0, token_of, y.to(x.dtype))
 
     def stacked(self, module: nn.Module) -> tuple[torch.Tensor, ...]:
         """`module`'s stacked parameters in `names`' order."""
         return tuple(getattr(module, name) for name in self.names)
 
 
-def stacked_swiglu(x_sorted: torch.Tensor, counts: list[int], stacked: tuple[torch.Tensor, ...],
-                   probe: torch.Tensor | None = None) -> torch.Tensor:
-    """`swiglu_experts` on the stacked `(w_gate_up, w_down)`: the shared experts' `ExpertKind.compute`."""
-    w_gate_up, w_down = stacked
-    return swiglu_experts(x_sorted, counts, w_gate_up, w_down, probe=probe)
+def swiglu_run(x_sorted: torch.Tensor, counts: list[int], tensors: dict, grouped: bool | None = None,
+               align: int | None = None, probe: torch.Tensor | None = None) -> torch.Tensor:
+    """The shared SwiGLU experts' `ExpertKind.run`: `swiglu_projected` of `w_gate_up`, `w_down`."""
+    return swiglu_projected(x_sorted, counts, tensors["w_gate_up"], tensors["w_down"], grouped, align, probe)
 
 
-SWIGLU_KIND = ExpertKind(("w_gate_up", "w_down"), stacked_swiglu)
+def swiglu_kind(cfg: ModelShape) -> ExpertKind:
+    """The shared SwiGLU experts' kind: `w_gate_up` holds each expert's gate rows, then its up rows."""
+    inter = cfg.expert_intermediate
+    return ExpertKind(("w_gate_up", "w_down"), swiglu_run,
+                      (StackedProjection("w_gate_up", parts=(inter, inter)), StackedProjection("w_down")))
 
 
 class Experts(nn.Module):
-    kind = SWIGLU_KIND
-
     def __init__(self, cfg: ModelShape):
         super().__init__()
+        self.kind = swiglu_kind(cfg)
         self.num_experts = cfg.experts
         self.w_gate_up = nn.Parameter(torch.empty(cfg.experts, 2 * cfg.expert_intermediate, cfg.hidden))
         self.w_down = nn.Parameter(torch.empty(cfg.experts, cfg.hidden, cfg.expert_intermediate))
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """`x [T, H]`, `expert_ids, weights [T, k]` -> `sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`."""
-        top_k = expert_ids.shape[-1]
-        order, counts = expert_order(expert_ids, self.num_experts)
-        token_of = order // top_k
-        y = swiglu_experts(x[token_of], counts.tolist(), self.w_gate_up, self.w_down)
-        y = y * weights.reshape(-1)[order].unsqueeze(-1).to(y.dtype)
-        return torch.zeros_like(x).index_add_(0, token_of, y.to(x.dtype))
+        return self.kind.forward(self, x, expert_ids, weights)
 
 
 class MoE(nn.Module):

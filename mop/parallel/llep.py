@@ -46,7 +46,8 @@ import torch.distributed as dist
 from torch import nn
 
 from mop.config import Config, ConfigError
-from mop.models.moe import device_ints, expert_order
+from mop.models.moe import expert_order
+from mop.models.projections import device_ints
 from mop.parallel.checkpointing import KeepsForwardOutputs
 from mop.parallel.comms import all_gather_rows, all_to_all
 from mop.parallel.llep_chunked import ChunkedExperts, ChunkJob, chunk_job

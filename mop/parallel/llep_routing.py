@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from mop.models.moe import device_ints, row_ranges
+from mop.models.projections import device_ints, row_ranges
 from mop.parallel.llep_plan import Plan
 
 

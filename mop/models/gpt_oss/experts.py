@@ -32,13 +32,12 @@ gradient `w * probe`.
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mop.models.moe import CUDA_GROUP_ROWS, ExpertKind, device_ints, expert_order, row_product, row_ranges
+from mop.models.moe import ExpertKind, StackedProjection, row_product
+from mop.models.projections import Groups, device_ints
 from mop.models.shape import ModelShape
 
 NAMES = ("gate_up_weight", "gate_up_bias", "down_weight", "down_bias")
@@ -65,26 +64,30 @@ def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.T
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
-def grouped_gemm_applies(rows: torch.Tensor, stacked: tuple[torch.Tensor, ...]) -> bool:
-    """`torch._grouped_mm` takes fp32/bf16/fp16 with 16-byte-aligned rows (H and I)."""
-    gate_up_weight, _, down_weight, _ = stacked
-    if rows.dtype not in (torch.float32, torch.bfloat16, torch.float16) or gate_up_weight.dtype != rows.dtype:
-        return False
-    align = 16 // rows.element_size()
-    return rows.shape[-1] % align == 0 and down_weight.shape[1] % align == 0
-
-
 def gpt_oss_experts(x_sorted: torch.Tensor, counts: list[int], stacked: tuple[torch.Tensor, ...], alpha: float,
                     limit: float, grouped: bool | None = None, align: int | None = None,
                     probe: torch.Tensor | None = None) -> torch.Tensor:
     """Expert e of `stacked` (`NAMES`' tensors) on its contiguous run of `counts[e]` rows of
-    `x_sorted`, or with `probe` each row's `<probe, expert(x)>` (module docstring). `grouped`
-    (None: where it applies) and `align` (None: the device's) as `mop.models.moe.swiglu_experts`."""
-    if grouped is None:
-        grouped = grouped_gemm_applies(x_sorted, stacked)
-    if grouped:
-        return _grouped(x_sorted, counts, stacked, alpha, limit, align, probe)
-    return _loop(x_sorted, counts, stacked, alpha, limit, probe)
+    `x_sorted`, or with `probe` each row's `<probe, expert(x)>` (module docstring): `gpt_oss_projected`
+    of the plain stacked tensors."""
+    return gpt_oss_projected(x_sorted, counts, KIND.tensors(stacked), alpha, limit, grouped, align, probe)
+
+
+def gpt_oss_projected(x_sorted: torch.Tensor, counts: list[int], tensors: dict, alpha: float, limit: float,
+                      grouped: bool | None = None, align: int | None = None,
+                      probe: torch.Tensor | None = None) -> torch.Tensor:
+    """`gpt_oss_experts` on `tensors` by name: the two weights as projections (`mop.models.projections`),
+    the biases as stacked tensors. `grouped` (None: where it applies) and `align` (None: the
+    device's) as `mop.models.moe.swiglu_projected`."""
+    gate_up, down = tensors["gate_up_weight"], tensors["down_weight"]
+    groups = Groups.of(x_sorted, counts, (gate_up, down), grouped, align)
+    expert_of = _expert_of_rows(counts, x_sorted.device)
+    gate_up_rows = gate_up(groups.pad(x_sorted), groups) + groups.pad(tensors["gate_up_bias"][expert_of])
+    hidden = clamped_swiglu(gate_up_rows, alpha, limit)
+    down_bias = tensors["down_bias"][expert_of]
+    if probe is None:
+        return groups.unpad(down(hidden, groups)) + down_bias
+    return groups.unpad(row_product(down.back(groups.pad(probe), groups), hidden)) + row_product(probe, down_bias)
 
 
 def _expert_of_rows(counts: list[int], device) -> torch.Tensor:
@@ -93,43 +96,8 @@ def _expert_of_rows(counts: list[int], device) -> torch.Tensor:
                                    output_size=sum(counts))
 
 
-def _grouped(rows, counts: list[int], stacked, alpha: float, limit: float, align: int | None, probe) -> torch.Tensor:
-    gate_up_weight, gate_up_bias, down_weight, down_bias = stacked
-    expert_of = _expert_of_rows(counts, rows.device)
-    align = align or (CUDA_GROUP_ROWS if rows.is_cuda else 1)
-    padded = [-(-count // align) * align for count in counts]
-    where = row_ranges([sum(padded[:e]) for e in range(len(padded))], counts, rows.device) if align > 1 else None
-
-    def pad(t):
-        return t if where is None else t.new_zeros((sum(padded), t.shape[1])).index_copy(0, where, t)
-
-    def unpad(t):
-        return t if where is None else t[where]
-
-    offsets = device_ints(padded, rows.device).cumsum(0).to(torch.int32)
-    gate_up = torch._grouped_mm(pad(rows), gate_up_weight, offs=offsets) + pad(gate_up_bias[expert_of])
-    hidden = clamped_swiglu(gate_up, alpha, limit)
-    if probe is None:
-        return unpad(torch._grouped_mm(hidden, down_weight, offs=offsets)) + down_bias[expert_of]
-    probe_down = torch._grouped_mm(pad(probe), down_weight.transpose(1, 2), offs=offsets)
-    return unpad(row_product(probe_down, hidden)) + row_product(probe, down_bias[expert_of])
-
-
-def _loop(rows, counts: list[int], stacked, alpha: float, limit: float, probe) -> torch.Tensor:
-    outputs = []
-    probes = probe.split(counts) if probe is not None else [None] * len(counts)
-    # unbind once: its backward stacks the per-expert gradients (see `mop.models.moe._expert_loop`)
-    for part, part_probe, w_in, b_in, w_out, b_out in zip(rows.split(counts), probes,
-                                                          *(t.unbind(0) for t in stacked)):
-        if not part.shape[0]:
-            continue
-        hidden = clamped_swiglu(part @ w_in + b_in, alpha, limit)
-        outputs.append(hidden @ w_out + b_out if part_probe is None
-                       else row_product(part_probe @ w_out.T, hidden) + row_product(part_probe, b_out))
-    if outputs:
-        return torch.cat(outputs)
-    # with no rows at all, an empty slice of the input keeps the output on the autograd graph
-    return rows[:0] if probe is None else rows[:0, 0].float()
+KIND = ExpertKind(NAMES, gpt_oss_projected, (StackedProjection("gate_up_weight", transposed=True),
+                                             StackedProjection("down_weight", transposed=True)))
 
 
 class GptOssExperts(nn.Module):
@@ -142,16 +110,10 @@ class GptOssExperts(nn.Module):
         self.down_weight = nn.Parameter(torch.empty(experts, inter, hidden))
         self.down_bias = nn.Parameter(torch.empty(experts, hidden))
         self.alpha, self.limit = cfg.options.swiglu_alpha, cfg.options.swiglu_limit
-        self.kind = ExpertKind(NAMES, partial(gpt_oss_experts, alpha=self.alpha, limit=self.limit))
+        self.kind = KIND.with_options(alpha=self.alpha, limit=self.limit)
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
                 grouped: bool | None = None, align: int | None = None) -> torch.Tensor:
         """`x [T, H]`, `expert_ids, weights [T, k]` -> `sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`.
-        `grouped` (None: where it applies) and `align` (None: the device's) as `swiglu_experts`."""
-        top_k = expert_ids.shape[-1]
-        order, counts = expert_order(expert_ids, self.num_experts)
-        token_of = order // top_k
-        y = gpt_oss_experts(x[token_of], counts.tolist(), self.kind.stacked(self), self.alpha, self.limit,
-                            grouped, align)
-        y = y * weights.reshape(-1)[order].unsqueeze(-1).to(y.dtype)
-        return torch.zeros_like(x).index_add_(0, token_of, y.to(x.dtype))
+        `grouped` (None: where it applies) and `align` (None: the device's) as `swiglu_projected`."""
+        return self.kind.forward(self, x, expert_ids, weights, grouped=grouped, align=align)
