@@ -52,10 +52,16 @@ from mop.parallel.checkpointing import KeepsForwardOutputs
 from mop.parallel.comms import all_gather_rows, all_to_all
 from mop.parallel.llep_chunked import ChunkedExperts, ChunkJob, chunk_job
 from mop.parallel.llep_plan import Plan, imbalance, plan_ep, plan_llep
-from mop.parallel.llep_routing import (Exchange, Routing, build_routing, expert_outputs, finish_gradient_return,
-                                      start_gradient_return, start_weight_shipping)
+from mop.parallel.llep_routing import (
+    Exchange,
+    Routing,
+    build_routing,
+    expert_outputs,
+    finish_gradient_return,
+    start_gradient_return,
+    start_weight_shipping,
+)
 from mop.parallel.mesh import DistLayout
-
 
 WORST_METRICS = ("expert_load_imbalance", "rank_load_imbalance_before", "rank_load_imbalance_after")
 TOTAL_METRICS = ("tokens_moved", "weight_bytes_moved", "llep_active")  # llep_active: layer passes that spilled
