@@ -39,25 +39,43 @@ fsdp2 baseline's CPU offload, weights, gradients and moments are FSDP2's host sh
 
 from __future__ import annotations
 
+import functools
 from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 
+from mop.adapters import base_identity
+from mop.checkpoint import read_buffers
 from mop.config import Config, ConfigError
-from mop.data import build_data, group_slice, load_batch, micro_batches, sequence_shard, source_options
+from mop.data import (
+    build_data,
+    group_slice,
+    load_batch,
+    micro_batches,
+    sequence_shard,
+    source_options,
+)
 from mop.evaluation import HeldOut, held_out
+from mop.models.config import ModelConfig
 from mop.models.families import model_spec
+from mop.models.hf import HFWeights
+from mop.models.lora import LoraConfig, is_adapter, stored_rows, stored_tensors
 from mop.models.spec import ModelSpec
 from mop.models.transformer import MoETransformer
 from mop.optim.host_adamw import HostAdamW
 from mop.optim.optimizer import DeviceAdamW, HostOptimizer, Optimizer, parameter_groups
 from mop.parallel.baseline import parallelize_fsdp2
-from mop.parallel.materialize import initial_values, materialize, write_weights
-from mop.parallel.parallelize import apply_memory_options, compute_dtype, parallelize
-from mop.parallel.views import GlobalViews
 from mop.parallel.checkpointing import canonical_name
+from mop.parallel.materialize import (
+    RowSource,
+    initial_values,
+    materialize,
+    write_weights,
+)
+from mop.parallel.parallelize import apply_memory_options, compute_dtype, parallelize
 from mop.parallel.placement import placements
+from mop.parallel.views import GlobalViews
 from mop.runtime import Runtime
 
 
@@ -86,7 +104,7 @@ def build_optimizer(model: torch.nn.Module, config: Config, runtime: Runtime) ->
     """torch AdamW on the device or, with `optim.offload`, the host optimizer (`mop.optim.optimizer`)."""
     o = config.optim
     groups = parameter_groups(model, o.weight_decay)
-    record = placements(config.model, runtime.world, config.parallel.expert, config.parallel.vocab)
+    record = placements(config.model, runtime.world, config.parallel.expert, config.parallel.vocab, config.adapters)
     copies = {id(p): record[canonical_name(name)].replicas for name, p in model.named_parameters()}
     replicas = {key: count for key, count in copies.items() if count > 1}  # a global norm counts them once
     if o.offload:
@@ -96,12 +114,13 @@ def build_optimizer(model: torch.nn.Module, config: Config, runtime: Runtime) ->
     return DeviceAdamW(adamw, model, runtime.world_group, runtime.device, replicas)
 
 
-def build_model_shards(config: Config, runtime: Runtime,
-                       initialise: bool = True) -> tuple[MoETransformer, GlobalViews]:
+def build_model_shards(config: Config, runtime: Runtime, initialise: bool = True,
+                       base: HFWeights | None = None) -> tuple[MoETransformer, GlobalViews]:
     """This rank's parallelised model, its own shards allocated and (unless `initialise` is False,
-    see `materialize`) initialised (module docstring, step 2)."""
+    see `materialize`) initialised, a LoRA run's base read from `base` (module docstring, step 2)."""
     with torch.device("meta"):
-        model = MoETransformer(config.model).cast_parameters(storage_dtype(config))
+        model = MoETransformer(config.model, config.adapters).cast_parameters(storage_dtype(config),
+                                                                               compute_dtype(config))
     strategy = config.parallel.strategy
     if strategy == "mop":
         model = parallelize(model, runtime.layout, config)
@@ -109,9 +128,37 @@ def build_model_shards(config: Config, runtime: Runtime,
         model = parallelize_fsdp2(model, runtime.layout, config)
     else:
         apply_memory_options(model, config, runtime.device)
-    views = materialize(model, runtime.layout, runtime.device, config.train.seed, config.model.init_std,
-                        initialise)
+    views = materialize(model, runtime.layout, runtime.device, starting_rows(config, base) if initialise else None)
     return model, views
+
+
+def starting_rows(config: Config, base: HFWeights | None = None) -> RowSource:
+    """The rows the run's parameters start from: their initial values (`initial_values`), but for a
+    LoRA base read from a Hugging Face directory (`base`: only the adapters start from initial
+    values); a frozen weight kept in a published format as `base` publishes it, or quantized
+    (`stored_rows`)."""
+    initial = initial_values(config.train.seed, config.model.init_std)
+    stored = _stored_tensors(config.model, config.adapters)
+    if base is None:
+        return stored_rows(initial, stored)
+
+    def rows(name: str, shape, first: int, count: int) -> torch.Tensor:
+        return (initial if is_adapter(name) else base.rows)(name, shape, first, count)
+
+    return stored_rows(rows, stored, base.stored_rows)
+
+
+def base_weights(config: Config):
+    """A LoRA run's base (`lora.base`) opened for reading, as a context; None without one."""
+    lora = config.adapters
+    return HFWeights(lora.base) if lora is not None and lora.base else nullcontext()
+
+
+@functools.lru_cache(maxsize=8)
+def _stored_tensors(model: ModelConfig, lora: LoraConfig | None) -> dict:
+    """`stored_tensors` of the model built on the meta device (the parallelised one wraps its modules)."""
+    with torch.device("meta"):
+        return stored_tensors(MoETransformer(model, lora))
 
 
 @dataclass
@@ -125,6 +172,7 @@ class TrainingRun:
     optimizer: Optimizer
     data: object  # mop.data.Data
     held_out: HeldOut | None  # the sequences evaluations read (`mop.evaluation`), None without evaluation
+    base: dict | None = None  # a LoRA run's base (`mop.adapters.base_identity`), None for full fine-tuning
 
     @property
     def spec(self) -> ModelSpec:
@@ -167,15 +215,16 @@ class TrainingRun:
     def state_bytes(self) -> dict:
         """This rank's persistent training state by category and place, in bytes, and the device
         bytes per parameter (see the module docstring's table); constant over a run."""
-        params = [p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters()]
-        count = max(1, sum(p.numel() for p in params))
-        weights = sum(p.nbytes for p in params)
+        params = [(p.to_local() if hasattr(p, "to_local") else p, p.requires_grad)
+                  for p in self.model.parameters()]
+        count = max(1, sum(p.numel() for p, _ in params))
+        weights = sum(p.nbytes for p, _ in params)
         offloaded, optimizer_bytes = self.optimizer.on_host, self.optimizer.state_bytes()
         host_optimizer = optimizer_bytes if offloaded else 0
         on_host = self.config.parallel.fsdp_cpu_offload  # the fsdp2 baseline's CPU offload
         # torch AdamW's gradients live until the update, in the parameter's dtype; the host
-        # optimizer's are released at hand-over.
-        gradients = 0 if offloaded else weights
+        # optimizer's are released at hand-over. A frozen base (LoRA) has none.
+        gradients = 0 if offloaded else sum(p.nbytes for p, trains in params if trains)
         moments = 0 if offloaded else optimizer_bytes
         device = {"weights": 0 if on_host else weights, "gradients": 0 if on_host else gradients,
                   "optimizer": 0 if on_host else moments}
@@ -199,8 +248,11 @@ def build_run(config: Config, runtime: Runtime) -> TrainingRun:
     # bf16 working weights with fp32 host masters: the masters take the fp32 initial values and the
     # weights their rounding, one draw of each value.
     masters_first = config.optim.offload and storage_dtype(config) != torch.float32
-    model, views = build_model_shards(config, runtime, initialise=not masters_first)
-    optimizer = build_optimizer(model, config, runtime)
-    if masters_first:
-        write_weights(model, views, initial_values(config.train.seed, config.model.init_std), optimizer)
-    return TrainingRun(config, runtime, model, views, optimizer, data, evaluation)
+    with base_weights(config) as base:
+        model, views = build_model_shards(config, runtime, initialise=not masters_first, base=base)
+        optimizer = build_optimizer(model, config, runtime)
+        if masters_first:
+            write_weights(model, views, starting_rows(config, base), optimizer)
+        if base is not None:
+            read_buffers(model, base)
+    return TrainingRun(config, runtime, model, views, optimizer, data, evaluation, base_identity(config))

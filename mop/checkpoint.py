@@ -1,15 +1,18 @@
 """Training checkpoints: layout-independent, atomic, the newest K kept; `torch.distributed.checkpoint`.
 
 Content of one checkpoint (a directory `step_<N>`, N = optimizer steps completed):
-- `model/<name>`: every parameter as its *global* tensor under its name in the unwrapped model
-  (`canonical_name`), whatever layout trained it;
+- `model/<name>`: every trained parameter as its *global* tensor under its name in the unwrapped
+  model (`canonical_name`), whatever layout trained it: all of them, or a LoRA run's adapters
+  (its frozen base is where the run read it from, `lora_base`);
 - `optim/<name>/{exp_avg,exp_avg_sq,step}`: the AdamW state in the same global form, from
   `torch.optim.AdamW` or from `HostAdamW` (the two are interchangeable; the fp32 master is the
   parameter itself);
 - `rng/cpu`: the CPU generator state;
 - `mop.json` (written by rank 0): the step, the data stream's position, the run's config, and
   the tokenizer the run trained with (`mop.data.tokenizer.describe`: kind, fingerprint, vocabulary
-  size, eos/bos/pad ids);
+  size, eos/bos/pad ids); a LoRA run's `lora_base`, what its base is (`mop.adapters.base_identity`:
+  a Hugging Face directory and its fingerprint, or the run's own initial weights), which a resume
+  and a merge check;
 - `tokenizer/` (written by rank 0): the Hugging Face files of that tokenizer (`hf_files()`: for the
   byte tokenizer its exact HF equivalent), so that `mop convert to-hf` is self-contained and a
   run can name the checkpoint's own copy as `data.tokenizer`.
@@ -71,10 +74,11 @@ TOKENIZER = "tokenizer"
 
 
 def _state(model, optimizer: Optimizer | None, views: GlobalViews, with_optimizer: bool) -> dict:
-    """What DCP saves and loads: every weight (the optimizer's master where it keeps one) and, with
-    `with_optimizer`, every parameter's moments, as global views."""
+    """What DCP saves and loads: every trained weight (the optimizer's master where it keeps one; a
+    LoRA run's adapters, not its frozen base) and, with `with_optimizer`, their moments, as global views."""
+    trained = [p for p in model.parameters() if p.requires_grad]
     weights = {}
-    for p in model.parameters():
+    for p in trained:
         master = optimizer.master(p) if optimizer is not None else None
         weights[views.names[id(p)]] = views.of(p) if master is None else views.of(p, master, host=optimizer.on_host)
     state = {"model": weights, "rng": {"cpu": torch.get_rng_state()}}
@@ -82,7 +86,7 @@ def _state(model, optimizer: Optimizer | None, views: GlobalViews, with_optimize
     if buffers:  # whole on every rank (DCP writes a replicated tensor once); none before glm4_moe's router
         state["buffers"] = buffers
     if with_optimizer:
-        state["optim"] = {views.names[id(p)]: _moments(p, optimizer, views) for p in model.parameters()}
+        state["optim"] = {views.names[id(p)]: _moments(p, optimizer, views) for p in trained}
     return state
 
 
@@ -110,13 +114,13 @@ def complete_checkpoints(directory: Path) -> list[Path]:
 
 
 def save(directory: Path, step: int, model, optimizer: Optimizer, views: GlobalViews, data_state: dict,
-         config: Config, keep: int, tokenizer: AnyTokenizer) -> Path:
+         config: Config, keep: int, tokenizer: AnyTokenizer, base: dict | None = None) -> Path:
     """Write checkpoint `step_<step>` atomically (collective over all ranks) and prune to the newest `keep`.
 
     A file-system failure (read-only, full, permissions) is one line naming `checkpoint.dir`; the
     complete checkpoints before it are untouched."""
     try:
-        return _save(directory, step, model, optimizer, views, data_state, config, keep, tokenizer)
+        return _save(directory, step, model, optimizer, views, data_state, config, keep, tokenizer, base)
     except (OSError, CheckpointException) as err:  # DCP's own exception is a BaseException
         raise ConfigError("checkpoint.dir", f"{directory} cannot be written ({_last_line(err)}); the checkpoints "
                           f"before step {step} are intact: free space or fix permissions, then resume with "
@@ -124,7 +128,7 @@ def save(directory: Path, step: int, model, optimizer: Optimizer, views: GlobalV
 
 
 def _save(directory: Path, step: int, model, optimizer: Optimizer, views: GlobalViews, data_state: dict,
-          config: Config, keep: int, tokenizer: AnyTokenizer) -> Path:
+          config: Config, keep: int, tokenizer: AnyTokenizer, base: dict | None) -> Path:
     final = directory / f"step_{step}"
     partial = directory / f"step_{step}{PARTIAL}"
     main = not dist.is_initialized() or dist.get_rank() == 0
@@ -138,7 +142,7 @@ def _save(directory: Path, step: int, model, optimizer: Optimizer, views: Global
                  no_dist=not dist.is_initialized())
     if main:
         meta = {"step": step, "data": data_state, "config": asdict(config), "has_optimizer": True,
-                "tokenizer": _write_tokenizer(partial, tokenizer)}
+                "tokenizer": _write_tokenizer(partial, tokenizer), **({"lora_base": base} if base else {})}
         (partial / META).write_text(json.dumps(meta, indent=1))
         if final.exists():  # a complete checkpoint of this step from an earlier attempt: replace it
             shutil.rmtree(final)
@@ -320,6 +324,11 @@ def _load_hf_weights(path: Path, meta: dict, model, optimizer: Optimizer | None,
             raise ConfigError("checkpoint.resume", f"{source} has changed since it was imported into {path}; "
                               "import it again with mop convert from-hf")
         write_weights(model, views, weights.rows, optimizer)
-        with torch.no_grad():
-            for name, buffer in named_buffers(model).items():
-                buffer.copy_(weights.rows(name, buffer.shape, 0, buffer.shape[0]))
+        read_buffers(model, weights)
+
+
+@torch.no_grad()
+def read_buffers(model, weights: HFWeights) -> None:
+    """The model's buffers (whole on every rank) from a Hugging Face directory."""
+    for name, buffer in named_buffers(model).items():
+        buffer.copy_(weights.rows(name, buffer.shape, 0, buffer.shape[0]))

@@ -12,7 +12,7 @@ raises `ConfigError`, whose one-line message names the key and the fix; the comm
 into exit code 2. The loaded settings are raw: `mop.resolve.resolve` decides the automatic ones
 for the world and the device, runs the range and cross-field checks (each technique its own) and
 returns the one frozen config a run uses. This module depends on no other part of mop but the
-model's shape (`mop.models.config`).
+model's shape (`mop.models.config`) and its adapters (`mop.models.lora`).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-
 from mop.models.config import ModelConfig
+from mop.models.lora import LoraConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -155,6 +155,9 @@ class TrainConfig:
     """"full": keep only each block's input for the backward and recompute the block's activations there."""
     offload_activations: bool = False
     """With full activation checkpointing: keep the saved block inputs in host memory until the backward."""
+    finetune: Literal["full", "lora"] = "full"
+    """"full": every parameter trains. "lora": low-rank adapters train over a frozen base kept at its
+    published precision (the [lora] settings; `mop.models.lora`)."""
 
 
 @dataclass(frozen=True)
@@ -266,6 +269,13 @@ class Config:
     """Held-out evaluation."""
     log: LogConfig = field(default_factory=LogConfig)
     """Metrics and plots."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA fine-tuning (with train.finetune = "lora")."""
+
+    @property
+    def adapters(self) -> LoraConfig | None:
+        """The LoRA settings the model is built with, None for full fine-tuning."""
+        return self.lora if self.train.finetune == "lora" else None
 
 
 def field_docs(cls) -> dict[str, str]:
@@ -339,7 +349,10 @@ def apply(config: Config, values: dict[str, Any]) -> Config:
 
 def _family_options(model: ModelConfig, table: Any):
     """`model`'s options with the `[model.options]` table set: only keys its family takes, type-checked."""
-    from mop.models.families import FAMILIES, unknown_family  # the model's layers: only a config that sets options needs them
+    from mop.models.families import (  # the model's layers: only a config that sets options needs them
+        FAMILIES,
+        unknown_family,
+    )
 
     if model.family not in FAMILIES:
         raise ConfigError("model.family", unknown_family(model.family))

@@ -2,10 +2,12 @@
 
 `resolve(config, world, local_world)`:
 1. the model's shape is checked (`ModelConfig.validate`), then every automatic setting is
-   decided: `parallel.nproc` (one rank per visible GPU on CUDA, 2 on the CPU, 1 for the
-   reference strategy), the degrees D, Ep and P (under "mop" the largest that fit the model and
-   divide one node's ranks, so every group stays on a node's fast links; 1 otherwise),
-   `parallel.expert_balance` and `optim.offload`;
+   decided: a LoRA run's model and base format from its base (`mop.adapters.decide`),
+   `parallel.nproc` (one rank per visible GPU on CUDA, 2 on the CPU, 1 for the reference
+   strategy), the degrees D, Ep and P (under "mop" the largest that fit the model and divide one
+   node's ranks, so every group stays on a node's fast links; 1 otherwise),
+   `parallel.expert_balance` and `optim.offload` (under "mop" the host optimizer, but for LoRA
+   adapters small enough for torch AdamW on the device, `mop.adapters.adapters_on_host`);
 2. each setting's own range (`mop.config.check_fields`), the launch (ranks against GPUs, the
    reference strategy's one process), the layout (`mop.parallel.mesh.Layout`), and each part's
    own cross-field checks in its own module (`CHECKS`);
@@ -20,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from mop import build, evaluation, metrics
+from mop import adapters, build, evaluation, metrics
 from mop.config import Config, ConfigError, check_fields
 from mop.optim import optimizer, schedule
 from mop.parallel import baseline, checkpointing, llep, ulysses, vocab
@@ -28,7 +30,7 @@ from mop.parallel.mesh import Layout
 from mop.runtime import check_ranks_fit_gpus, visible_gpus
 
 # Each part's own cross-field checks, `check_settings(config, world)`, in this order.
-CHECKS = (checkpointing, vocab, llep, ulysses, baseline, optimizer, schedule, build, evaluation, metrics)
+CHECKS = (checkpointing, vocab, llep, ulysses, baseline, optimizer, schedule, build, evaluation, metrics, adapters)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +46,7 @@ class ResolvedConfig(Config):
 def resolve(config: Config, world: int | None = None, local_world: int | None = None) -> ResolvedConfig:
     """`config` resolved (module docstring) for `world` ranks (None: the ranks mop's launcher starts,
     `parallel.nproc`, all on this node), whose smallest node runs `local_world` (default: all)."""
+    config = adapters.decide(config)  # a LoRA run's base gives the model
     for key, message in config.model.validate():
         raise ConfigError(f"model.{key}", message)
     launched = world is None
@@ -81,6 +84,10 @@ def _decide(config: Config, world: int | None, local_world: int | None) -> Resol
         expert=p.expert or largest(lambda n: m.experts % n == 0),
         vocab=p.vocab or largest(lambda n: not m.tie_embeddings),
         expert_balance=p.expert_balance if p.expert_balance != "auto" else ("llep" if mop else "ep"))
-    optim = dataclasses.replace(config.optim, offload=mop if config.optim.offload == "auto" else config.optim.offload)
+    offload = config.optim.offload
+    if offload == "auto":
+        offload = mop and (config.adapters is None or adapters.adapters_on_host(
+            dataclasses.replace(config, parallel=parallel), world))
+    optim = dataclasses.replace(config.optim, offload=offload)
     sections = {f.name: getattr(config, f.name) for f in dataclasses.fields(Config)}
     return ResolvedConfig(**{**sections, "parallel": parallel, "optim": optim}, world=world, local_world=node)

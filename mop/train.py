@@ -29,13 +29,22 @@ import torch
 import torch.distributed as dist
 
 from mop import checkpoint
+from mop.adapters import check_resume
+from mop.adapters import summary as adapters_summary
 from mop.build import TrainingRun, build_run
 from mop.config import Config, ConfigError
 from mop.data import Data, count_targets, to_device
 from mop.evaluation import evaluate
 from mop.faults import Stopped, StopRequest, collective_timeout, quiet_exit_code
 from mop.flops import attended_keys, peak_flops
-from mop.metrics import MetricsLogger, WandbRun, peak_memory_bytes, plot_run, reset_peak_memory, technique_metrics
+from mop.metrics import (
+    MetricsLogger,
+    WandbRun,
+    peak_memory_bytes,
+    plot_run,
+    reset_peak_memory,
+    technique_metrics,
+)
 from mop.models.transformer import MoETransformer
 from mop.optim.optimizer import Optimizer
 from mop.optim.schedule import learning_rate
@@ -43,8 +52,17 @@ from mop.parallel.mesh import TorchrunEnv
 from mop.progress import StepProgress
 from mop.resolve import ResolvedConfig, resolve
 from mop.run_dir import shared_run_dir
-from mop.runtime import (Runtime, join, joined, per_rank, pick_device, smallest_node, sum_over_ranks,
-                         sum_tensor_over_ranks, under_torchrun)
+from mop.runtime import (
+    Runtime,
+    join,
+    joined,
+    per_rank,
+    pick_device,
+    smallest_node,
+    sum_over_ranks,
+    sum_tensor_over_ranks,
+    under_torchrun,
+)
 
 
 def step_memory(runtime: Runtime, offload_store) -> dict:
@@ -139,7 +157,7 @@ class NothingToTrain(Exception):
     exit_code = 3
 
 
-def announce(config: Config, runtime: Runtime, run_dir: Path, data: Data) -> None:
+def announce(config: Config, runtime: Runtime, run_dir: Path, data: Data, model: MoETransformer) -> None:
     """Write the resolved configuration (every default filled in, the layout chosen) to the run
     directory as `config.json`, and say in one line what runs."""
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -150,6 +168,8 @@ def announce(config: Config, runtime: Runtime, run_dir: Path, data: Data) -> Non
           f"{'host' if config.optim.offload else 'torch'} AdamW, {config.train.steps} steps of "
           f"{config.train.global_batch} x {config.data.seq_len} tokens of {describe_data(config, data)}; "
           f"resolved settings in {run_dir / 'config.json'}")
+    if config.adapters is not None:
+        print(f"mop: {adapters_summary(model, config)}")
 
 
 def describe_data(config: Config, data: Data) -> str:
@@ -249,7 +269,7 @@ def _steps(run: TrainingRun, run_dir: Path, stop: StopRequest) -> list[dict]:
         raise NothingToTrain(f"the checkpoint resumed is at step {first_step} and train.steps is {config.train.steps}: "
                              f"nothing left to train; raise --train.steps to continue")
     if runtime.is_main:
-        announce(config, runtime, run_dir, run.data)
+        announce(config, runtime, run_dir, run.data, run.model)
 
     logger = None
     if runtime.is_main:
@@ -336,7 +356,7 @@ def save(run: TrainingRun, run_dir: Path, done: int) -> Path:
     """Checkpoint `step_<done>` of the run (collective over all ranks)."""
     config = run.config
     return checkpoint.save(checkpoint.checkpoint_dir(config, run_dir), done, run.model, run.optimizer, run.views,
-                           run.data.stream.state_dict(), config, config.checkpoint.keep, run.data.tokenizer)
+                           run.data.stream.state_dict(), config, config.checkpoint.keep, run.data.tokenizer, run.base)
 
 
 def resume(run: TrainingRun, run_dir: Path) -> int:
@@ -349,6 +369,7 @@ def resume(run: TrainingRun, run_dir: Path) -> int:
         return 0
     meta = checkpoint.read_meta(path)
     checkpoint.check_compatible(meta, config, path)
+    check_resume(meta, config, run.base, path)
     checkpoint.check_tokenizer(meta, run.data.tokenizer, config, path)
     checkpoint.load(path, run.model, run.optimizer, run.views, meta=meta)
     if meta["data"] is not None:

@@ -47,9 +47,6 @@ class Fp8Blocks:
     block: tuple[int, int] = (128, 128)
     parts: tuple[int, ...] = ()
 
-    companions = ("scale_inv",)
-    """The suffixes of the tensors stored beside the weight (`<weight name>_<suffix>`)."""
-
     def stored_shapes(self, shape: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
         """The shapes of the stored weight and of its scales, for a weight of `shape`."""
         *lead, rows, columns = shape
@@ -63,6 +60,19 @@ class Fp8Blocks:
 
     def scale_rows(self, rows: int) -> int:
         return sum(-(-part // self.block[0]) for part in self._parts(rows))
+
+    def scale_offset(self, row: int, rows: int) -> int:
+        """The first scale row of the part that starts at `row` (of `rows`): the blocks of the parts before."""
+        offset = start = 0
+        for part in self._parts(rows):
+            if start >= row:
+                break
+            offset, start = offset + -(-part // self.block[0]), start + part
+        return offset
+
+    def same_as(self, other) -> bool:
+        """Whether `other` stores weights alike (the same blocks; the row parts are the weight's own)."""
+        return isinstance(other, Fp8Blocks) and other.block == self.block
 
     def row_blocks(self, rows: int, device) -> torch.Tensor:
         """Each row's scale row: its part's first scale row plus its block within the part."""
@@ -105,7 +115,8 @@ class Fp8Blocks:
 class Mxfp4:
     """MXFP4 experts (module docstring): `P [E, a, b]` as (blocks, scales)."""
 
-    companions = ("blocks", "scales")
+    def same_as(self, other) -> bool:
+        return isinstance(other, Mxfp4)
 
     def stored_shapes(self, shape: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
         experts, a, b = shape

@@ -42,7 +42,7 @@ MAX_SHARD_BYTES = 5 * 10**9
 
 def config_from_hf(source: str | Path | dict) -> ModelConfig:
     """The `ModelConfig` of a HF model directory, config.json file or parsed config dict."""
-    hf = source if isinstance(source, dict) else _read_config(Path(source))
+    hf = source if isinstance(source, dict) else read_hf_config(Path(source))
     cfg = ModelConfig.of(_family_of_type(hf.get("model_type")).hf.config_from_hf(hf))
     problems = cfg.validate()
     if problems:
@@ -83,7 +83,8 @@ def _expressible_family(cfg: ModelConfig, model_type: str | None) -> Family:
     return FAMILIES[name]
 
 
-def _read_config(path: Path) -> dict:
+def read_hf_config(path: Path) -> dict:
+    """The parsed config.json of a HF model directory (or of that file)."""
     file = path if path.suffix == ".json" else path / "config.json"
     if not file.is_file():
         raise HFConversionError(f"{file}: not found; point at a Hugging Face model directory holding config.json")
@@ -119,7 +120,7 @@ class HFWeights:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        hf = _read_config(self.path)
+        hf = read_hf_config(self.path)
         self.cfg = config_from_hf(hf)
         self.quantized = reader_for(hf.get("quantization_config"), self.path / "config.json")
         self._stack = ExitStack()
@@ -169,6 +170,38 @@ class HFWeights:
             elif first <= piece.index[0] < first + count:
                 out[(piece.index[0] - first, *piece.index[1:])] = read(handle, piece.key)
         return out
+
+
+    def stored_rows(self, entry, shape: torch.Size, first: int, count: int) -> torch.Tensor | None:
+        """Rows `[first, first + count)` of a parameter that holds a weight in a format
+        (`mop.models.lora.StoredTensor`), as the checkpoint publishes them when it publishes the
+        weight in that format (fp8 with the same blocks, MXFP4); None otherwise (the caller then
+        quantizes the dequantized rows)."""
+        if not entry.fmt.same_as(self.quantized.format) or entry.transposed:
+            return None
+        out = torch.empty((count, *shape[1:]), dtype=entry.fmt.stored_dtypes()[entry.companion])
+        for piece in self.pieces[entry.weight]:
+            handle = self.tensors[piece.key][0]
+            if piece.index == ():
+                part = self.quantized.stored(handle, piece.key, entry.companion, slice(first, first + count))
+                if part is None:
+                    return None
+                out.copy_(part)
+            elif first <= piece.index[0] < first + count:
+                part = self.quantized.stored(handle, piece.key, entry.companion)
+                if part is None:
+                    return None
+                out[(piece.index[0] - first, *_stored_index(entry, piece.index[1:]))] = part
+        return out
+
+
+def _stored_index(entry, index: tuple) -> tuple:
+    """Where a per-expert piece's stored tensor sits in one expert of the stored parameter: its rows
+    (a part of the weight's rows, `Fp8Blocks.parts`) or, for the scales, that part's blocks."""
+    if entry.companion == 0 or not index:
+        return index
+    rows, total = index[0], entry.shape[-2]
+    return (slice(entry.fmt.scale_offset(rows.start, total), entry.fmt.scale_offset(rows.stop, total)), *index[1:])
 
 
 def _header_digest(file: Path) -> str:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from mop.models import formats
 from mop.models.formats import decode_fp8, decode_mxfp4
 from mop.models.hf_mapping import HFConversionError
 
@@ -31,6 +32,9 @@ SUPPORTED = "fp8 e4m3 block-scaled (DeepSeek-V3, Kimi-K2), mxfp4 (gpt-oss) and u
 
 class Unquantized:
     """Tensors read as stored."""
+
+    format = None
+    """The format its quantized weights are published in (`mop.models.formats`; None: none)."""
 
     def split(self, tensors: dict, path) -> None:
         """Take the companion tensors out of `tensors` (key -> (handle, file)); none here."""
@@ -49,6 +53,10 @@ class Unquantized:
         """Rows of tensor `key` as stored."""
         part = handle.get_slice(key)
         return part[:] if first is None else part[first:first + count]
+
+    def stored(self, handle, key: str, companion: int, rows: slice = slice(None)) -> torch.Tensor | None:
+        """None: no weight is published quantized (`_Companions.stored`)."""
+        return None
 
 
 def reader_for(quantization: dict | None, config_file) -> Unquantized:
@@ -85,12 +93,21 @@ class _Companions(Unquantized):
             if self.stored:  # the weight is known by its model name from now on
                 tensors[weight] = tensors.pop(weight + self.stored)
 
+    def stored(self, handle, key: str, companion: int, rows: slice = slice(None)) -> torch.Tensor | None:
+        """Rows of weight `key`'s stored data (`companion` 0) or scales (1) as published, without
+        dequantizing them; None for a weight published unquantized."""
+        if key not in self.companions:
+            return None
+        stored_key, scale_key, scale_handle = self.companions[key]
+        return (handle.get_slice(stored_key) if companion == 0 else scale_handle.get_slice(scale_key))[rows]
+
 
 class Fp8BlockScales(_Companions):
     stored, companion = "", "_scale_inv"
 
     def __init__(self, block: tuple[int, int]):
         self.block = block
+        self.format = formats.Fp8Blocks(block)
 
     def check(self, key: str, shape: list[int], file) -> None:
         if key not in self.companions:
@@ -114,6 +131,7 @@ class Fp8BlockScales(_Companions):
 
 class Mxfp4(_Companions):
     stored, companion = "_blocks", "_scales"
+    format = formats.Mxfp4()
 
     def shape(self, tensors: dict, key: str) -> list[int]:
         if key not in self.companions:

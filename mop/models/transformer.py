@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,7 @@ from mop.models.config import ModelConfig
 from mop.models.documents import DocumentBoundaries, Documents
 from mop.models.families import family_of
 from mop.models.layers import RMSNorm, SwiGLU
+from mop.models.lora import LoraConfig, adapter_init_bound, add_adapters, stored_rows, stored_tensors
 from mop.models.moe import MoE, RouterStats, load_balancing_loss
 
 IGNORE_INDEX = -100
@@ -117,7 +119,9 @@ def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
 
 
 class MoETransformer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, lora: LoraConfig | None = None):
+        """`lora`: LoRA fine-tuning's adapters over a frozen base (`mop.models.lora.add_adapters`); the
+        settings are kept as `self.lora` (None: every parameter trains)."""
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden)
@@ -127,18 +131,27 @@ class MoETransformer(nn.Module):
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.lm_head = LMHead(cfg)
         self.tie_weights()
+        self.lora = None
+        if lora is not None:
+            add_adapters(self, lora)
 
     def tie_weights(self) -> None:
         """With `tie_embeddings`, the output projection is the embedding's weight (one parameter)."""
         if self.cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
 
-    def cast_parameters(self, dtype: torch.dtype) -> "MoETransformer":
-        """The parameters in `dtype`; the buffers keep theirs (a router's fp32 score-correction bias,
-        which selection compares at fp32 resolution)."""
+    def cast_parameters(self, dtype: torch.dtype, frozen_dtype: torch.dtype | None = None) -> "MoETransformer":
+        """The trained parameters in `dtype`, the frozen ones in `frozen_dtype` (None: `dtype`); a
+        weight stored in a published format keeps its format's dtypes (a module's
+        `stored_parameters`), the buffers theirs (a router's fp32 score-correction bias, which
+        selection compares at fp32 resolution)."""
         for module in self.modules():
+            stored = getattr(module, "stored_parameters", ())
             for name, param in module.named_parameters(recurse=False):
-                setattr(module, name, nn.Parameter(param.to(dtype), requires_grad=param.requires_grad))
+                if name in stored:
+                    continue
+                target = dtype if param.requires_grad or frozen_dtype is None else frozen_dtype
+                setattr(module, name, nn.Parameter(param.to(target), requires_grad=param.requires_grad))
         self.tie_weights()
         return self
 
@@ -224,23 +237,28 @@ def initial_rows(name: str, shape: torch.Size, first: int, count: int, seed: int
     """Rows `[first, first + count)` (dim 0) of parameter `name`'s initial value, fp32 on the CPU.
 
     Biases and attention sinks (names ending in `bias` or `sinks`) start at zero, as transformers
-    initialises them; other 1-D parameters (norm weights) at one. A matrix is N(0, std), drawn in blocks of INIT_BLOCK
-    consecutive elements of its flattened global tensor, block b from a generator keyed by (seed,
-    name, b): any block of rows is computed without drawing the others, so every rank initialises
-    its own shard alone and every layout (the single-process model included) starts from the same
-    values, bit for bit, on any device.
+    initialises them, and so do LoRA's B adapters (PEFT's: step 0 is the base model); other 1-D
+    parameters (norm weights) at one. A matrix is N(0, std), a LoRA A adapter uniform in
+    +-1/sqrt(in) (PEFT's, `adapter_init_bound`), drawn in blocks of INIT_BLOCK consecutive elements
+    of its flattened global tensor, block b from a generator keyed by (seed, name, b): any block of
+    rows is computed without drawing the others, so every rank initialises its own shard alone and
+    every layout (the single-process model included) starts from the same values, bit for bit, on
+    any device.
     """
-    if name.endswith(("bias", "sinks")):
+    if name.endswith(("bias", "sinks", "lora_B")):
         return torch.zeros(count, *shape[1:])
     if len(shape) == 1:
         return torch.ones(count)
+    bound = adapter_init_bound(shape) if name.endswith("lora_A") else None
     row = math.prod(shape[1:])
     start, stop, total = first * row, (first + count) * row, math.prod(shape)
     out = torch.empty(stop - start)
     for block in range(start // INIT_BLOCK, -(-stop // INIT_BLOCK)):
         begin = block * INIT_BLOCK
         generator = torch.Generator().manual_seed(parameter_seed(seed, f"{name}/{block}"))
-        values = torch.empty(min(INIT_BLOCK, total - begin)).normal_(0.0, std, generator=generator)
+        values = torch.empty(min(INIT_BLOCK, total - begin))
+        values = values.normal_(0.0, std, generator=generator) if bound is None else (
+            values.uniform_(-bound, bound, generator=generator))
         low, high = max(start, begin), min(stop, begin + INIT_BLOCK)
         out[low - start:high - start] = values[low - begin:high - begin]
     return out.view(count, *shape[1:])
@@ -248,16 +266,20 @@ def initial_rows(name: str, shape: torch.Size, first: int, count: int, seed: int
 
 @torch.no_grad()
 def init_weights(module: nn.Module, seed: int, std: float) -> None:
-    """Initialise every parameter of a full (unsharded) module from `seed` alone (`initial_rows`)."""
+    """Initialise every parameter of a full (unsharded) module from `seed` alone (`initial_rows`; a
+    weight kept in a published format, quantized from those: `mop.models.lora.stored_rows`)."""
+    rows = stored_rows(partial(initial_rows, seed=seed, std=std), stored_tensors(module))
     for name, param in module.named_parameters():
-        param.copy_(initial_rows(name, param.shape, 0, param.shape[0], seed, std))
+        param.copy_(rows(name, param.shape, 0, param.shape[0]))
 
 
-def build_model(cfg: ModelConfig, seed: int, device: torch.device | str = "cpu") -> MoETransformer:
+def build_model(cfg: ModelConfig, seed: int, device: torch.device | str = "cpu",
+                lora: LoraConfig | None = None) -> MoETransformer:
     """The whole model on one device, initialised: for tests, conversion and single-process tools
-    (a training run builds each rank's shards only: `mop.build`)."""
+    (a training run builds each rank's shards only: `mop.build`). With `lora`, adapters over the
+    frozen base (a quantized `base_format` quantized from the initial values)."""
     with torch.device("meta"):
-        model = MoETransformer(cfg)
+        model = MoETransformer(cfg, lora)
     model.to_empty(device=device)
     model.tie_weights()  # `to_empty` replaces the parameters one module at a time
     model.reset_buffers()

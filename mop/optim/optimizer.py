@@ -41,11 +41,16 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     world's, an expert replica group's). torch's multi-tensor kernels, CUDA's default, take one kind
     per call and see one group at a time; a group mixing kinds fails at the first step."""
     groups: dict[tuple, list] = {}
-    for param in model.parameters():
+    for param in trained_parameters(model):
         mesh = param.device_mesh if isinstance(param, DTensor) else None
         groups.setdefault((param.dim() >= 2, mesh), []).append(param)
     return [{"params": params, "weight_decay": weight_decay if decayed else 0.0}
             for (decayed, _), params in groups.items()]
+
+
+def trained_parameters(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The parameters the optimizer updates: all of them, but for a LoRA run's frozen base."""
+    return [param for param in model.parameters() if param.requires_grad]
 
 
 def global_norm(local_squared: torch.Tensor, group: dist.ProcessGroup | None, device: torch.device) -> torch.Tensor:
@@ -91,7 +96,8 @@ class Optimizer(ABC):
 
     @abstractmethod
     def master(self, param: torch.Tensor) -> torch.Tensor | None:
-        """The tensor holding `param`'s saved weight, shaped like its local shard (None: the parameter)."""
+        """The tensor holding `param`'s saved weight, shaped like its local shard (None: the parameter,
+        as for every frozen one)."""
 
     @abstractmethod
     def moments(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -158,7 +164,7 @@ class DeviceAdamW(Optimizer):
 
     def state_bytes(self) -> int:
         """The fp32 moments, whether or not the first step has created them yet."""
-        local = [p.to_local() if isinstance(p, DTensor) else p for p in self.model.parameters()]
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in trained_parameters(self.model)]
         return 2 * sum(p.numel() * 4 for p in local)
 
 
@@ -211,7 +217,7 @@ class HostOptimizer(Optimizer):
         self.host.close()
 
     def master(self, param):
-        return self.host.state_of(param)["master"]
+        return self.host.state_of(param)["master"] if param.requires_grad else None
 
     def moments(self, param):
         return self.host.state_of(param)

@@ -50,7 +50,7 @@ class GradientFeed:
         for param in self.params:
             if isinstance(param, DTensor):  # FSDP2-sharded: final when FSDP2 assigns it
                 param.register_post_accumulate_grad_hook(self._hook)
-        in_blocks = [list(block.parameters()) for block in model.layers]
+        in_blocks = [[p for p in block.parameters() if p.requires_grad] for block in model.layers]
         block_ids = {id(p) for params in in_blocks for p in params}
         self.outer = [p for p in self.params if id(p) not in block_ids]
         optimizer.settle_in_order(self.outer + [p for params in in_blocks for p in params])

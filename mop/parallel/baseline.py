@@ -43,12 +43,12 @@ from mop.parallel.experts import shard_experts
 from mop.parallel.fsdp import shard_dense
 from mop.parallel.llep import BalanceOptions
 from mop.parallel.mesh import DistLayout
-from mop.parallel.parallelize import apply_memory_options, compute_dtype
+from mop.parallel.parallelize import apply_memory_options, gather_dtype
 from mop.parallel.ulysses import apply_sequence_parallel
 
 
 def parallelize_fsdp2(model: MoETransformer, layout: DistLayout, config: Config) -> MoETransformer:
-    dtype, offload = compute_dtype(config), config.parallel.fsdp_cpu_offload
+    dtype, offload = gather_dtype(config), config.parallel.fsdp_cpu_offload
     if layout.layout.sequence > 1:
         apply_sequence_parallel(model, layout.sequence_group, head_chunks=1)
     if layout.layout.expert > 1:

@@ -43,8 +43,9 @@ for _output in (LossTerms, RouterStats):
     torch.export.register_dataclass(_output)
 
 
-def mixed_precision(compute_dtype: torch.dtype) -> MixedPrecisionPolicy:
-    """Parameters gathered in the compute dtype; gradients always reduced in fp32."""
+def mixed_precision(compute_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
+    """Parameters gathered in the compute dtype (None: each in its own, `gather_dtype`); gradients
+    always reduced in fp32."""
     return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
 
 
@@ -53,7 +54,7 @@ def offload_policy(offload: bool, device: torch.device) -> OffloadPolicy:
     return CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
 
 
-def shard_dense(model: MoETransformer, layout: DistLayout, compute_dtype: torch.dtype = torch.float32,
+def shard_dense(model: MoETransformer, layout: DistLayout, compute_dtype: torch.dtype | None = torch.float32,
                 ignored: set[torch.nn.Parameter] = frozenset(), offload: bool = False) -> None:
     """FSDP2 units for every block and the root; `ignored` parameters (the vocabulary shard) stay as they are."""
     options = {"mesh": layout.world_mesh, "reshard_after_forward": True, "mp_policy": mixed_precision(compute_dtype),

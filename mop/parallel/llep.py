@@ -113,13 +113,15 @@ class _Dispatch(torch.autograd.Function):
                                group=exchange.group)
         for work in works:
             work.wait()
+        # a frozen expert tensor's shipped copy needs no gradient, and none goes back for it
+        ctx.mark_non_differentiable(*(w for w, own in zip(foreign, owned) if not own.requires_grad))
         return received, *foreign
 
     @staticmethod
     def backward(ctx, grad_received, *grad_foreign):
         exchange, owned = ctx.exchange, ctx.owned
         foreign_grads = [g if g is not None else grad_received.new_zeros((len(exchange.receive), *w.shape[1:]))
-                         for g, w in zip(grad_foreign, owned)]
+                         for g, w in zip(grad_foreign, owned) if w.requires_grad]
         returned, works = start_gradient_return(foreign_grads, owned, exchange)
         grad_x = grad_received.new_empty((sum(exchange.send_splits), grad_received.shape[1]))
         dist.all_to_all_single(grad_x, grad_received.contiguous(), exchange.send_splits, exchange.recv_splits,
@@ -140,7 +142,8 @@ class ExpertParallel(KeepsForwardOutputs, nn.Module):
         self.per_rank = self.num_experts // self.ranks
         owned = slice(self.rank * self.per_rank, (self.rank + 1) * self.per_rank)
         for name, full in zip(self.kind.names, self.kind.stacked(experts)):
-            self.register_parameter(name, nn.Parameter(full.detach()[owned].clone()))
+            part = full.detach()[owned].clone()
+            self.register_parameter(name, nn.Parameter(part, requires_grad=full.requires_grad))
         self.group, self.p2p_group = layout.expert_group, layout.expert_p2p_group
         self.options = options
         self.records: list[dict] = []
@@ -206,8 +209,7 @@ class ExpertParallel(KeepsForwardOutputs, nn.Module):
     def _record(self, plan: Plan, loads: list[int], x: torch.Tensor) -> None:
         native = plan_ep(loads, self.ranks).rank_loads()
         after = plan.rank_loads()
-        element = x.element_size()
-        weight_bytes = sum(t[0].numel() for t in self.kind.stacked(self)) * element
+        weight_bytes = sum(t[0].nbytes for t in self.kind.stacked(self))
         self.records.append({
             "expert_load_imbalance": imbalance(loads),
             "rank_load_imbalance_before": imbalance(native),

@@ -42,10 +42,19 @@ import torch
 import torch.distributed as dist
 
 from mop.parallel.checkpointing import forward_autocast
-from mop.parallel.llep_routing import (Exchange, Routing, Segment, expert_outputs, finish_gradient_return,
-                                      grouped_expert_outputs, routing_from_segments, source_segments,
-                                      start_gradient_return, start_weight_shipping)
 from mop.parallel.llep_plan import Plan
+from mop.parallel.llep_routing import (
+    Exchange,
+    Routing,
+    Segment,
+    expert_outputs,
+    finish_gradient_return,
+    grouped_expert_outputs,
+    routing_from_segments,
+    source_segments,
+    start_gradient_return,
+    start_weight_shipping,
+)
 
 
 def chunk_segments(per_source: list[list[Segment]], chunks: int) -> list[list[list[Segment]]]:
@@ -134,14 +143,16 @@ class ChunkedExperts(torch.autograd.Function):
         x, weights_flat, *foreign = ctx.saved_tensors
         job, ex, owned, n = ctx.job, ctx.job.exchange, ctx.owned, len(ctx.owned)
         hidden = x.shape[1]
+        trains = [param.requires_grad for param in owned] * 2  # a frozen base has no gradient
         for param in owned:
-            if param.grad is None:
+            if param.requires_grad and param.grad is None:
                 param.grad = torch.zeros_like(param)
         # Leaves sharing the weights, whose .grad is the owned gradient buffer (or the foreign
         # accumulator): each chunk's weight gradients are added there in place, one GEMM at a time.
-        leaves = [w.detach().requires_grad_() for w in (*owned, *foreign)]
-        for leaf, buffer in zip(leaves, [p.grad for p in owned] + [torch.zeros_like(w) for w in foreign]):
-            leaf.grad = buffer
+        leaves = [w.detach().requires_grad_(train) for w, train in zip((*owned, *foreign), trains)]
+        for i, (leaf, param) in enumerate(zip(leaves, (*owned, *foreign))):
+            if leaf.requires_grad:
+                leaf.grad = param.grad if i < n else torch.zeros_like(param)
         grad_x, grad_weights = torch.zeros_like(x), torch.zeros_like(weights_flat)
 
         def send_rows(c: int):
@@ -174,8 +185,8 @@ class ChunkedExperts(torch.autograd.Function):
             grouped = received[routing.compute_rows]
             del received
             rows = grouped[:, :hidden].detach().requires_grad_()
-            used = [rows] + (leaves[:n] if sum(routing.native_counts) else []) + (
-                leaves[n:] if sum(routing.foreign_counts) else [])
+            used = [rows] + [leaf for leaf in (leaves[:n] if sum(routing.native_counts) else []) + (
+                leaves[n:] if sum(routing.foreign_counts) else []) if leaf.requires_grad]
             with torch.enable_grad(), ctx.autocast():
                 # Per row <g, expert(x)> (the routing weight's gradient), without the down
                 # projection's forward; its backward for the weights w is the experts' backward
@@ -194,7 +205,7 @@ class ChunkedExperts(torch.autograd.Function):
             returning = (c, sent, *_exchange_rows(sent, routing.send_splits, routing.recv_splits, ex.group,
                                                   async_op=True))
         take_back(*returning)
-        returned, works = start_gradient_return([leaf.grad for leaf in leaves[n:]], owned, ex)
+        returned, works = start_gradient_return([leaf.grad for leaf in leaves[n:] if leaf.requires_grad], owned, ex)
         finish_gradient_return(owned, ex, returned, works)
         return grad_x, grad_weights, None, None, None, None
 

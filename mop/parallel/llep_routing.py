@@ -152,20 +152,27 @@ def add_to_grad(param: torch.Tensor, index: torch.Tensor | None, grad: torch.Ten
         param.grad.index_add_(0, index, grad.to(param.grad.dtype))
 
 
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """What a message carries of `t`: its bytes for one-byte formats (fp8, MXFP4's codes), which not
+    every backend sends as such; the tensor itself otherwise."""
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
 def start_weight_shipping(owned: tuple[torch.Tensor, ...], exchange: Exchange):
-    """Owner -> helper: start moving the shipped experts' stacked tensors (each of `owned`, in order);
-    returns (foreign tensors, one per owned one, works)."""
+    """Owner -> helper: start moving the shipped experts' stacked tensors (each of `owned`, in order;
+    a frozen base's too, in its stored format); returns (foreign tensors, one per owned one, works)."""
     foreign = [w.new_empty((len(exchange.receive), *w.shape[1:])) for w in owned]
-    works = point_to_point([(w.detach()[local], helper) for local, helper in exchange.ship for w in owned],
-                           [(w[i], owner) for i, (_, owner) in enumerate(exchange.receive) for w in foreign],
+    works = point_to_point([(_wire(w.detach()[local]), helper) for local, helper in exchange.ship for w in owned],
+                           [(_wire(w[i]), owner) for i, (_, owner) in enumerate(exchange.receive) for w in foreign],
                            exchange.p2p_group)
     return foreign, works
 
 
 def start_gradient_return(foreign_grads: list[torch.Tensor], owned: tuple[torch.Tensor, ...],
                           exchange: Exchange):
-    """Helper -> owner: start returning the foreign experts' weight gradients; returns (buffers, works)."""
-    returned = [w.new_empty((len(exchange.ship), *w.shape[1:])) for w in owned]
+    """Helper -> owner: start returning the foreign experts' gradients, those of the owned tensors that
+    train (`foreign_grads`: one per such tensor, in order); returns (buffers, works)."""
+    returned = [w.new_empty((len(exchange.ship), *w.shape[1:])) for w in owned if w.requires_grad]
     works = point_to_point([(g[i], owner) for i, (_, owner) in enumerate(exchange.receive) for g in foreign_grads],
                            [(g[j], helper) for j, (_, helper) in enumerate(exchange.ship) for g in returned],
                            exchange.p2p_group)
@@ -173,12 +180,12 @@ def start_gradient_return(foreign_grads: list[torch.Tensor], owned: tuple[torch.
 
 
 def finish_gradient_return(owned: tuple[torch.Tensor, ...], exchange: Exchange, returned, works) -> None:
-    """Wait for the returned gradients and add them to the owned experts' gradients."""
+    """Wait for the returned gradients and add them to the gradients of the owned tensors that train."""
     for work in works:
         work.wait()
-    if exchange.ship:
+    if exchange.ship and returned:
         local = device_ints([index for index, _ in exchange.ship], returned[0].device)
-        for param, grad in zip(owned, returned):
+        for param, grad in zip([w for w in owned if w.requires_grad], returned):
             add_to_grad(param, local, grad)
 
 

@@ -30,11 +30,12 @@ from mop.parallel.views import GlobalViews
 RowSource = Callable[[str, torch.Size, int, int], torch.Tensor]
 
 
-def materialize(model: MoETransformer, layout: DistLayout | None, device: torch.device, seed: int,
-                std: float, initialise: bool = True) -> GlobalViews:
-    """Allocate `model`'s local tensors on `device` and initialise them (see the module docstring);
-    returns the model's global views. `initialise=False` only zeroes the padding rows: the caller
-    writes the real rows (the host optimizer's masters, then copied to the weights)."""
+def materialize(model: MoETransformer, layout: DistLayout | None, device: torch.device,
+                rows: RowSource | None) -> GlobalViews:
+    """Allocate `model`'s local tensors on `device` and write their rows from `rows` (see the module
+    docstring: the initial values, `initial_values`); returns the model's global views. `rows=None`
+    only zeroes the padding rows: the caller writes the real rows (the host optimizer's masters,
+    then copied to the weights)."""
     model.to_empty(device=device)
     model.tie_weights()  # `to_empty` replaces plain parameters one module at a time
     model.reset_buffers()
@@ -43,8 +44,8 @@ def materialize(model: MoETransformer, layout: DistLayout | None, device: torch.
         for param in model.parameters():
             padding = param.to_local() if hasattr(param, "to_local") else param
             padding[views.local(param).shape[0]:].zero_()
-    if initialise:
-        write_weights(model, views, initial_values(seed, std))
+    if rows is not None:
+        write_weights(model, views, rows)
     return views
 
 

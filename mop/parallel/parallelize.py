@@ -50,8 +50,16 @@ from mop.parallel.placement import placements
 from mop.parallel.ulysses import apply_sequence_parallel
 from mop.parallel.vocab import apply_vocab_parallel
 
+
 def compute_dtype(config: Config) -> torch.dtype:
     return torch.bfloat16 if config.train.dtype == "bfloat16" else torch.float32
+
+
+def gather_dtype(config: Config) -> torch.dtype | None:
+    """The dtype FSDP2 gathers parameters in: the compute dtype, or each parameter's own under LoRA,
+    whose frozen base is stored in the compute dtype or a published format that must reach the
+    GEMM's dequantization as stored (and whose adapters autocast casts)."""
+    return None if config.adapters is not None else compute_dtype(config)
 
 
 def apply_memory_options(model: MoETransformer, config: Config, device: torch.device) -> None:
@@ -66,12 +74,12 @@ def parallelize(model: MoETransformer, layout: DistLayout, config: Config) -> Mo
         apply_sequence_parallel(model, layout.sequence_group, p.attention_head_chunks)
     if layout.layout.expert > 1:
         options = BalanceOptions(p.expert_balance, p.llep_gate, p.llep_alpha, p.llep_min_chunk, p.llep_chunks)
-        shard_experts(model, layout, options, compute_dtype(config))
+        shard_experts(model, layout, options, gather_dtype(config))
     if layout.layout.vocab > 1:
         apply_vocab_parallel(model, layout, p.vocab_token_block)
     apply_memory_options(model, config, layout.device)
     shape = layout.layout
-    record = placements(config.model, shape.world, shape.expert, shape.vocab)
+    record = placements(config.model, shape.world, shape.expert, shape.vocab, config.adapters)
     outside = {p for name, p in model.named_parameters() if not record[canonical_name(name)].fsdp_group}
-    shard_dense(model, layout, compute_dtype(config), ignored=outside)  # the ring's shard stays out of FSDP2
+    shard_dense(model, layout, gather_dtype(config), ignored=outside)  # the ring's shard stays out of FSDP2
     return model

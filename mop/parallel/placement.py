@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from mop.models.config import ModelConfig
+from mop.models.lora import LoraConfig
 from mop.models.transformer import MoETransformer
 
 
@@ -68,16 +69,19 @@ class Placement:
         return math.prod(self.shape[1:])
 
 
-def placements(model: ModelConfig, world: int, expert: int = 1, vocab: int = 1) -> dict[str, Placement]:
+def placements(model: ModelConfig, world: int, expert: int = 1, vocab: int = 1,
+               lora: LoraConfig | None = None) -> dict[str, Placement]:
     """Every parameter's placement on `world` ranks with expert groups of `expert` ranks and
-    vocabulary groups of `vocab` ranks (1 without the ring)."""
-    return dict(_placements(model, world, expert, vocab))
+    vocabulary groups of `vocab` ranks (1 without the ring); with `lora`, those of the adapted model
+    (a routed expert's adapters and stored tensors are placed as its weights are)."""
+    return dict(_placements(model, world, expert, vocab, lora))
 
 
 @functools.lru_cache(maxsize=256)
-def _placements(model: ModelConfig, world: int, expert: int, vocab: int) -> tuple[tuple[str, Placement], ...]:
+def _placements(model: ModelConfig, world: int, expert: int, vocab: int,
+                lora: LoraConfig | None) -> tuple[tuple[str, Placement], ...]:
     out = []
-    for name, shape in _parameter_shapes(model):
+    for name, shape in _parameter_shapes(model, lora):
         if ".experts." in name and expert > 1:
             replicas = world // expert
             place = Placement("expert", shape, expert, "expert_replica", replicas, 1,
@@ -109,8 +113,8 @@ def _all_reduce(ranks: int) -> str:
 
 
 @functools.lru_cache(maxsize=16)
-def _parameter_shapes(model: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
+def _parameter_shapes(model: ModelConfig, lora: LoraConfig | None = None) -> tuple[tuple[str, tuple[int, ...]], ...]:
     """(name, shape) of every parameter of the model built on the meta device (no memory, any size)."""
     with torch.device("meta"):
-        full = MoETransformer(model)
+        full = MoETransformer(model, lora)
     return tuple((name, tuple(param.shape)) for name, param in full.named_parameters())

@@ -54,7 +54,7 @@ class GlobalViews:
         self._place: dict[int, _Placement] = {}
         self._cpu_meshes: dict[int, DeviceMesh] = {}
         shape = layout.layout if layout is not None else None
-        record = placements(model.cfg, shape.world, shape.expert, shape.vocab) if shape is not None else {}
+        record = placements(model.cfg, shape.world, shape.expert, shape.vocab, model.lora) if shape is not None else {}
         expert_mesh = None
         for param in model.parameters():
             place = record.get(self.names[id(param)])

@@ -152,7 +152,9 @@ class _RingCrossEntropy(torch.autograd.Function):
         # compute dtype, as the reference's matmul is).
         grad_hidden = torch.zeros_like(hidden, dtype=torch.float32)
         compute_hidden, shard = hidden.to(ctx.dtype), weight.detach().to(ctx.dtype)
-        shard_grad = torch.zeros_like(weight, dtype=torch.float32)
+        # A frozen projection (LoRA's base) gets no gradient: no buffer travels with its shards.
+        trains = ctx.needs_input_grad[1]
+        shard_grad = torch.zeros_like(weight, dtype=torch.float32) if trains else None
         for step in range(ring.size):
             now = _ring_step(ring, step, shard, labels)
             for block in now.blocks:
@@ -164,18 +166,19 @@ class _RingCrossEntropy(torch.autograd.Function):
                 d_logits.scatter_add_(1, now.local[block].clamp(0, rows - 1).unsqueeze(1),
                                       -(valid[block] * in_shard).unsqueeze(1))
                 grad_hidden[block] += d_logits.to(ctx.dtype) @ shard
-                shard_grad.addmm_(d_logits.t(), compute_hidden[block].float())
+                if trains:
+                    shard_grad.addmm_(d_logits.t(), compute_hidden[block].float())
                 del d_logits
             # Done with this shard: drop it before the gradient hop so that only the incoming
             # shard, the gradient and the incoming gradient are in flight.
             del shard
             # The gradient buffer follows its shard; the last hop brings it home to its owner.
-            (shard_grad,), grad_works = ring.shift([shard_grad])
+            (shard_grad,), grad_works = ring.shift([shard_grad]) if trains else ((None,), [])
             _wait(now.works + grad_works)
             shard = now.incoming[0] if now.incoming is not None else None
-        if ring.replica_group is not None:
+        if trains and ring.replica_group is not None:
             dist.all_reduce(shard_grad, group=ring.replica_group)
-        return grad_hidden.to(hidden.dtype), shard_grad.to(weight.dtype), None, None
+        return grad_hidden.to(hidden.dtype), shard_grad.to(weight.dtype) if trains else None, None, None
 
 
 def default_token_block(shard_rows: int) -> int:
@@ -193,7 +196,8 @@ class VocabParallelHead(nn.Module):
         shard = layout.layout.vocab_shard(layout.rank)
         rows = math.ceil(vocab / size)
         padded = F.pad(head.weight.detach(), (0, 0, 0, rows * size - vocab))
-        self.weight = nn.Parameter(padded[shard * rows:(shard + 1) * rows].clone())
+        self.weight = nn.Parameter(padded[shard * rows:(shard + 1) * rows].clone(),
+                                   requires_grad=head.weight.requires_grad)
         replicas = layout.vocab_replica_group if layout.layout.vocab_replicas > 1 else None
         self.ring = Ring(layout.vocab_group, replicas, shard, size, vocab, token_block or default_token_block(rows),
                          z_loss)
