@@ -101,4 +101,17 @@ def failed_launch(failures: dict) -> tuple[int, str | None]:
         return first.exitcode, f"mop: error: {recorded_error(first, ONE_LINE_ERRORS)}"
     if {f.exitcode for f in causes.values()} == {NothingToTrain.exit_code}:
         return NothingToTrain.exit_code, None
-    return 1, f"mop: error: {launch_failure(failures)}"
+    # a failure that is no user error is a bug: its traceback is what says where (the launcher's
+    # loggers, which would print it, are cut off above)
+    return 1, "".join(rank_tracebacks(causes)) + f"mop: error: {launch_failure(failures)}"
+
+
+def rank_tracebacks(causes: dict) -> list[str]:
+    """The tracebacks the failed ranks recorded (torch elastic's error files), each under its rank."""
+    out = []
+    for rank, failure in sorted(causes.items()):
+        recorded = failure.message if isinstance(failure.message, dict) else {}
+        stack = recorded.get("extraInfo", {}).get("py_callstack")
+        if stack:
+            out.append(f"[rank {rank}] {stack.rstrip()}\n")
+    return out

@@ -1,7 +1,8 @@
 """The run directory: where metrics, TensorBoard files, plots and (by default) checkpoints go.
 
 Rank 0 chooses it (`log.run_dir`, or `runs/<UTC time>`) and never mixes two runs in it (see
-`resolve_run_dir`); every rank learns rank 0's answer (or its error).
+`resolve_run_dir`), nor writes into a Hugging Face model's directory; every rank learns rank 0's
+answer (or its error).
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ def resolve_run_dir(config: Config) -> Path:
     directory (or resumes another directory's) moves this directory's earlier files aside first.
     """
     run_dir = Path(config.log.run_dir or Path("runs") / datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S"))
+    if holds_a_model(run_dir):  # the run's config.json would overwrite the model's
+        raise ConfigError("log.run_dir", f"{run_dir} holds a Hugging Face model (config.json, safetensors); the run "
+                          "would overwrite its config.json: choose another directory")
     checkpoints = checkpoint.checkpoint_dir(config, run_dir)
     has_metrics = (run_dir / "metrics.jsonl").exists()
     held = has_metrics or bool(checkpoint.complete_checkpoints(checkpoints))
@@ -43,6 +47,12 @@ def resolve_run_dir(config: Config) -> Path:
         aside = _move_aside(run_dir, checkpoints)
         print(f"mop: the earlier run in {run_dir} was moved to {aside}")
     return writable(run_dir, checkpoints)
+
+
+def holds_a_model(directory: Path) -> bool:
+    """Whether `directory` is a Hugging Face model's (a LoRA run's base, an export): safetensors files
+    beside a config.json."""
+    return (directory / "config.json").is_file() and any(directory.glob("*.safetensors"))
 
 
 def writable(run_dir: Path, checkpoints: Path) -> Path:

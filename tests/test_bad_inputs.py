@@ -17,7 +17,9 @@ Covered, one table row each:
 - evaluation: held-out splits too small or leaving nothing to train on, a missing or too small
   eval.source;
 - directory: log.run_dir / checkpoint.dir that cannot be written or already hold a run;
-- plan: an unknown model, a bad model description (TOML or config.json), a bad cluster or context.
+- plan: an unknown model, a bad model description (TOML or config.json), a bad cluster or context;
+- adapters: LoRA settings out of range, targets that match nothing, a base that is no model or
+  another model, settings that cannot carry LoRA, resuming across full and LoRA runs or on another base.
 
 Every case runs the real command line. Errors found before any rank starts run in-process
 (`mop.cli.main`, stderr read with `capfd`) in well under a second; those raised inside a rank
@@ -75,6 +77,14 @@ def exported(tmp_path_factory, saved_step) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def lora_step(tmp_path_factory) -> Path:
+    """A LoRA checkpoint of the tiny reference model after 2 steps, over its own initial weights."""
+    run_dir = tmp_path_factory.mktemp("lora") / "run"
+    assert main(["train", *TINY, *LORA, "--train.steps=2", f"--log.run_dir={run_dir}"]) == 0
+    return run_dir / "checkpoints/step_2"
+
+
 class Scene:
     """What one case builds on: its own directory, and on demand copies of the module's checkpoint
     and HF export."""
@@ -104,6 +114,11 @@ class Scene:
     def step(self) -> Path:
         """A copy of the module's checkpoint, free to damage."""
         return Path(shutil.copytree(self._request.getfixturevalue("saved_step"), self.path("step_2")))
+
+    @cached_property
+    def lora_step(self) -> Path:
+        """The module's LoRA checkpoint (read only)."""
+        return self._request.getfixturevalue("lora_step")
 
     @cached_property
     def hf(self) -> Path:
@@ -487,7 +502,37 @@ PLAN = [
     case("plan-config-json-broken", lambda s: plan_of(s, "config.json", "{not json"), "config.json"),
 ]
 
-CASES = CONFIG + DATA + EVALUATION + TOKENIZER + CHECKPOINT + CONVERT + DIRECTORY + PLAN
+LORA = ["--train.finetune=lora", "--lora.rank=2"]
+ADAPTERS = [
+    case("lora-rank-zero", lambda s: s.train(*LORA, "--lora.rank=0"), "lora.rank", ">= 1"),
+    case("lora-target-matching-nothing", lambda s: s.train(*LORA, "--lora.targets=attention,qq_proj"),
+         "lora.targets", "qq_proj"),
+    case("lora-router-target", lambda s: s.train(*LORA, "--lora.targets=attention,router"), "lora.targets",
+         "router"),
+    case("lora-no-targets", lambda s: s.train(*LORA, "--lora.targets=,"), "lora.targets"),
+    case("lora-dropout-out-of-range", lambda s: s.train(*LORA, "--lora.dropout=1.5"), "lora.dropout"),
+    case("lora-unknown-base-format", lambda s: s.train(*LORA, "--lora.base_format=fp9"), "lora.base_format", "fp8"),
+    case("lora-base-not-a-model", lambda s: s.train(*LORA, f"--lora.base={s.path('nowhere')}"), "lora.base",
+         "nowhere"),
+    case("lora-base-of-another-model", lambda s: s.train(*LORA, f"--lora.base={s.hf}", "--model.hidden=64"),
+         "model.hidden", "hf"),
+    case("lora-with-fsdp2-cpu-offload", lambda s: s.train(*LORA, "--parallel.strategy=fsdp2",
+                                                          "--parallel.fsdp_cpu_offload=true"),
+         "parallel.fsdp_cpu_offload"),
+    case("lora-resuming-a-full-checkpoint", lambda s: s.train(*LORA, f"--checkpoint.resume={s.step}"),
+         "checkpoint.resume", "LoRA"),
+    case("full-run-resuming-a-lora-checkpoint", lambda s: s.train(f"--checkpoint.resume={s.lora_step}"),
+         "train.finetune", "mop convert merge"),
+    case("lora-resuming-on-another-base", lambda s: s.train(*LORA, f"--lora.base={s.hf}",
+                                                            f"--checkpoint.resume={s.lora_step}"),
+         "lora.base", "initial weights"),
+    case("run-dir-holding-a-model", lambda s: s.train(*LORA, f"--lora.base={s.hf}", f"--log.run_dir={s.hf}"),
+         "log.run_dir", "Hugging Face model"),
+    case("lora-resuming-with-another-rank", lambda s: s.train(*LORA, "--lora.rank=4",
+                                                              f"--checkpoint.resume={s.lora_step}"), "lora.rank"),
+]
+
+CASES = CONFIG + DATA + EVALUATION + TOKENIZER + CHECKPOINT + CONVERT + DIRECTORY + PLAN + ADAPTERS
 
 
 def run_cli(argv: list[str]) -> int:

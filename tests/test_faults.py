@@ -258,3 +258,13 @@ def test_a_rank_killed_by_a_signal_is_named_with_the_likely_cause():
     assert launch_failure({1: failure(1), 0: failure(4)}) == "rank(s) 1 failed; their tracebacks are above"
     assert launch_failure({1: failure(4), 0: failure(4)}).startswith("the ranks lost their connections")
     assert failed_launch({0: failure(1), 1: failure(-signal.SIGKILL)})[0] == 1
+
+
+def test_a_rank_failing_on_a_bug_shows_its_traceback_above_the_line():
+    """A failure that is no user error is a bug: the traceback the rank recorded is printed, under
+    its rank, above the one line that points at it (the launcher's own loggers are cut off)."""
+    stack = 'Traceback (most recent call last):\n  File "mop/build.py", line 1\nTypeError: boom\n'
+    bug = failure(1, {"message": "TypeError: boom", "extraInfo": {"py_callstack": stack, "timestamp": "0"}})
+    code, text = failed_launch({0: bug, 1: failure(128 + signal.SIGTERM)})
+    assert code == 1
+    assert text == f"[rank 0] {stack}mop: error: rank(s) 0 failed; their tracebacks are above"

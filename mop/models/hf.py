@@ -183,12 +183,12 @@ class HFWeights:
         for piece in self.pieces[entry.weight]:
             handle = self.tensors[piece.key][0]
             if piece.index == ():
-                part = self.quantized.stored(handle, piece.key, entry.companion, slice(first, first + count))
+                part = self.quantized.published_rows(handle, piece.key, entry.companion, slice(first, first + count))
                 if part is None:
                     return None
                 out.copy_(part)
             elif first <= piece.index[0] < first + count:
-                part = self.quantized.stored(handle, piece.key, entry.companion)
+                part = self.quantized.published_rows(handle, piece.key, entry.companion)
                 if part is None:
                     return None
                 out[(piece.index[0] - first, *_stored_index(entry, piece.index[1:]))] = part

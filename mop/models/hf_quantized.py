@@ -54,8 +54,8 @@ class Unquantized:
         part = handle.get_slice(key)
         return part[:] if first is None else part[first:first + count]
 
-    def stored(self, handle, key: str, companion: int, rows: slice = slice(None)) -> torch.Tensor | None:
-        """None: no weight is published quantized (`_Companions.stored`)."""
+    def published_rows(self, handle, key: str, companion: int, rows: slice = slice(None)) -> torch.Tensor | None:
+        """None: no weight is published quantized (`_Companions.published_rows`)."""
         return None
 
 
@@ -93,7 +93,7 @@ class _Companions(Unquantized):
             if self.stored:  # the weight is known by its model name from now on
                 tensors[weight] = tensors.pop(weight + self.stored)
 
-    def stored(self, handle, key: str, companion: int, rows: slice = slice(None)) -> torch.Tensor | None:
+    def published_rows(self, handle, key: str, companion: int, rows: slice = slice(None)) -> torch.Tensor | None:
         """Rows of weight `key`'s stored data (`companion` 0) or scales (1) as published, without
         dequantizing them; None for a weight published unquantized."""
         if key not in self.companions:
