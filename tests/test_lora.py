@@ -10,6 +10,8 @@ import json
 
 import pytest
 import torch
+from test_hf import HF_CASES, batch, randomize, shifted
+from test_train import TINY, losses
 
 from mop.cli import main
 from mop.metrics import read_metrics
@@ -20,8 +22,6 @@ from mop.models.lora import LoraConfig, stored_tensors
 from mop.models.moe import swiglu_projected
 from mop.models.projections import Adapted, Dense, Dequantized
 from mop.models.transformer import IGNORE_INDEX, build_model
-from test_hf import HF_CASES, SEQ, batch, randomize, shifted
-from test_train import TINY, losses
 
 transformers = pytest.importorskip("transformers")
 
@@ -251,10 +251,9 @@ def published_pair(tmp_path, family: str):
     """A tiny HF model of `family` as it is published (deepseek_v3: fp8 blocks of 16 x 8 over expert
     rows of 24, so parts end in partial blocks; gpt_oss: MXFP4 experts) and a copy holding what the
     tests' own quantizer dequantizes it to."""
-    from safetensors.torch import load_file, save_file
-
     import test_deepseek_v3
     import test_gpt_oss
+    from safetensors.torch import load_file, save_file
 
     if family == "deepseek_v3":
         hf = test_deepseek_v3.random_hf_model(test_deepseek_v3.hf_config(vocab_size=300, moe_intermediate_size=24))
