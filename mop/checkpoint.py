@@ -15,7 +15,9 @@ Content of one checkpoint (a directory `step_<N>`, N = optimizer steps completed
   and a merge check;
 - `tokenizer/` (written by rank 0): the Hugging Face files of that tokenizer (`hf_files()`: for the
   byte tokenizer its exact HF equivalent), so that `mop convert to-hf` is self-contained and a
-  run can name the checkpoint's own copy as `data.tokenizer`.
+  run can name the checkpoint's own copy as `data.tokenizer`;
+- `peft/` (a LoRA run's, written by rank 0 from the saved shards): the adapters in PEFT's layout
+  (`mop.models.peft`), which `PeftModel.from_pretrained` and the serving engines load onto the base.
 A Hugging Face import (`save_hf_import`) is a `mop.json` and a `tokenizer/` alone, naming the HF
 directory whose safetensors each rank reads its own rows from when it loads.
 
@@ -61,6 +63,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from mop.config import Config, ConfigError
 from mop.data.tokenizer import AnyTokenizer, describe
 from mop.models.hf import HFWeights
+from mop.models.peft import save_peft
+from mop.models.transformer import MoETransformer
 from mop.optim.optimizer import Optimizer
 from mop.parallel.checkpointing import canonical_name
 from mop.parallel.materialize import write_weights
@@ -71,6 +75,7 @@ META_KEYS = {"step", "data", "config", "has_optimizer"}  # what every mop.json h
 DCP_METADATA = ".metadata"  # DCP's index of the shard files, written last by the coordinator
 PARTIAL = ".partial"
 TOKENIZER = "tokenizer"
+PEFT = "peft"
 
 
 def _state(model, optimizer: Optimizer | None, views: GlobalViews, with_optimizer: bool) -> dict:
@@ -143,6 +148,8 @@ def _save(directory: Path, step: int, model, optimizer: Optimizer, views: Global
     if main:
         meta = {"step": step, "data": data_state, "config": asdict(config), "has_optimizer": True,
                 "tokenizer": _write_tokenizer(partial, tokenizer), **({"lora_base": base} if base else {})}
+        if base:
+            _write_peft(partial, meta, config)
         (partial / META).write_text(json.dumps(meta, indent=1))
         if final.exists():  # a complete checkpoint of this step from an earlier attempt: replace it
             shutil.rmtree(final)
@@ -169,6 +176,16 @@ def save_hf_import(path: Path, hf_dir: Path, fingerprint: dict[str, str], config
     partial.rename(path)
 
 
+def _write_peft(directory: Path, meta: dict, config: Config) -> None:
+    """A LoRA checkpoint's adapters in PEFT's layout, in `directory/peft` (`mop.models.peft`), read
+    back from the shards just saved, in the dtype the run computes in."""
+    with torch.device("meta"):
+        model = MoETransformer(config.model, config.adapters)
+    shapes = {name: p.shape for name, p in model.named_parameters() if p.requires_grad}
+    dtype = torch.bfloat16 if config.train.dtype == "bfloat16" else torch.float32
+    save_peft(directory / PEFT, config.model, config.adapters, read_tensors(directory, meta, shapes, set()), dtype)
+
+
 def _write_tokenizer(directory: Path, tokenizer: AnyTokenizer) -> dict:
     """Write the tokenizer's Hugging Face files into `directory/tokenizer`; returns its record."""
     (directory / TOKENIZER).mkdir()
@@ -178,10 +195,10 @@ def _write_tokenizer(directory: Path, tokenizer: AnyTokenizer) -> dict:
 
 
 @contextmanager
-def _quiet_if_single_process():
+def _quiet_if_single_process(alone: bool = False):
     """DCP warns on every single-process save/load that it assumes one process: that is the intent here."""
     with warnings.catch_warnings():
-        if not dist.is_initialized():
+        if alone or not dist.is_initialized():
             warnings.filterwarnings("ignore", message="torch.distributed is .*uninitialized")
         yield
 
@@ -297,17 +314,18 @@ def read_tensors(path: Path, meta: dict, shapes: dict[str, torch.Size], buffers:
     state = {"model": {n: t for n, t in out.items() if n not in buffers}}
     if buffers & out.keys():
         state["buffers"] = {n: t for n, t in out.items() if n in buffers}
-    _dcp_load(path, state)
+    _dcp_load(path, state, alone=True)
     return out
 
 
-def _dcp_load(path: Path, state: dict) -> None:
-    """DCP reads `state`'s tensors (those it names, no others) from checkpoint `path`, in place."""
+def _dcp_load(path: Path, state: dict, alone: bool = False) -> None:
+    """DCP reads `state`'s tensors (those it names, no others) from checkpoint `path`, in place;
+    with every rank of a run, or `alone` (one rank of it reading for itself, without collectives)."""
     if not (path / DCP_METADATA).is_file():  # else DCP logs two tracebacks of its fallbacks before failing
         raise damaged(path, FileNotFoundError(f"no {DCP_METADATA}, the index of its shards"))
     try:
-        with _quiet_if_single_process():
-            dcp.load(state, storage_reader=FileSystemReader(path), no_dist=not dist.is_initialized())
+        with _quiet_if_single_process(alone):
+            dcp.load(state, storage_reader=FileSystemReader(path), no_dist=alone or not dist.is_initialized())
     except (Exception, CheckpointException) as err:  # DCP's own exception is a BaseException
         raise damaged(path, err) from None
 

@@ -18,7 +18,19 @@
   the directory (every tensor config.json implies, of the shape it implies) and copies no
   weights: when the run loads it, each rank reads only its own shards' rows from the
   safetensors files, so HF_DIR must stay where it is.
-`to-hf` runs in one process and holds the whole model in host memory.
+- `to-peft CHECKPOINT OUT`: a LoRA checkpoint's adapters in PEFT's layout (`mop.models.peft`):
+  `adapter_config.json` and `adapter_model.safetensors` that `PeftModel.from_pretrained` loads onto
+  the base's transformers model, for serving (vLLM and SGLang load the same files); every LoRA
+  checkpoint also holds them, in `peft/`, written when it is saved.
+- `merge CHECKPOINT OUT`: the base with the adapters merged in (`W + alpha/r B A`, in fp32) as a
+  Hugging Face directory, written file by file like `to-hf`: in bf16 or fp32 (`--dtype`), or
+  `--dtype=published`, each tensor as the base publishes it (re-quantized to its format, fp8
+  blocks or MXFP4 experts, under its own tensor names; the others in its dtypes). The base is
+  the one the checkpoint trained on (`lora_base`): its directory, checked by fingerprint, or
+  `--base` for a copy of it elsewhere (a base of another fingerprint is refused), or its run's
+  initial weights.
+`to-hf` and `merge` run in one process and hold one output file's tensors (and the whole
+parameters spanning it) at a time, never the model.
 """
 
 from __future__ import annotations
@@ -26,18 +38,24 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from mop import checkpoint
+from mop.adapters import describe_base
 from mop.config import Config, ConfigError, DataConfig
 from mop.data.tokenizer import COMPANION_FILES, AnyTokenizer, load_tokenizer
 from mop.models.config import ModelConfig
 from mop.models.families import FAMILIES
-from mop.models.hf import MAX_SHARD_BYTES, HFConversionError, HFWeights, model_types, write_hf
+from mop.models.hf import MAX_SHARD_BYTES, HFConversionError, HFWeights, AsPublished, model_types, write_hf
+from mop.models.lora import LoraConfig, adapted_weights
+from mop.models.lora import merged as lora_merged
+from mop.models.peft import save_peft
 from mop.models.transformer import MoETransformer
+from mop.parallel.materialize import initial_values
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 GENERATION_CONFIG = "generation_config.json"
@@ -52,6 +70,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="family to write as (default: the checkpoint's model.family)")
     to_hf.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                        help="dtype of the written weights (default: the train.dtype the checkpoint was trained in)")
+    to_peft = directions.add_parser("to-peft", help="export a LoRA checkpoint's adapters in PEFT's layout")
+    to_peft.add_argument("checkpoint", type=Path, help="a step_<N> directory of a LoRA run")
+    to_peft.add_argument("out", type=Path, help="the adapter directory to write")
+    to_peft.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="dtype of the adapters")
+    merge = directions.add_parser("merge", help="merge a LoRA checkpoint's adapters into its base, as a Hugging "
+                                  "Face model directory")
+    merge.add_argument("checkpoint", type=Path, help="a step_<N> directory of a LoRA run")
+    merge.add_argument("out", type=Path, help="the Hugging Face directory to write")
+    merge.add_argument("--dtype", choices=[*sorted(DTYPES), "published"], default="bfloat16",
+                       help="bfloat16 or float32, or 'published': each tensor as the base publishes it")
+    merge.add_argument("--base", type=Path, default=None,
+                       help="the base's directory, if it moved (its fingerprint must be the recorded one)")
     from_hf = directions.add_parser("from-hf", help="import a Hugging Face model directory as a mop checkpoint")
     from_hf.add_argument("hf_dir", type=Path, help="a Hugging Face directory (config.json + safetensors) of model_type "
                          f"{', '.join(model_types())}")
@@ -67,8 +97,80 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args) -> None:
     if args.direction == "to-hf":
         export(args.checkpoint, args.out, args.model_type, args.dtype)
+    elif args.direction == "to-peft":
+        export_adapters(args.checkpoint, args.out, DTYPES[args.dtype])
+    elif args.direction == "merge":
+        merge(args.checkpoint, args.out, args.dtype, args.base)
     else:
         import_hf(args.hf_dir, args.checkpoint, args.tokenizer, args.eos_token)
+
+
+def lora_checkpoint(path: Path) -> tuple[dict, ModelConfig, LoraConfig]:
+    """The meta, model and LoRA settings of a LoRA checkpoint, or one line saying it is none."""
+    if not (path / checkpoint.META).is_file():
+        raise ConfigError(str(path), f"is not a complete mop checkpoint (no {checkpoint.META}); "
+                          "pass a step_<N> directory")
+    meta = checkpoint.read_meta(path)
+    if "lora_base" not in meta:
+        raise ConfigError(str(path), "is not a LoRA checkpoint (it holds the whole model: export it with to-hf)")
+    return meta, ModelConfig(**meta["config"]["model"]), LoraConfig(**meta["config"]["lora"])
+
+
+def export_adapters(path: Path, out: Path, dtype: torch.dtype) -> None:
+    """A LoRA checkpoint's adapters as a PEFT adapter directory `out` (module docstring)."""
+    meta, cfg, lora = lora_checkpoint(path)
+    make_directory(out, out)
+    save_peft(out, cfg, lora, read_adapters(path, meta, cfg, lora), dtype)
+    print(f"mop: wrote {out} from {path}")
+
+
+def read_adapters(path: Path, meta: dict, cfg: ModelConfig, lora: LoraConfig) -> dict[str, torch.Tensor]:
+    """Every adapter of a LoRA checkpoint, whole, in fp32."""
+    with torch.device("meta"):
+        model = MoETransformer(cfg, lora)
+    shapes = {name: p.shape for name, p in model.named_parameters() if p.requires_grad}
+    return checkpoint.read_tensors(path, meta, shapes, set())
+
+
+def merge(path: Path, out: Path, dtype: str, base_dir: Path | None) -> None:
+    """The checkpoint's base with its adapters merged in, as a HF directory `out` (module docstring)."""
+    meta, cfg, lora = lora_checkpoint(path)
+    recorded = meta["lora_base"]
+    if base_dir is None and recorded["kind"] == "hf":
+        base_dir = Path(recorded["path"])
+    if dtype == "published" and base_dir is None:
+        raise ConfigError("--dtype", f"{path}'s base is its run's initial weights, which have no published format; "
+                          "pass --dtype=bfloat16 or float32")
+    with torch.device("meta"):
+        adapted = MoETransformer(cfg, lora)
+        plain = MoETransformer(cfg)
+    updates, adapters = adapted_weights(adapted), read_adapters(path, meta, cfg, lora)
+    shapes = {name: tensor.shape for name, tensor in plain.state_dict().items()}
+    buffers = set(checkpoint.named_buffers(plain))
+    with (HFWeights(base_dir) if base_dir is not None else nullcontext()) as base:
+        if base is not None and (recorded["kind"] != "hf" or base.fingerprint() != recorded["fingerprint"]):
+            raise ConfigError("--base", f"{base_dir} is not the base {path} trained on ({describe_base(recorded)}); "
+                              "merge onto that one")
+        rows = base.rows if base is not None else initial_values(recorded["seed"], recorded["init_std"])
+        saved_buffers = checkpoint.read_tensors(path, meta, {n: shapes[n] for n in buffers}, buffers) if buffers else {}
+
+        def read(names: list[str]) -> dict[str, torch.Tensor]:  # one output file's tensors at a time
+            tensors = {}
+            for name in names:
+                if name in saved_buffers:
+                    tensors[name] = saved_buffers[name]
+                    continue
+                weight = rows(name, shapes[name], 0, shapes[name][0])
+                update = updates.get(name)
+                tensors[name] = weight if update is None else lora_merged(
+                    weight, adapters[update.lora_a], adapters[update.lora_b], lora.scaling, update.transposed)
+            return tensors
+
+        make_directory(out, out)
+        token_ids = export_tokenizer(path, meta, out)
+        published = AsPublished(base) if dtype == "published" else None
+        write_hf(cfg, out, read, DTYPES.get(dtype, torch.bfloat16), None, MAX_SHARD_BYTES, token_ids, published)
+    print(f"mop: wrote {out}: the base with the adapters of {path} merged in")
 
 
 def export(path: Path, out: Path, model_type: str | None, dtype: str | None,
@@ -76,7 +178,8 @@ def export(path: Path, out: Path, model_type: str | None, dtype: str | None,
     """Checkpoint `path` as a HF folder `out`, written file by file: only one output file's tensors are read
     from the checkpoint at a time (`write_hf`), so no process holds the whole model."""
     if not (path / checkpoint.META).is_file():
-        raise ConfigError(str(path), f"is not a complete mop checkpoint (no {checkpoint.META}); pass a step_<N> directory")
+        raise ConfigError(str(path), f"is not a complete mop checkpoint (no {checkpoint.META}); "
+                          "pass a step_<N> directory")
     meta = checkpoint.read_meta(path)
     cfg = ModelConfig(**meta["config"]["model"])
     with torch.device("meta"):

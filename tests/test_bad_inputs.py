@@ -19,7 +19,9 @@ Covered, one table row each:
 - directory: log.run_dir / checkpoint.dir that cannot be written or already hold a run;
 - plan: an unknown model, a bad model description (TOML or config.json), a bad cluster or context;
 - adapters: LoRA settings out of range, targets that match nothing, a base that is no model or
-  another model, settings that cannot carry LoRA, resuming across full and LoRA runs or on another base.
+  another model, settings that cannot carry LoRA, resuming across full and LoRA runs or on another base,
+  exporting or merging what is no LoRA checkpoint, merging onto another base or as published
+  without a published base.
 
 Every case runs the real command line. Errors found before any rank starts run in-process
 (`mop.cli.main`, stderr read with `capfd`) in well under a second; those raised inside a rank
@@ -530,6 +532,17 @@ ADAPTERS = [
          "log.run_dir", "Hugging Face model"),
     case("lora-resuming-with-another-rank", lambda s: s.train(*LORA, "--lora.rank=4",
                                                               f"--checkpoint.resume={s.lora_step}"), "lora.rank"),
+    case("to-peft-of-a-full-checkpoint", lambda s: ["convert", "to-peft", str(s.step), str(s.path("adapter"))],
+         "step_2", "to-hf"),
+    case("merge-of-a-full-checkpoint", lambda s: ["convert", "merge", str(s.step), str(s.path("merged"))],
+         "step_2", "LoRA"),
+    case("merge-of-no-checkpoint", lambda s: ["convert", "merge", str(s.path("nowhere")), str(s.path("merged"))],
+         "nowhere", "step_<N>"),
+    case("merge-onto-another-base", lambda s: ["convert", "merge", str(s.lora_step), str(s.path("merged")),
+                                               f"--base={s.hf}"], "--base", "initial weights"),
+    case("merge-as-published-without-a-published-base",
+         lambda s: ["convert", "merge", str(s.lora_step), str(s.path("merged")), "--dtype=published"],
+         "--dtype", "bfloat16"),
 ]
 
 CASES = CONFIG + DATA + EVALUATION + TOKENIZER + CHECKPOINT + CONVERT + DIRECTORY + PLAN + ADAPTERS

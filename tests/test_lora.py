@@ -315,3 +315,77 @@ def test_lora_checkpoints_hold_the_adapters_and_resume_in_another_layout(tmp_pat
     resumed = run(tmp_path, "resumed", *LORA, f"--checkpoint.resume={step}", *EVERY_TECHNIQUE, "--parallel.nproc=2")
     assert [r["step"] for r in resumed] == [3, 4]
     assert_same_run(resumed, whole[3:])
+
+
+# ---------------------------------------------------------------- outputs for serving
+
+
+@pytest.fixture(scope="module")
+def trained_on_a_hf_base(tmp_path_factory):
+    """A LoRA run (2 ranks, every technique) over a tiny Qwen3-MoE HF directory: its base and last checkpoint."""
+    tmp = tmp_path_factory.mktemp("served")
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+        norm_topk_prob=True, mlp_only_layers=[0])
+    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    randomize(hf, 0, ".mlp.gate.weight")
+    hf.save_pretrained(tmp / "hf" / "base")
+    base_run(tmp, "run", f"--lora.base={tmp / 'hf' / 'base'}", *EVERY_TECHNIQUE, "--parallel.nproc=2")
+    return tmp / "hf" / "base", tmp / "run" / "checkpoints" / "step_4"
+
+
+def test_peft_loads_the_runs_adapters_onto_the_base_and_equals_the_merged_model(tmp_path, trained_on_a_hf_base):
+    """Every LoRA checkpoint holds its adapters in PEFT's layout (`peft/`, as `mop convert to-peft`
+    writes them); transformers' base model with them loaded by PEFT computes the logits of the
+    merged model `mop convert merge` writes (fp32, 1e-5), which transformers loads too."""
+    peft = pytest.importorskip("peft")
+    base, step = trained_on_a_hf_base
+    assert main(["convert", "to-peft", str(step), str(tmp_path / "adapter"), "--dtype=float32"]) == 0
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        assert (step / "peft" / name).read_bytes() == (tmp_path / "adapter" / name).read_bytes()
+    assert main(["convert", "merge", str(step), str(tmp_path / "merged"), "--dtype=float32"]) == 0
+    with_adapters = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(base, attn_implementation="eager"), step / "peft")
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", attn_implementation="eager")
+    ids = batch(2)
+    with torch.no_grad():
+        theirs, ours = with_adapters(input_ids=ids).logits, merged(input_ids=ids).logits
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+    untrained = transformers.AutoModelForCausalLM.from_pretrained(base, attn_implementation="eager")
+    with torch.no_grad():
+        assert (untrained(input_ids=ids).logits - ours).abs().max() > 1e-3  # the adapters trained
+
+
+@pytest.mark.parametrize("family, method", [("deepseek_v3", "fp8"), ("gpt_oss", "mxfp4")])
+def test_a_merge_is_requantized_to_the_published_format_of_its_base(tmp_path, family, method):
+    """`mop convert merge --dtype=published` writes the merged weights of an fp8- or MXFP4-published
+    base in its own layout (the same tensor names, dtypes and shapes, its quantization_config), each
+    quantized tensor the merged fp32 weight re-quantized; merging onto another base is refused."""
+    from safetensors import safe_open
+
+    from mop.models.formats import Fp8Blocks, Mxfp4
+
+    published, dequantized = published_pair(tmp_path, family)
+    base_run(tmp_path, "run", f"--lora.base={published}")
+    step = tmp_path / "run" / "checkpoints" / "step_4"
+    assert main(["convert", "merge", str(step), str(tmp_path / "ours"), "--dtype=published"]) == 0
+    assert main(["convert", "merge", str(step), str(tmp_path / "fp32"), "--dtype=float32"]) == 0
+    quantization = json.loads((published / "config.json").read_text())["quantization_config"]
+    fmt, suffixes = ((Fp8Blocks(tuple(quantization["weight_block_size"])), ("", "_scale_inv")) if method == "fp8"
+                     else (Mxfp4(), ("_blocks", "_scales")))
+    with safe_open(published / "model.safetensors", "pt") as theirs, \
+            safe_open(tmp_path / "ours" / "model.safetensors", "pt") as ours, \
+            safe_open(tmp_path / "fp32" / "model.safetensors", "pt") as exact:
+        assert set(ours.keys()) == set(theirs.keys())
+        for key in ours.keys():
+            assert (ours.get_slice(key).get_dtype(), ours.get_slice(key).get_shape()) == (
+                theirs.get_slice(key).get_dtype(), theirs.get_slice(key).get_shape()), key
+        quantized = [key for key in exact.keys() if key + suffixes[1] in theirs.keys()]
+        assert quantized
+        for key in quantized:
+            for suffix, expected in zip(suffixes, fmt.quantize(exact.get_tensor(key))):
+                assert torch.equal(ours.get_tensor(key + suffix).view(torch.uint8), expected.view(torch.uint8)), key
+    config = json.loads((tmp_path / "ours" / "config.json").read_text())
+    assert config["quantization_config"] == quantization
+    assert main(["convert", "merge", str(step), str(tmp_path / "other"), f"--base={dequantized}"]) == 2

@@ -32,6 +32,10 @@ FP8_MAX = 448.0
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 MX_GROUP = 32
 SLAB = 1 << 26  # elements dequantized at once along the leading dimension (fp32 temporaries of 256 MiB)
+# MXFP4's bytes live in the model as float8_e4m3fn, bit for bit: FSDP2 (torch 2.11) makes each
+# sharded tensor a Parameter that could require a gradient, which no integer dtype may; every copy
+# between tensors of one dtype keeps the bits, and decoding views them back as uint8.
+BYTE_CARRIER = torch.float8_e4m3fn
 
 
 def _slabs(count: int, per_item: int):
@@ -54,6 +58,9 @@ class Fp8Blocks:
 
     def stored_dtypes(self) -> tuple[torch.dtype, ...]:
         return torch.float8_e4m3fn, torch.float32
+
+    def published_dtypes(self) -> tuple[torch.dtype, ...]:
+        return self.stored_dtypes()
 
     def _parts(self, rows: int) -> tuple[int, ...]:
         return self.parts or (rows,)
@@ -123,6 +130,9 @@ class Mxfp4:
         return (experts, b, a // MX_GROUP, MX_GROUP // 2), (experts, b, a // MX_GROUP)
 
     def stored_dtypes(self) -> tuple[torch.dtype, ...]:
+        return BYTE_CARRIER, BYTE_CARRIER
+
+    def published_dtypes(self) -> tuple[torch.dtype, ...]:
         return torch.uint8, torch.uint8
 
     def dequantize(self, blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -138,12 +148,14 @@ class Mxfp4:
         grouped = values.float().transpose(1, 2).unflatten(-1, (-1, MX_GROUP))  # [E, b, a / 32, 32]
         exponent = torch.ceil(torch.log2(grouped.abs().amax(-1).clamp(min=1e-30) / 6)).clamp(-127, 127)
         codes = ((grouped / torch.exp2(exponent).unsqueeze(-1)).unsqueeze(-1) - table).abs().argmin(-1)
-        return (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8), (exponent + 127).to(torch.uint8)
+        blocks, scales = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8), (exponent + 127).to(torch.uint8)
+        return blocks.view(BYTE_CARRIER), scales.view(BYTE_CARRIER)
 
 
 def decode_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """`blocks [..., b, a / 32, 16]`, `scales [..., b, a / 32]` -> fp32 `[..., a, b]`."""
     table = torch.tensor(E2M1, device=blocks.device)
+    blocks, scales = blocks.view(torch.uint8), scales.view(torch.uint8)  # published, or carried (BYTE_CARRIER)
     exponents = scales.to(torch.int32) - 127
     values = torch.stack((table[(blocks & 0x0F).long()], table[(blocks >> 4).long()]), dim=-1).flatten(-2)
     values = torch.ldexp(values, exponents.unsqueeze(-1).float())  # [..., b, a / 32, 32]

@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 
 from mop.models.config import ModelConfig
 from mop.models.families import FAMILIES
+from mop.models.formats import Fp8Blocks
 from mop.models.family import Family
 from mop.models.hf_mapping import HFConversionError, Piece, model_pieces, shared_config_to_hf, stacked_experts_key
 from mop.models.hf_quantized import reader_for
@@ -35,6 +36,8 @@ from mop.models.transformer import MoETransformer
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 MAX_SHARD_BYTES = 5 * 10**9
+# safetensors' names of the floating dtypes a published checkpoint keeps unquantized tensors in
+SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
 # ---------------------------------------------------------------- config
@@ -121,6 +124,7 @@ class HFWeights:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         hf = read_hf_config(self.path)
+        self.hf_config = hf
         self.cfg = config_from_hf(hf)
         self.quantized = reader_for(hf.get("quantization_config"), self.path / "config.json")
         self._stack = ExitStack()
@@ -186,12 +190,12 @@ class HFWeights:
                 part = self.quantized.published_rows(handle, piece.key, entry.companion, slice(first, first + count))
                 if part is None:
                     return None
-                out.copy_(part)
+                out.copy_(part.view(out.dtype))  # the bytes as published (formats.BYTE_CARRIER)
             elif first <= piece.index[0] < first + count:
                 part = self.quantized.published_rows(handle, piece.key, entry.companion)
                 if part is None:
                     return None
-                out[(piece.index[0] - first, *_stored_index(entry, piece.index[1:]))] = part
+                out[(piece.index[0] - first, *_stored_index(entry, piece.index[1:]))] = part.view(out.dtype)
         return out
 
 
@@ -293,7 +297,8 @@ def save_hf(model: MoETransformer, path: str | Path, dtype: torch.dtype | None =
 
 
 def write_hf(cfg: ModelConfig, path: str | Path, read, dtype: torch.dtype, model_type: str | None = None,
-             max_shard_bytes: int = MAX_SHARD_BYTES, token_ids: dict[str, int] | None = None) -> None:
+             max_shard_bytes: int = MAX_SHARD_BYTES, token_ids: dict[str, int] | None = None,
+             published: "AsPublished | None" = None) -> None:
     """Write the model `cfg` describes to the directory `path` as a HF checkpoint, file by file:
     `read(names)` returns the whole tensors of those parameters and buffers, and is asked for one
     output file's at a time, so a process holds one file's tensors (and whole parameters spanning
@@ -303,7 +308,9 @@ def write_hf(cfg: ModelConfig, path: str | Path, read, dtype: torch.dtype, model
     `model.safetensors`, or in `model-0000k-of-0000n.safetensors` shards of at most
     `max_shard_bytes` (a bigger tensor gets a shard of its own) with an index. Tied weights are
     written once. `model_type` as in `config_to_hf`; `token_ids` (e.g. `eos_token_id`,
-    `bos_token_id`) are added to config.json as they are.
+    `bos_token_id`) are added to config.json as they are. `published`: each tensor is written as a
+    published base stores it (`AsPublished`: its format's data and scales under the base's names,
+    and its `quantization_config`; the other tensors in the base's dtypes).
     """
     family = _expressible_family(cfg, model_type)
     with torch.device("meta"):
@@ -316,16 +323,42 @@ def write_hf(cfg: ModelConfig, path: str | Path, read, dtype: torch.dtype, model
         f"model-{n:05d}-of-{len(shards):05d}.safetensors" for n in range(1, len(shards) + 1)]
     for name, shard in zip(names, shards):
         tensors = read(list(dict.fromkeys(piece.param for piece in shard)))
-        save_file({piece.key: _disk_tensor(tensors[piece.param][piece.index], dtype) for piece in shard},
-                  path / name, metadata={"format": "pt"})
-        del tensors
+        out = {}
+        for piece in shard:
+            value = tensors[piece.param][piece.index]
+            stored = published(piece.key, value) if published is not None else None
+            out.update(stored if stored is not None else {piece.key: _disk_tensor(value, dtype)})
+        save_file(out, path / name, metadata={"format": "pt"})
+        del tensors, out
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(_nbytes(piece, shapes, dtype) for shard in shards for piece in shard)},
                  "weight_map": {piece.key: name for name, shard in zip(names, shards) for piece in shard}}
         (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     # config.json goes last: a save interrupted earlier leaves no directory that looks loadable.
-    config = {**config_to_hf(cfg, family.name, dtype), **(token_ids or {})}
+    config = {**config_to_hf(cfg, family.name, dtype), **(token_ids or {}),
+              **({"quantization_config": published.config} if published is not None and published.config else {})}
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+class AsPublished:
+    """Writes each tensor the way a published base does (`--dtype=published`), for a merge: the
+    tensors `base` publishes in a format (`HFWeights.quantized`) quantized by `mop.models.formats`
+    under the base's names (fp8: `<key>` and `<key>_scale_inv`; MXFP4: `<key>_blocks`, `<key>_scales`),
+    every other one in the dtype the base stores it in."""
+
+    def __init__(self, base: HFWeights):
+        self.fmt, self.keys = base.quantized.format, set(getattr(base.quantized, "companions", {}))
+        self.config = base.hf_config.get("quantization_config")
+        self.suffixes = ("", "_scale_inv") if isinstance(self.fmt, Fp8Blocks) else ("_blocks", "_scales")
+        self.dtypes = {key: SAFETENSORS_DTYPES.get(entry[0].get_slice(key).get_dtype())
+                       for key, entry in base.tensors.items() if key not in self.keys}
+
+    def __call__(self, key: str, value: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        if key in self.keys:
+            parts = zip(self.suffixes, self.fmt.quantize(value), self.fmt.published_dtypes())
+            return {key + suffix: part.view(dtype).contiguous() for suffix, part, dtype in parts}
+        dtype = self.dtypes.get(key)
+        return None if dtype is None else {key: value.to(dtype).contiguous()}
 
 
 def _remove_old_weights(path: Path) -> None:

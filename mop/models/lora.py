@@ -404,3 +404,32 @@ def stored_rows(rows, stored: dict[str, StoredTensor], published=None):
         return entry.fmt.quantize(rows(entry.weight, entry.shape, low, high - low))[1]
 
     return read
+
+
+@dataclass(frozen=True)
+class AdaptedWeight:
+    """A base weight with adapters: their names and how their product adds to it."""
+
+    lora_a: str
+    lora_b: str
+    transposed: bool = False
+    """The weight is stored `[E, in, out]` (gpt-oss's experts): the update is `(B A)^T` per expert."""
+
+
+def adapted_weights(model: nn.Module) -> dict[str, AdaptedWeight]:
+    """Every weight of an unwrapped adapted model that has adapters, by its name."""
+    out = {}
+    for path, module in model.named_modules():
+        if isinstance(module, AdaptedLinear) and module.rank:
+            out[f"{path}.weight"] = AdaptedWeight(f"{path}.lora_A", f"{path}.lora_B")
+        elif isinstance(module, AdaptedExperts) and module.kind.rank:
+            for projection in module.kind.projections:
+                name = f"{path}.{projection.name}"
+                out[name] = AdaptedWeight(f"{name}_lora_A", f"{name}_lora_B", projection.transposed)
+    return out
+
+
+def merged(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float, transposed: bool) -> torch.Tensor:
+    """`weight + scaling B A` (per expert for stacked weights; transposed for an `[E, in, out]` one), in fp32."""
+    update = torch.matmul(b.float(), a.float()) * scaling
+    return weight.float() + (update.transpose(-1, -2) if transposed else update)
