@@ -131,7 +131,7 @@ def check_resume(meta: dict, config: Config, base: dict | None, path: Path) -> N
         raise ConfigError("lora.base", f"checkpoint {path} trained its adapters on {describe_base(saved)}, this run's "
                           f"base is {describe_base(base)}; set --lora.base to the checkpoint's base")
     old = meta["config"].get("lora", {})
-    for key in ("rank", "alpha", "targets"):
+    for key in ("rank", "alpha", "targets", "base_format"):  # the adapters' shape, and the base they adapt
         if old.get(key) != getattr(config.lora, key):
             raise ConfigError(f"lora.{key}", f"checkpoint {path} was saved with lora.{key}={old.get(key)!r}, this run "
                               f"has {getattr(config.lora, key)!r}; use the checkpoint's")
@@ -151,6 +151,8 @@ def adapters_on_host(config: Config, world: int) -> bool:
     )
 
     p = config.parallel
+    if config.adapters.validate():  # settings out of range: `check_settings` names them in one line
+        return False
     record = placements(config.model, world, p.expert or 1, p.vocab or 1, config.adapters)
     local = sum(place.local_rows * place.row_elements for name, place in record.items() if _trained(name))
     return 16 * local > DEVICE_ADAMW_LIMIT

@@ -507,6 +507,10 @@ PLAN = [
 LORA = ["--train.finetune=lora", "--lora.rank=2"]
 ADAPTERS = [
     case("lora-rank-zero", lambda s: s.train(*LORA, "--lora.rank=0"), "lora.rank", ">= 1"),
+    case("lora-rank-zero-under-mop", lambda s: s.launch(*LORA, "--lora.rank=0"), "lora.rank", ">= 1"),
+    case("lora-resuming-with-another-base-format", lambda s: s.train(*LORA, "--lora.base_format=fp8:16x16",
+                                                                     f"--checkpoint.resume={s.lora_step}"),
+         "lora.base_format"),
     case("lora-target-matching-nothing", lambda s: s.train(*LORA, "--lora.targets=attention,qq_proj"),
          "lora.targets", "qq_proj"),
     case("lora-router-target", lambda s: s.train(*LORA, "--lora.targets=attention,router"), "lora.targets",

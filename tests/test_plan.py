@@ -39,6 +39,8 @@ COMMON = [*MODEL, "--train.micro_batch=1", "--train.dtype=float32", "--train.dev
 MOP = ["--parallel.strategy=mop", "--optim.offload=true"]
 FSDP2 = ["--parallel.strategy=fsdp2", "--parallel.vocab=1", "--parallel.expert=1"]
 AC = "--train.activation_checkpointing=full"
+# LoRA over the run's initial weights kept as fp8 in 32x32 blocks (adapters on every kind)
+LORA = ["--train.finetune=lora", "--lora.rank=8", "--lora.base_format=fp8:32x32"]
 OFFLOAD = "--train.offload_activations=true"
 
 # (name, world, settings); global batch and micro-batch as each says (several micro-batches where
@@ -81,6 +83,15 @@ CASES = [
     ("mop D4 Ep2 P4 llep/2", 4,
      [*MOP, "--data.seq_len=4096", "--parallel.sequence=4", "--parallel.expert=2", "--parallel.vocab=4",
       "--train.global_batch=1", "--parallel.llep_chunks=2"]),
+    ("mop LoRA on an fp8 base D2 Ep2 P2 ac", 2,
+     [*MOP, *LORA, "--data.seq_len=4096", "--parallel.sequence=2", "--parallel.expert=2", "--parallel.vocab=2",
+      "--train.global_batch=1", AC]),
+    ("mop LoRA on an fp8 base D2 Ep2 P2 torch AdamW llep/2, 2 micro-batches", 2,
+     [*MOP[:1], *LORA, "--optim.offload=false", "--data.seq_len=2048", "--parallel.sequence=2",
+      "--parallel.expert=2", "--parallel.vocab=2", "--train.global_batch=2", "--parallel.llep_chunks=2"]),
+    ("mop LoRA on an fp8 base D4 Ep4 P4 ac+offload", 4,
+     [*MOP, *LORA, "--data.seq_len=8192", "--parallel.sequence=4", "--parallel.expert=4", "--parallel.vocab=4",
+      "--train.global_batch=1", AC, OFFLOAD]),
 ]
 
 
@@ -115,8 +126,9 @@ def test_predicted_device_peak_is_within_10_percent_of_the_measured_one(measured
         p = config.parallel
         counts = parameter_counts(config.model, world, p.expert, p.vocab)
         # the shards' bytes exactly (in host memory under FSDP2's CPU offload): the model's rules
-        # for who holds which rows are the runtime's
-        assert counts.local * 4 == got["parameters"], name
+        # for who holds which rows and in which dtype are the runtime's
+        shards = counts.local * 4 if config.adapters is None else sum(predicted.adapters.bytes_by_category.values())
+        assert shards == got["parameters"], name
         ratio = predicted.peak_device_bytes / got["device"]
         rows.append(f"{name:<44} W={world}  predicted {predicted.peak_device_bytes / MIB:7.1f} MiB  measured "
                     f"{got['device'] / MIB:7.1f} MiB  ratio {ratio:.3f}  ({predicted.peak.name.split(':')[0]})")
@@ -227,3 +239,25 @@ def test_host_memory_counts_the_rollback_copies_only_when_speculating():
 def test_readme_shows_a_plan_example():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert "## Will it fit?" in readme and "mop plan " in readme
+
+
+def test_lora_keeps_the_published_base_and_fits_deepseek_v3_at_128k_on_one_h200_node():
+    """`--finetune lora` plans the frozen base as published (the preset's fp8), with state for the
+    adapters alone: DeepSeek-V3 at 128K fits one H200 node, which full fine-tuning does not; its
+    printed settings pass `mop train`'s validation and predict the same peak."""
+    from mop.models.lora import LoraConfig
+    from mop.plan import published_format
+    from mop.plan.report import train_settings
+
+    cluster, model = make_cluster("h200", 1, 8), load_model("deepseek-v3")
+    assert published_format("deepseek-v3") == "fp8" and published_format("qwen3-235b-a22b") == "none"
+    chosen = plan(model, cluster, 131072, lora=LoraConfig(base_format="fp8"))["mop"].best
+    assert chosen is not None and chosen.memory.peak_device_bytes <= cluster.budget_bytes
+    adapters = chosen.memory.adapters
+    assert 0 < adapters.trained < chosen.memory.counts.local // 100
+    # the routed experts' shards as fp8 with fp32 128x128 block scales: about 1 byte per parameter
+    assert chosen.memory.counts.experts <= adapters.bytes_by_category["experts"] < 1.02 * chosen.memory.counts.experts
+    config = load_config(CONFIGS / "deepseek-v3.toml", train_settings(chosen))
+    resolved = resolve(config, world=cluster.world, local_world=cluster.gpus_per_node)
+    assert resolved.lora == chosen.config.lora and resolved.parallel == chosen.config.parallel
+    assert estimate(resolved, cluster.world, 8).peak_device_bytes == chosen.memory.peak_device_bytes

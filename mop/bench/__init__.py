@@ -16,6 +16,7 @@ BENCHMARKS = {
     "data": "chat data: mop data prepare on a generated conversation file (tokens/s, memory) and a run's start-up on it",
     "e2e": "training throughput and per-rank memory of mop and of the best fsdp2 setup, against context",
     "gpu": "acceptance test of 1-8 GPUs: the CUDA tier and bf16 trainings sized to the GPUs and host (--dry-run: the plan)",
+    "lora": "per-rank device memory and step time of LoRA over an fp8 base against full fine-tuning",
     "moe": "the expert layer under skewed routing for EP, LLEP and chunked LLEP",
     "optimizer": "the host optimizer's update throughput and how much of it the step exposes",
     "plan": "the paper's Table 1 as `mop plan` predicts it (3 models on 2/8/12 H200 nodes, 64K-1M), beside the paper",

@@ -43,7 +43,7 @@ from mop.models.moe import ExpertKind, MoE
 from mop.models.projections import Adapted, Dense, Dequantized
 
 KINDS = ("attention", "dense_mlp", "shared_experts", "routed_experts")
-NOT_ADAPTABLE = ("router", "embedding", "lm_head")
+NOT_ADAPTABLE = ("router", "embedding", "embeddings", "lm_head")
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,8 @@ class LoraConfig:
     block scales, MXFP4 experts; unquantized: the compute dtype); "none": in the compute dtype (a
     quantized base is dequantized as it is read); "fp8" (or "fp8:RxC" for blocks of R rows and C
     columns; default 128x128): the projections stored as fp8 e4m3 with block scales, as DeepSeek-V3
-    publishes them (a base published unquantized is quantized as it is read)."""
+    publishes them (a base published unquantized is quantized as it is read); "mxfp4": the routed
+    experts in MXFP4, as gpt-oss publishes them."""
     base: str = ""
     """The Hugging Face model directory whose weights are the frozen base, read in place shard by
     shard (its config.json gives the model unless [model] is set to the same); empty: the run's
@@ -106,7 +107,7 @@ def parse_format(text: str):
         return Mxfp4()
     match = re.fullmatch(r"fp8(?::(\d+)x(\d+))?", text)
     if not match:
-        raise ValueError(f"{text!r} is not a base format; use auto, none, fp8 or fp8:RxC (e.g. fp8:128x128)")
+        raise ValueError(f"{text!r} is not a base format; use auto, none, fp8, fp8:RxC (e.g. fp8:128x128) or mxfp4")
     rows, columns = (int(match[1]), int(match[2])) if match[1] else (128, 128)
     if rows < 1 or columns < 1:
         raise ValueError(f"{text!r}: blocks need at least one row and one column")

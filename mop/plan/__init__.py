@@ -1,9 +1,12 @@
-"""`mop plan MODEL --nodes N --gpus-per-node G --gpu {h100,h200} --context TOKENS [--json]`.
+"""`mop plan MODEL --nodes N --gpus-per-node G --gpu {h100,h200} --context TOKENS [--finetune lora] [--json]`.
 
 Will a model fit on a cluster at a context, with which MoP layout, and how fast; and the same for
-the best FSDP2 configuration (the paper's FSDP-best). MODEL is a preset name (`configs/<name>.toml`:
-mop-120b, mop-600b, mop-1t, qwen3-235b-a22b, qwen3-30b-a3b, mixtral-8x7b), a TOML config (its
-`[model]` section) or a Hugging Face config.json (or its directory).
+the best FSDP2 configuration (the paper's FSDP-best). MODEL is a preset name (`configs/<name>.toml`),
+a TOML config (its `[model]` section) or a Hugging Face config.json (or its directory).
+
+`--finetune lora` plans LoRA over the frozen base (`--lora-rank`, `--lora-targets`, `--base-format`):
+the base kept as MODEL is published (`--base-format auto`: a config.json's `quantization_config`,
+a preset's `[lora] base_format`), gradients and optimizer state for the adapters alone.
 
 Pieces: `mop.plan.memory` (per-rank device memory by the paper's Table 3 rows and host memory per
 node, from the trainer's own shape, dtype and option rules), `mop.plan.speed` (the roofline step
@@ -17,8 +20,9 @@ import argparse
 import re
 from pathlib import Path
 
-from mop.config import ConfigError, load_model_config
+from mop.config import ConfigError, load_config, load_model_config
 from mop.models.config import ModelConfig
+from mop.models.lora import LoraConfig
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 _SIZE = re.compile(r"^(\d+)([KkMm]?)$")
@@ -53,6 +57,36 @@ def document_tokens(text: str) -> int:
     return 0 if text == "0" else parse_tokens(text, "--document-tokens")
 
 
+def published_format(spec: str) -> str:
+    """How MODEL's weights are published, as a `lora.base_format` value: a config.json's
+    `quantization_config`, a TOML's `[lora] base_format` ("none" when it sets none)."""
+    from mop.models.hf import read_hf_config
+    from mop.models.hf_mapping import HFConversionError
+    from mop.models.hf_quantized import reader_for
+    from mop.models.lora import format_name
+
+    path = Path(spec)
+    if path.suffix == ".toml" or (not path.exists() and (CONFIGS / f"{spec}.toml").is_file()):
+        fmt = load_config(path if path.suffix == ".toml" else CONFIGS / f"{spec}.toml").lora.base_format
+        return "none" if fmt == "auto" else fmt
+    try:
+        hf = read_hf_config(path if path.is_dir() else path.parent)
+        return format_name(reader_for(hf.get("quantization_config"), path).format)
+    except HFConversionError as err:
+        raise ConfigError("MODEL", str(err)) from None
+
+
+def adapters(args) -> LoraConfig | None:
+    """The LoRA settings `--finetune lora` plans with (None: full fine-tuning)."""
+    if args.finetune == "full":
+        return None
+    base_format = published_format(args.model) if args.base_format == "auto" else args.base_format
+    lora = LoraConfig(rank=args.lora_rank, targets=args.lora_targets, base_format=base_format)
+    for key, message in lora.validate():
+        raise ConfigError(f"--{'lora-' + key if key != 'base_format' else 'base-format'}", message)
+    return lora
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL", help=f"a preset ({', '.join(presets())}), a TOML config or a "
                                                        "Hugging Face config.json")
@@ -75,6 +109,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host-link-gbps", type=float, help="GPU-host GB/s per direction, as reached")
     parser.add_argument("--peak-tflops", type=float, help="bf16 dense peak TFLOP/s per GPU")
     parser.add_argument("--mfu", type=float, help="share of the peak the model FLOPs run at (default 0.4)")
+    parser.add_argument("--finetune", choices=("full", "lora"), default="full",
+                        help="full fine-tuning, or LoRA adapters over the frozen base")
+    parser.add_argument("--lora-rank", type=int, default=LoraConfig.rank, help="LoRA's rank r")
+    parser.add_argument("--lora-targets", default=LoraConfig.targets, help="modules with adapters (lora.targets)")
+    parser.add_argument("--base-format", default="auto",
+                        help="LoRA's frozen base: auto (as MODEL is published), none, fp8, fp8:RxC, mxfp4")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
@@ -92,14 +132,15 @@ def run(args) -> dict:
     if not args.routing_skew >= 1:
         raise ConfigError("--routing-skew", f"must be >= 1 (1: balanced), got {args.routing_skew}")
     documents = document_tokens(args.document_tokens)
-    model = load_model(args.model)
+    model, lora = load_model(args.model), adapters(args)
     cluster = make_cluster(args.gpu, args.nodes, args.gpus_per_node, device_gib=args.device_gib,
                            reserve_gib=args.reserve_gib, host_gib=args.host_gib, nvlink_gbps=args.nvlink_gbps,
                            network_gbps=args.network_gbps, host_link_gbps=args.host_link_gbps,
                            peak_tflops=args.peak_tflops, mfu=args.mfu)
-    plans = [plan_json(context, plan(model, cluster, context, args.global_batch, args.routing_skew, documents))
+    plans = [plan_json(context, plan(model, cluster, context, args.global_batch, args.routing_skew, documents, lora))
              for context in contexts]
     return {"model": {"name": args.model, **vars(model)}, "cluster": vars(cluster) | {"world": cluster.world},
+            "finetune": "full" if lora is None else vars(lora),
             "assumptions": {"routing_skew": args.routing_skew, "document_tokens": documents or "context",
                             "global_batch": args.global_batch or "one sequence per data group"},
             "plans": plans}

@@ -129,9 +129,18 @@ def block_saved(s: Shapes, config: Config, moe: bool) -> dict[str, int]:
     if moe:
         out["moe_activations"] = (router_saved(s) + experts_saved(s, p.llep_chunks)
                                    + (mlp_saved(s, s.shared) if s.shared else 0))
+        if _frozen_moe_input(config, s):  # the frozen router's matmul saves no input
+            out["residual_and_norms"] -= s.T * s.H * s.act
     else:
         out["moe_activations"] = mlp_saved(s, m.dense_intermediate)
     return out
+
+
+def _frozen_moe_input(config: Config, s: Shapes) -> bool:
+    """Under LoRA the MoE layer's normed input is saved by no matmul unless a shared expert has
+    adapters (the routed experts' adapters read the dispatched rows, which `experts_saved` counts)."""
+    lora = config.adapters
+    return lora is not None and not (s.shared and "shared_experts" in lora.target_list())
 
 
 def block_kept(s: Shapes, config: Config) -> dict[str, int]:
@@ -160,7 +169,7 @@ def loss_working_set(s: Shapes, config: Config) -> dict[str, int]:
         block = min(s.T, p.vocab_token_block or default_token_block(shard_rows))
         out["vocab_tile"] = block * shard_rows * FP32 + s.T * s.H * FP32 + 4 * s.T * FP32
         out["vocab_weights"] = shard_rows * s.H * (s.act + (s.act if s.act < FP32 else 0))
-        out["gradients"] = 2 * shard_rows * s.H * FP32
+        out["gradients"] = 2 * shard_rows * s.H * FP32 if config.adapters is None else 0  # a frozen head has none
     else:  # the full fp32 logits' log-softmax (saved), the loss gradient and the log-softmax gradient
         out["vocab_tile"] = 3 * s.T * m.vocab_size * FP32
     return out

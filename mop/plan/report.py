@@ -35,6 +35,10 @@ def train_settings(c: Candidate) -> list[str]:
                 f"--data.seq_len={c.config.data.seq_len}", f"--optim.offload={str(o.offload).lower()}"]
     if o.offload:
         settings.append(f"--optim.speculative={str(o.speculative).lower()}")
+    lora = c.config.adapters
+    if lora is not None:
+        settings += ["--train.finetune=lora", f"--lora.rank={lora.rank}", f"--lora.targets={lora.targets}",
+                     f"--lora.base_format={lora.base_format}"]
     if p.strategy == "fsdp2":
         settings.append(f"--parallel.fsdp_cpu_offload={str(p.fsdp_cpu_offload).lower()}")
     return settings
@@ -78,7 +82,7 @@ def detail(results: dict, plan: dict) -> str:
     m, cl = results["model"], results["cluster"]
     lines = [f"mop plan: {m['name']} on {cl['nodes']} x {cl['gpus_per_node']} {cl['gpu'].upper()} "
              f"(device budget {_gib(cl['device_bytes'] - cl['reserve_bytes'])} GiB of {_gib(cl['device_bytes'])}, "
-             f"host {_gib(cl['host_bytes'])} GiB per node), context {tokens(plan['context'])}"]
+             f"host {_gib(cl['host_bytes'])} GiB per node), context {tokens(plan['context'])}, {_finetune(results)}"]
     sides = [("MoP", plan["mop"]), ("FSDP-best", plan["fsdp2_best"])]
     rows = [("fits", [("yes" if s["fits"] else "NO (closest shown)") for _, s in sides]),
             ("layout", [s["description"] for _, s in sides]),
@@ -100,6 +104,13 @@ def detail(results: dict, plan: dict) -> str:
     return "\n".join(lines)
 
 
+def _finetune(results: dict) -> str:
+    lora = results.get("finetune", "full")
+    if lora == "full":
+        return "full fine-tuning"
+    return f"LoRA rank {lora['rank']} on {lora['targets']} over a {lora['base_format']} base"
+
+
 def table1(results: dict) -> str:
     """Several contexts side by side: the paper's Table 1 shape."""
     m, cl = results["model"], results["cluster"]
@@ -110,7 +121,8 @@ def table1(results: dict) -> str:
              f"{p['speedup']:.2f}x" if p["speedup"] else "-"]
             for p in results["plans"]]
     widths = [max(len(str(r[i])) for r in [header, *body]) + 2 for i in range(len(header))]
-    title = (f"mop plan: {m['name']} on {cl['nodes']} x {cl['gpus_per_node']} {cl['gpu'].upper()}, predicted "
+    title = (f"mop plan: {m['name']} on {cl['nodes']} x {cl['gpus_per_node']} {cl['gpu'].upper()}, "
+             f"{_finetune(results)}, predicted "
              "tokens/s/GPU (OOM: nothing fits; GiB: peak device memory, of the closest layout when OOM)")
     return "\n".join([title, *("".join(str(v).ljust(w) for v, w in zip(row, widths)) for row in [header, *body])])
 

@@ -30,6 +30,12 @@ host during the last micro-batch's backward and the next forward (only the next 
 `optim.speculative`); only what exceeds that adds. FSDP2's CPU offload steps torch AdamW on the
 host after the backward: it adds in full. An update streams `UPDATE_BYTES_PER_PARAM` (60 with
 the rollback copies) at `HOST_MEMORY_BYTES_PER_S`, shared by the node's ranks.
+
+LoRA (`AdapterCounts`): a frozen weight takes no weight gradient, so every linear does two GEMMs
+of three (the attention core keeps its three); FSDP2 gathers the units as stored (fp8, MXFP4) and
+reduce-scatters the adapters' gradients alone; the ring sends no gradient for the frozen head; the
+host link and the host optimizer carry the adapters. Not modelled: the adapters' own FLOPs
+(r / hidden of the frozen GEMM's) and the dequantization (elementwise, one pass over each weight).
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ from mop.flops import mean_attended_keys
 from mop.models.families import model_spec
 from mop.plan.cluster import Cluster
 from mop.plan.activations import FP32, Shapes
-from mop.plan.memory import ParameterCounts, offloaded_activations
+from mop.plan.memory import AdapterCounts, ParameterCounts, offloaded_activations
 
 HOST_MEMORY_BYTES_PER_S = 400e9  # sustained memory bandwidth of a 2-socket DDR5 node (16 channels)
 # Host memory an AdamW update streams per parameter: read the fp32 gradient, master and moments and
@@ -91,8 +97,9 @@ def _share(n: int) -> float:
 
 
 def step_time(config: Config, cluster: Cluster, s: Shapes, counts: ParameterCounts, tp: int = 1,
-              document_tokens: int = 0) -> StepTime:
-    """`document_tokens`: the packed documents' length (0: one document per sequence)."""
+              document_tokens: int = 0, adapters: AdapterCounts | None = None) -> StepTime:
+    """`document_tokens`: the packed documents' length (0: one document per sequence); `adapters`:
+    a LoRA run's shards (`mop.plan.memory.AdapterCounts`)."""
     m, p, t = config.model, config.parallel, config.train
     world, seq = cluster.world, config.data.seq_len
     spec = model_spec(m)
@@ -102,6 +109,8 @@ def step_time(config: Config, cluster: Cluster, s: Shapes, counts: ParameterCoun
     tokens = s.T
     model_flops = spec.flops_per_token(keys) * tokens
     forward = model_flops / 3
+    if adapters is not None:  # a frozen weight takes no gradient: one GEMM of three per linear goes
+        model_flops -= forward - spec.attention_core_flops(keys) * tokens
     # head-chunked attention recomputes its core (QK^T and PV) in the backward; chunked LLEP its gate
     # and up GEMMs (two thirds of the expert FLOPs). In a checkpointed block their kept outputs
     # replace the block's rerun of them.
@@ -119,18 +128,21 @@ def step_time(config: Config, cluster: Cluster, s: Shapes, counts: ParameterCoun
     links = {"nvlink": 0.0, "network": 0.0, "host": 0.0}
     exposed = {"all_to_all": 0.0, "host_optimizer": 0.0, "cpu_adamw": 0.0}
     # FSDP2: gather twice, reduce-scatter once, per unit
-    expert_bytes = m.moe_layers * counts.expert_partition  # a rank's expert partitions, gathered
-    dense_world = world // tp
-    dense_bytes = counts.total // tp - expert_bytes * p.expert
-    if p.vocab > 1:
-        dense_bytes -= m.vocab_size * m.hidden
-    links[_link(cluster, dense_world, strided=tp > 1)] += _share(dense_world) * dense_bytes * (2 * s.act + FP32)
-    replicas = world // (p.expert * tp)
-    links[_link(cluster, replicas, strided=True)] += _share(replicas) * expert_bytes * (2 * s.act + FP32)
-    # the vocabulary ring
+    dense_world, replicas = world // tp, world // (p.expert * tp)
+    if adapters is None:
+        expert_units = m.moe_layers * counts.expert_partition  # a rank's expert partitions
+        dense_units = counts.total // tp - expert_units * p.expert - (m.vocab_size * m.hidden if p.vocab > 1 else 0)
+        dense_traffic, expert_traffic = dense_units * (2 * s.act + FP32), expert_units * (2 * s.act + FP32)
+    else:  # gathered as stored; only the adapters' gradients are reduced
+        dense_traffic = 2 * adapters.dense_gathered + adapters.dense_trained * FP32
+        expert_traffic = m.moe_layers * (2 * adapters.partition_bytes + adapters.partition_trained * FP32)
+    links[_link(cluster, dense_world, strided=tp > 1)] += _share(dense_world) * dense_traffic
+    links[_link(cluster, replicas, strided=True)] += _share(replicas) * expert_traffic
+    # the vocabulary ring (a frozen head sends no gradient)
     if p.vocab > 1:
         shard = -(-m.vocab_size // p.vocab) * m.hidden
-        links[_link(cluster, p.vocab)] += (p.vocab - 1) * shard * 2 * s.act + p.vocab * shard * FP32
+        gradient = p.vocab * shard * FP32 if adapters is None else 0
+        links[_link(cluster, p.vocab)] += (p.vocab - 1) * shard * 2 * s.act + gradient
     # all-to-alls: passes = forward + backward (+ recomputations)
     passes = 2 + checkpointed
     ulysses = _share(p.sequence) * m.layers * s.T * spec.attention.exchanged_width * s.act
@@ -149,7 +161,8 @@ def step_time(config: Config, cluster: Cluster, s: Shapes, counts: ParameterCoun
         expert_a2a = max(0.0, expert_a2a - expert_compute * (1 - 1 / p.llep_chunks))
     exposed["all_to_all"] = a2a + expert_a2a
     # host link, per micro-batch
-    local, mbs = counts.local, step_micro_batches(config, world)
+    local = counts.local if adapters is None else adapters.trained  # what the optimizer updates
+    mbs = step_micro_batches(config, world)
     stored = storage_dtype(config).itemsize
     if config.optim.offload:  # every micro-batch's gradients down, the updated weights up once a step
         links["host"] += local * stored * (1 + 1 / mbs)
