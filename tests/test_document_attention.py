@@ -132,6 +132,89 @@ def test_decreasing_document_ids_are_rejected():
         Documents.from_ids(torch.tensor([[0, 0, 1, 1, 0]]))
 
 
+# ---------------------------------------------------------------- branches (a DPO pair's second response)
+
+def branch_rows(*rows: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[B, S]` document ids and prefix lengths from each row's (length, prefix) documents."""
+    ids, prefixes = [], []
+    for documents in rows:
+        assert sum(length for length, _ in documents) == SEQ
+        lengths = torch.tensor([length for length, _ in documents])
+        ids.append(torch.repeat_interleave(torch.arange(len(documents)), lengths))
+        prefixes.append(torch.repeat_interleave(torch.tensor([prefix for _, prefix in documents]), lengths))
+    return torch.stack(ids), torch.stack(prefixes)
+
+
+BRANCHES = {
+    # prompt 200 + chosen 100 as one document, the rejected 60 tokens sharing the prompt's first 199;
+    # then a pair whose rejected response (300) spans two query blocks, after short documents.
+    "pairs": branch_rows([(300, 0), (60, 199), (152, 0)], [(2, 0), (1, 0), (9, 0), (100, 0), (300, 99), (100, 0)]),
+    # short branches (under SHORT_DOCUMENT) between short documents, which are packed around them
+    "short": branch_rows([(3, 0), (40, 0), (30, 20), (5, 0), (5, 3), (429, 0)], [(256, 0), (256, 256)]),
+}
+
+
+def branch_oracle(q, k, v, document_ids, prefix_lengths):
+    """The dense mask with each branch's queries also seeing the first `prefix` keys of the document before it."""
+    seq = document_ids.shape[1]
+    position = torch.arange(seq)
+    mask = torch.ones(seq, seq, dtype=torch.bool).tril() & (document_ids[:, :, None] == document_ids[:, None, :])
+    previous = document_ids[:, :, None] - 1 == document_ids[:, None, :]
+    start = torch.stack([torch.searchsorted(row, row, right=False) for row in document_ids])  # each key's document start
+    within = (position[None, None, :] - start[:, None, :]) < prefix_lengths[:, :, None]
+    mask |= previous & within
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=mask.unsqueeze(1), enable_gqa=q.shape[2] != k.shape[2])
+    return out.transpose(1, 2)
+
+
+@pytest.mark.parametrize("layout", list(BRANCHES))
+@pytest.mark.parametrize("kv_heads", [1, 2, HEADS])
+def test_branches_match_the_dense_mask(layout, kv_heads):
+    """A branch attends to its prefix and to itself (bottom-right causal), never to the rest of the
+    document before it; everything else as before: outputs and the gradients of q, k and v."""
+    ids, prefixes = BRANCHES[layout]
+    q, k, v, upstream = inputs(kv_heads)
+    documents = Documents.from_ids(ids, prefixes)
+    assert any(s.prefix for s in documents.segments)
+    got = output_and_grads(lambda *t: document_attention(*t, documents), q, k, v, upstream)
+    want = output_and_grads(lambda *t: branch_oracle(*t, ids, prefixes), q, k, v, upstream)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        assert_close(a, b, atol=1e-5, rtol=1e-5, msg=f"{name} {layout} kv_heads={kv_heads}")
+
+
+def test_a_branch_computes_what_its_prefix_and_itself_compute_as_one_document():
+    """The rejected response shared after prompt+chosen equals prompt+rejected run as its own
+    sequence: the outputs of its tokens and the gradients reaching the prompt's keys and values."""
+    prompt, chosen, rejected = 150, 90, 272
+    ids, prefixes = branch_rows([(prompt + chosen, 0), (rejected, prompt)], [(SEQ, 0)])
+    q, k, v, upstream = inputs(2)
+    upstream[0, :prompt + chosen] = 0  # only the rejected response's outputs
+    shared = output_and_grads(lambda *t: document_attention(*t, Documents.from_ids(ids, prefixes)), q, k, v, upstream)
+    alone = [torch.cat([t[:1, :prompt], t[:1, prompt + chosen:]], 1) for t in (q, k, v, upstream)]
+    unshared = output_and_grads(lambda *t: document_attention(*t, None), *alone)
+    out, dq, dk, dv = shared
+    assert_close(out[0, prompt + chosen:], unshared[0][0, prompt:], atol=1e-5, rtol=1e-5)
+    assert_close(dq[0, prompt + chosen:], unshared[1][0, prompt:], atol=1e-5, rtol=1e-5)
+    for got, want in ((dk, unshared[2]), (dv, unshared[3])):
+        assert_close(got[0, :prompt], want[0, :prompt], atol=1e-5, rtol=1e-5)
+        assert_close(got[0, prompt + chosen:], want[0, prompt:], atol=1e-5, rtol=1e-5)
+        assert torch.count_nonzero(got[0, prompt:prompt + chosen]) == 0  # the chosen response is not seen
+
+
+@pytest.mark.parametrize("rows, match", [
+    ([[(60, 10), (452, 0)]], "does not hold"),  # a row's first document has no document before it
+    ([[(20, 0), (40, 30), (452, 0)]], "does not hold"),  # a prefix longer than the document before
+])
+def test_impossible_branches_are_rejected(rows, match):
+    with pytest.raises(ValueError, match=match):
+        Documents.from_ids(*branch_rows(*rows))
+    ids, prefixes = branch_rows([(100, 0), (412, 50)])
+    prefixes[0, 200] = 7
+    with pytest.raises(ValueError, match="constant"):
+        Documents.from_ids(ids, prefixes)
+
+
 def _ulysses_cases(rank, world):
     """Each rank holds its slice of both rows: the documents come from the slices' ids, gathered."""
     layout = DistLayout(Layout(world, sequence=world), torch.device("cpu"))

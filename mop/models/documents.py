@@ -34,8 +34,21 @@ once per micro-batch at first use by the segment kernel and shared by every laye
 tensor. Time follows the sum of the squared document lengths (plus at most PACK_TOKENS per token
 for the packs), not S^2.
 
+Branches (a DPO pair's second response, which shares its prompt with the first: issue 39). A
+document may also attend, in full, to the first `prefix` tokens of the document before it in the
+stream (`Documents.prefixes`, from the per-token `prefix_lengths`), as if those tokens preceded its
+own. Its queries attend to `[prefix ; itself]`, causal within itself and bottom-right aligned:
+query i sees the prefix and its own tokens 0..i. The segment kernel computes a branch in blocks
+of at most `BRANCH_BLOCK` queries, each one SDPA call over the keys it sees with its own
+`[block, prefix + seen]` mask (no `[S, S]` tensor: O(block x (prefix + length)) bytes per call);
+the prefixes' keys and values come from one gather over the stream for all branches (its
+backward is one index_add, not one stream-sized gradient per branch). A micro-batch with branches
+takes the segment kernel on every device: the flash varlen path for branches (separate query and
+key offsets over a gathered key stream) is not built yet.
+
 Invariant: every query attends exactly to the keys of its own document at positions <= its own,
-as the dense mask `causal & same_document` would say (the tests' oracle).
+and a branch's queries also to its prefix, as the dense mask `causal & same_document` (with the
+prefix rows added) would say (the tests' oracle).
 """
 
 from __future__ import annotations
@@ -72,6 +85,7 @@ def _varlen_takes(argument: str) -> bool:
 
 SHORT_DOCUMENT = 128  # documents shorter than this are packed with their neighbours...
 PACK_TOKENS = 256  # ...into groups of at most this many tokens, one masked SDPA call each
+BRANCH_BLOCK = 256  # a branch's queries per masked SDPA call
 
 
 @dataclass(frozen=True)
@@ -83,6 +97,8 @@ class Segment:
     count: int
     length: int
     mask: torch.Tensor | None = None
+    prefix: int = 0
+    """A branch (count 1): it also attends to this many tokens of the document before it."""
 
 
 class Documents:
@@ -92,22 +108,35 @@ class Documents:
     their tensors) on every call, which would redo this object's O(documents) fields per block.
     """
 
-    def __init__(self, lengths: tuple[int, ...], cu_seqlens: torch.Tensor):
+    def __init__(self, lengths: tuple[int, ...], cu_seqlens: torch.Tensor, prefixes: tuple[int, ...] = ()):
         self.lengths = lengths
         """Document lengths in stream order (each row's sum to S)."""
         self.cu_seqlens = cu_seqlens
         """int32 `[documents + 1]` cumulative lengths on the ids' device (for varlen_attn)."""
         self.max_length = max(lengths)
+        self.prefixes = prefixes
+        """Per document, the leading tokens of the document before it that it also attends to (0:
+        none; empty: no branches); see the module docstring."""
 
     @cached_property
     def segments(self) -> tuple[Segment, ...]:
         """The SDPA calls of the segment kernel (see the module docstring), planned at first use:
         the varlen kernel never needs them."""
-        return plan_segments(self.lengths, self.cu_seqlens.device)
+        return plan_segments(self.lengths, self.cu_seqlens.device, self.prefixes)
+
+    @cached_property
+    def prefix_index(self) -> torch.Tensor:
+        """Stream positions of every branch's prefix, branch after branch: one gather serves them all."""
+        starts = self.cu_seqlens.tolist()
+        parts = [torch.arange(starts[d - 1], starts[d - 1] + prefix)
+                 for d, prefix in enumerate(self.prefixes) if prefix]
+        return torch.cat(parts).to(self.cu_seqlens.device)
 
     @staticmethod
-    def from_ids(document_ids: torch.Tensor) -> Documents | None:
-        """The documents of `document_ids [B, S]`; None when every row is a single document."""
+    def from_ids(document_ids: torch.Tensor, prefix_lengths: torch.Tensor | None = None) -> Documents | None:
+        """The documents of `document_ids [B, S]`; None when every row is a single document.
+        `prefix_lengths [B, S]` (None: no branches): on each token of a branch, how many leading
+        tokens of the document before it the branch attends to (0 elsewhere)."""
         ids = document_ids.detach().cpu()
         rows, seq = ids.shape
         change = ids[:, 1:] != ids[:, :-1]
@@ -117,12 +146,33 @@ class Documents:
             raise ValueError("document ids must be non-decreasing along each row (a change starts a new document)")
         starts = torch.ones(rows, seq, dtype=torch.bool)
         starts[:, 1:] = change
-        bounds = torch.cat([starts.flatten().nonzero().squeeze(1), torch.tensor([rows * seq])])
-        return Documents(tuple(bounds.diff().tolist()), bounds.to(device=document_ids.device, dtype=torch.int32))
+        first = starts.flatten().nonzero().squeeze(1)
+        bounds = torch.cat([first, torch.tensor([rows * seq])])
+        lengths = tuple(bounds.diff().tolist())
+        prefixes = () if prefix_lengths is None else _prefixes(prefix_lengths.detach().cpu().flatten(), first,
+                                                                  lengths, seq)
+        return Documents(lengths, bounds.to(device=document_ids.device, dtype=torch.int32), prefixes)
 
 
-def plan_segments(lengths: tuple[int, ...], device: torch.device) -> tuple[Segment, ...]:
-    """Runs of equal-length documents and packs of short ones, in stream order."""
+def _prefixes(per_token: torch.Tensor, first: torch.Tensor, lengths: tuple[int, ...], seq: int) -> tuple[int, ...]:
+    """Each document's prefix length from the per-token `prefix_lengths`, checked: constant over the
+    document, and only where the document before it lies in the same row and is that long."""
+    prefixes = tuple(per_token[first].tolist())
+    if not any(prefixes):
+        return ()
+    for d, (start, prefix) in enumerate(zip(first.tolist(), prefixes)):
+        if bool((per_token[start:start + lengths[d]] != prefix).any()):
+            raise ValueError("prefix lengths must be constant over each document")
+        if prefix and (start % seq == 0 or lengths[d - 1] < prefix or prefix < 0):
+            raise ValueError(f"the document at stream position {start} attends to {prefix} tokens of the one "
+                             "before it, which its row does not hold")
+    return prefixes
+
+
+def plan_segments(lengths: tuple[int, ...], device: torch.device,
+                  prefixes: tuple[int, ...] = ()) -> tuple[Segment, ...]:
+    """Runs of equal-length documents and packs of short ones, in stream order; a branch (a
+    nonzero prefix) is a segment of its own."""
     segments: list[Segment] = []
     pack: list[int] = []
 
@@ -134,7 +184,13 @@ def plan_segments(lengths: tuple[int, ...], device: torch.device) -> tuple[Segme
         pack.clear()
 
     packed = 0  # tokens in `pack`
-    for length in lengths:
+    for index, length in enumerate(lengths):
+        prefix = prefixes[index] if prefixes else 0
+        if prefix:
+            close_pack()
+            packed = 0
+            segments.append(Segment(1, length, prefix=prefix))
+            continue
         if length < SHORT_DOCUMENT:
             if packed + length > PACK_TOKENS:
                 close_pack()
@@ -145,7 +201,7 @@ def plan_segments(lengths: tuple[int, ...], device: torch.device) -> tuple[Segme
         close_pack()
         packed = 0
         last = segments[-1] if segments else None
-        if last is not None and last.mask is None and last.length == length:
+        if last is not None and last.mask is None and not last.prefix and last.length == length:
             segments[-1] = Segment(last.count + 1, length)
         else:
             segments.append(Segment(1, length))
@@ -171,7 +227,7 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docume
     gqa = q.shape[2] != k.shape[2]
     if documents is None:
         return _sdpa(q, k, v, is_causal=True, gqa=gqa, scale=scale)
-    dtype = varlen_dtype(q)
+    dtype = varlen_dtype(q) if not documents.prefixes else None  # branches: the segment kernel (docstring)
     width = v.shape[-1]
     if dtype is not None and width <= q.shape[-1]:
         padded = F.pad(v, (0, q.shape[-1] - width)) if width < q.shape[-1] else v
@@ -206,14 +262,35 @@ def _segments(q, k, v, documents: Documents, gqa: bool, scale: float | None) -> 
     # whole stream: O(segments x S)).
     sizes = [s.count * s.length for s in documents.segments]
     pieces = [t.reshape(-1, *t.shape[2:]).split(sizes) for t in (q, k, v)]  # of [B*S, heads, d]
+    if documents.prefixes:
+        index = documents.prefix_index
+        branches = [s.prefix for s in documents.segments if s.prefix]
+        prefixes = iter(zip(*(t.reshape(-1, *t.shape[2:]).index_select(0, index).split(branches) for t in (k, v))))
     outputs = []
     for s, q_s, k_s, v_s in zip(documents.segments, *pieces):
+        if s.prefix:
+            outputs.append(_branch(q_s, k_s, v_s, *next(prefixes), gqa, scale))
+            continue
         shape = (s.count, s.length)
         out = _sdpa(q_s.unflatten(0, shape), k_s.unflatten(0, shape), v_s.unflatten(0, shape),
                     is_causal=s.mask is None, gqa=gqa, mask=s.mask, scale=scale)
         outputs.append(out.flatten(0, 1))
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
     return out.reshape(*q.shape[:-1], v.shape[-1])
+
+
+def _branch(q, k, v, prefix_k, prefix_v, gqa: bool, scale: float | None) -> torch.Tensor:
+    """A branch's `q [L, h, d]` over `[prefix ; itself]`, bottom-right causal, in blocks of queries."""
+    prefix, length = prefix_k.shape[0], q.shape[0]
+    keys, values = torch.cat([prefix_k, k]), torch.cat([prefix_v, v])
+    outputs = []
+    for start in range(0, length, BRANCH_BLOCK):
+        end = min(start + BRANCH_BLOCK, length)
+        seen = prefix + end  # the keys of this block's last query
+        mask = torch.arange(seen, device=q.device) < prefix + torch.arange(start, end, device=q.device)[:, None] + 1
+        outputs.append(_sdpa(q[None, start:end], keys[None, :seen], values[None, :seen], is_causal=False, gqa=gqa,
+                             mask=mask, scale=scale)[0])
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
 def _varlen(q, k, v, documents: Documents, gqa: bool, scale: float | None) -> torch.Tensor:
