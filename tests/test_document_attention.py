@@ -160,7 +160,7 @@ def branch_oracle(q, k, v, document_ids, prefix_lengths):
     position = torch.arange(seq)
     mask = torch.ones(seq, seq, dtype=torch.bool).tril() & (document_ids[:, :, None] == document_ids[:, None, :])
     previous = document_ids[:, :, None] - 1 == document_ids[:, None, :]
-    start = torch.stack([torch.searchsorted(row, row, right=False) for row in document_ids])  # each key's document start
+    start = torch.stack([torch.searchsorted(row, row) for row in document_ids])  # each key's document start
     within = (position[None, None, :] - start[:, None, :]) < prefix_lengths[:, :, None]
     mask |= previous & within
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
