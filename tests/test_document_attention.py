@@ -154,6 +154,9 @@ BRANCHES = {
 }
 
 
+BRANCH_CASES = [(layout, kv_heads, chunks) for layout in BRANCHES for kv_heads in (2, HEADS) for chunks in (1, 2)]
+
+
 def branch_oracle(q, k, v, document_ids, prefix_lengths):
     """The dense mask with each branch's queries also seeing the first `prefix` keys of the document before it."""
     seq = document_ids.shape[1]
@@ -228,6 +231,13 @@ def _ulysses_cases(rank, world):
         assert documents.lengths == Documents.from_ids(LAYOUTS[name]).lengths
         q, k, v, upstream = (t[:, rows] for t in inputs(kv_heads))
         results.append(output_and_grads(lambda *t: core(*t, documents), q, k, v, upstream))
+    for name, kv_heads, chunks in BRANCH_CASES:  # branches: the prefix lengths gathered with the ids
+        core = UlyssesAttention(layout.sequence_group, HEADS, kv_heads, chunks)
+        ids, prefixes = BRANCHES[name]
+        documents = boundaries(ids[:, rows], prefixes[:, rows])
+        assert documents.prefixes == Documents.from_ids(ids, prefixes).prefixes
+        q, k, v, upstream = (t[:, rows] for t in inputs(kv_heads))
+        results.append(output_and_grads(lambda *t: core(*t, documents), q, k, v, upstream))
     return results
 
 
@@ -237,6 +247,13 @@ def test_ulysses_core_matches_the_dense_mask(world):
     tokens = SEQ // world
     for index, (name, kv_heads, chunks) in enumerate(CASES):
         want = oracle_case(name, kv_heads)
+        for rank, results in enumerate(per_rank):
+            rows = slice(rank * tokens, (rank + 1) * tokens)
+            for label, got, full in zip(("out", "dq", "dk", "dv"), results[index], want):
+                assert_close(got, full[:, rows], atol=1e-5, rtol=1e-5,
+                             msg=f"{label} D={world} {name} kv_heads={kv_heads} chunks={chunks} rank {rank}")
+    for index, (name, kv_heads, chunks) in enumerate(BRANCH_CASES, start=len(CASES)):
+        want = output_and_grads(lambda *t: branch_oracle(*t, *BRANCHES[name]), *inputs(kv_heads))
         for rank, results in enumerate(per_rank):
             rows = slice(rank * tokens, (rank + 1) * tokens)
             for label, got, full in zip(("out", "dq", "dk", "dv"), results[index], want):

@@ -326,5 +326,6 @@ class DocumentBoundaries(nn.Module):
     (`mop.parallel.ulysses.SequenceDocumentBoundaries`).
     """
 
-    def forward(self, document_ids: torch.Tensor | None) -> Documents | None:
-        return None if document_ids is None else Documents.from_ids(document_ids)
+    def forward(self, document_ids: torch.Tensor | None,
+                prefix_lengths: torch.Tensor | None = None) -> Documents | None:
+        return None if document_ids is None else Documents.from_ids(document_ids, prefix_lengths)

@@ -108,14 +108,15 @@ class LMHead(nn.Module):
         return loss
 
 
-def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
-    """Positions that restart at 0 wherever `document_ids [B, S]` changes along the sequence."""
+def document_positions(document_ids: torch.Tensor, prefix_lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """Positions that restart at 0 wherever `document_ids [B, S]` changes along the sequence, or
+    at the prefix's length in a branch (`prefix_lengths`: its positions continue its prefix's)."""
     seq = document_ids.shape[-1]
     index = torch.arange(seq, device=document_ids.device).expand_as(document_ids)
     starts = torch.ones_like(document_ids, dtype=torch.bool)
     starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
     start_index = torch.where(starts, index, torch.zeros_like(index)).cummax(-1).values
-    return index - start_index
+    return index - start_index + (prefix_lengths if prefix_lengths is not None else 0)
 
 
 class MoETransformer(nn.Module):
@@ -162,14 +163,16 @@ class MoETransformer(nn.Module):
             if module is not self and hasattr(module, "reset_buffers"):
                 module.reset_buffers()
 
-    def hidden_states(self, input_ids, position_ids=None, document_ids=None, padding=None):
+    def hidden_states(self, input_ids, position_ids=None, document_ids=None, padding=None, prefix_lengths=None):
         """Final-norm hidden states `[B, S, H]`, the router sums of every MoE layer, and each MoE
         layer's expert counts `[moe_layers, E]` (None without MoE layers); tokens flagged in
-        `padding [B, S]` (bool, None: none) are computed but left out of the router sums and counts."""
+        `padding [B, S]` (bool, None: none) are computed but left out of the router sums and counts.
+        `prefix_lengths [B, S]` (None: none) makes branches (`mop.models.documents`): a document
+        that also attends to the first tokens of the one before it, its positions continuing theirs."""
         if position_ids is None:
-            position_ids = document_positions(document_ids) if document_ids is not None else (
+            position_ids = document_positions(document_ids, prefix_lengths) if document_ids is not None else (
                 torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids))
-        documents = self.documents(document_ids)  # once per forward, shared by every layer
+        documents = self.documents(document_ids, prefix_lengths)  # once per forward, shared by every layer
         h = self.embed(input_ids)
         router, counts = None, []
         for block in self.layers:
@@ -179,10 +182,11 @@ class MoETransformer(nn.Module):
                 counts.append(stats.assignments.sum(0))
         return self.norm(h), router, torch.stack(counts) if counts else None
 
-    def loss_terms(self, input_ids, labels, position_ids=None, document_ids=None, padding=None) -> LossTerms:
+    def loss_terms(self, input_ids, labels, position_ids=None, document_ids=None, padding=None,
+                   prefix_lengths=None) -> LossTerms:
         """Summed losses; `labels [B, S]` are the already-shifted next-token targets (IGNORE_INDEX skips);
-        `padding [B, S]` flags tokens that are no data (`hidden_states`)."""
-        h, router, counts = self.hidden_states(input_ids, position_ids, document_ids, padding)
+        `padding [B, S]` flags tokens that are no data, `prefix_lengths` branches (`hidden_states`)."""
+        h, router, counts = self.hidden_states(input_ids, position_ids, document_ids, padding, prefix_lengths)
         ce_sum = self.lm_head.loss_sum(h, labels)
         router = self.router_sums(router) if router is not None else None
         targets = int((labels != IGNORE_INDEX).sum())
@@ -216,12 +220,12 @@ class MoETransformer(nn.Module):
             loss = loss + self.cfg.aux_loss_coef * load_balancing_loss(terms.router) / sequences
         return loss
 
-    def forward(self, input_ids, labels=None, position_ids=None, document_ids=None):
+    def forward(self, input_ids, labels=None, position_ids=None, document_ids=None, prefix_lengths=None):
         """Logits `[B, S, V]` without labels; with labels, the mean loss over this batch's targets."""
         if labels is None:
-            h, _, _ = self.hidden_states(input_ids, position_ids, document_ids)
+            h, _, _ = self.hidden_states(input_ids, position_ids, document_ids, prefix_lengths=prefix_lengths)
             return self.lm_head(h)
-        terms = self.loss_terms(input_ids, labels, position_ids, document_ids)
+        terms = self.loss_terms(input_ids, labels, position_ids, document_ids, prefix_lengths=prefix_lengths)
         return self.objective(terms, terms.targets, terms.sequences)
 
 

@@ -101,20 +101,24 @@ def kv_index(query: tuple[int, int], kv: tuple[int, int], group: int) -> torch.T
 
 class SequenceDocumentBoundaries(nn.Module):
     """`MoETransformer.documents` for a sequence group: the `Documents` of whole sequences, from the
-    ids of every rank's slice, all-gathered once per forward (not per layer or head chunk)."""
+    ids (and branches' prefix lengths) of every rank's slice, all-gathered once per forward (not
+    per layer or head chunk)."""
 
     def __init__(self, group: dist.ProcessGroup):
         super().__init__()
         self.group = group
         self.ranks = dist.get_world_size(group)
 
-    def forward(self, document_ids: torch.Tensor | None) -> Documents | None:
+    def forward(self, document_ids: torch.Tensor | None,
+                prefix_lengths: torch.Tensor | None = None) -> Documents | None:
         if document_ids is None:
             return None
-        gathered = all_gather_rows(document_ids, self.group)  # [D*B, N], rank-major
-        batch, tokens = document_ids.shape
-        full = gathered.view(self.ranks, batch, tokens).permute(1, 0, 2).reshape(batch, self.ranks * tokens)
-        return Documents.from_ids(full)
+        rows = document_ids if prefix_lengths is None else torch.cat([document_ids, prefix_lengths.to(document_ids)])
+        gathered = all_gather_rows(rows, self.group)  # [D*B', N], rank-major: one collective for both
+        pieces, tokens = rows.shape
+        full = gathered.view(self.ranks, pieces, tokens).permute(1, 0, 2).reshape(pieces, self.ranks * tokens)
+        batch = document_ids.shape[0]
+        return Documents.from_ids(full[:batch], full[batch:] if prefix_lengths is not None else None)
 
 
 class UlyssesAttention(KeepsForwardOutputs, nn.Module):

@@ -179,6 +179,9 @@ class SinkWindowCore(AttentionCore):
         self.window = window
 
     def forward(self, q, k, v, documents: Documents | None, sinks: torch.Tensor) -> torch.Tensor:
+        if documents is not None and documents.prefixes:
+            raise NotImplementedError("gpt_oss attention does not attend branches (a shared prompt's second "
+                                      "response) yet: its sinks and windows over a prefix are not built")
         dtype = varlen_dtype(q)
         if dtype is not None:
             return self._varlen(q.to(dtype), k.to(dtype), v.to(dtype), documents, sinks)
