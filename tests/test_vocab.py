@@ -80,6 +80,47 @@ def test_ring_loss_matches_full_logits(world, vocab, vocab_size, token_block, z_
     assert results[1][1].abs().sum() == 0  # the all-ignored rank gets no input gradient
 
 
+def logprob_rank(rank, world, vocab_size, vocab, token_block):
+    device = rank_device()
+    layout = DistLayout(Layout(world, vocab=vocab), device)
+    head, hidden, labels = problem(world, vocab_size, 0.0)
+    parallel = VocabParallelHead(head, layout, token_block, 0.0).to(device)
+    h = hidden[rank].to(device).requires_grad_()
+    logprobs = parallel.token_logprobs(h, labels[rank].to(device))
+    weights = torch.arange(1, h.shape[0] + 1, dtype=torch.float32, device=device)  # a gradient per token
+    (logprobs * weights).sum().backward()
+    return to_cpu((logprobs.detach(), h.grad, parallel.weight.grad, layout.layout.vocab_shard(rank)))
+
+
+@pytest.mark.parametrize("world, vocab, vocab_size, token_block", [(2, 2, 12, 0), (4, 4, 13, 2)])
+def test_ring_token_logprobs_match_full_logits(world, vocab, vocab_size, token_block):
+    """Each token's target log-probability from the ring equals `LMHead.token_logprobs` (0 where
+    ignored), and a different gradient per token flows back to the hidden states and the shards."""
+    results = run_distributed(logprob_rank, world, vocab_size, vocab, token_block)
+    head, hidden, labels = problem(world, vocab_size, 0.0)
+    h = torch.cat(hidden).requires_grad_()
+    want = head.token_logprobs(h, torch.cat(labels))
+    weights = torch.cat([torch.arange(1, n + 1, dtype=torch.float32) for n in rank_tokens(world)])
+    (want * weights).sum().backward()
+    offsets = [0, *torch.tensor(rank_tokens(world)).cumsum(0).tolist()]
+    rows = math.ceil(vocab_size / vocab)
+    padded_grad = F.pad(head.weight.grad, (0, 0, 0, rows * vocab - vocab_size))
+    for rank, (logprobs, h_grad, w_grad, shard) in enumerate(results):
+        mine = slice(offsets[rank], offsets[rank + 1])
+        assert_close(logprobs, want.detach()[mine], atol=1e-5, rtol=1e-5)
+        assert_close(h_grad, h.grad[mine], atol=1e-5, rtol=1e-5)
+        assert_close(w_grad, padded_grad[shard * rows:(shard + 1) * rows], atol=1e-5, rtol=1e-5)
+    assert (results[1][0] == 0).all()  # the all-ignored rank
+
+
+def test_head_token_logprobs_are_the_negative_cross_entropy():
+    head, hidden, labels = problem(1, 11, 0.0)
+    logprobs = head.token_logprobs(hidden[0], labels[0])
+    kept = labels[0] != IGNORE_INDEX
+    assert_close(-logprobs.sum(), head.loss_sum(hidden[0], labels[0]), atol=1e-5, rtol=1e-6)
+    assert (logprobs[~kept] == 0).all() and (logprobs[kept] < 0).all()
+
+
 def test_full_logits_are_refused():
     with pytest.raises(NotImplementedError, match="parallel.vocab"):
         VocabParallelHead.forward(None, torch.zeros(1))

@@ -97,6 +97,12 @@ class LMHead(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(h, self.weight)
 
+    def token_logprobs(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Each token's fp32 log-probability of its target `[B, S]` (0 where the target is ignored)."""
+        logits = self(h).float()
+        picked = logits.log_softmax(-1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        return torch.where(labels != IGNORE_INDEX, picked, torch.zeros_like(picked))
+
     def loss_sum(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Sum over non-ignored targets of cross-entropy + z_loss_coef * logsumexp(logits)^2."""
         logits = self(h).float().view(-1, self.weight.shape[0])

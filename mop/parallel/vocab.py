@@ -20,7 +20,9 @@ more hop brings every buffer home to its owner, which all-reduces it over its re
 
 Loss: the sum over this rank's targets of `lse - logit_target + z * lse^2`; the trainer divides by
 the global target count, so every layout reproduces the single-device loss. A rank whose labels
-are all ignored (or that has no tokens) still takes part in both rings.
+are all ignored (or that has no tokens) still takes part in both rings. `token_logprobs`: the same
+two passes give each token's `logit_target - lse` and take any per-token gradient back (what a
+preference loss sums per response), still without full logits.
 """
 
 from __future__ import annotations
@@ -106,35 +108,79 @@ def _ring_step(ring: Ring, step: int, shard: torch.Tensor, labels: torch.Tensor)
     return _Step(incoming, works, labels - j * rows, valid_columns, blocks)
 
 
+def _forward_pass(hidden, weight, labels, ring: Ring) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
+    """The forward ring: each token's fp32 log-sum-exp over the vocabulary and its target's logit
+    (0 where the target is ignored), and the compute dtype the logits ran in."""
+    tokens, rows = hidden.shape[0], weight.shape[0]
+    # The logits matmul's dtype, as `LMHead`'s `F.linear` would run; autograd runs the backward
+    # outside autocast, so the forward's choice is saved and reused there.
+    dtype = compute_dtype_of(hidden)
+    running_max = hidden.new_full((tokens,), float("-inf"), dtype=torch.float32)
+    running_sum = hidden.new_zeros(tokens, dtype=torch.float32)
+    target = hidden.new_zeros(tokens, dtype=torch.float32)
+    # The shard travels in the compute dtype (half the bytes in bf16).
+    compute_hidden, shard = hidden.detach().to(dtype), weight.detach().to(dtype)
+    for step in range(ring.size):
+        now = _ring_step(ring, step, shard, labels)
+        for block in now.blocks:
+            logits = _logits(compute_hidden[block], shard, now.valid_columns)
+            mine = (now.local[block] >= 0) & (now.local[block] < rows)
+            picked = logits.gather(1, now.local[block].clamp(0, rows - 1).unsqueeze(1)).squeeze(1)
+            target[block] = torch.where(mine, picked, target[block])
+            new_max = torch.maximum(running_max[block], logits.max(dim=1).values)
+            # In place on the tile: one [block, V/P] tensor is all this step allocates.
+            tile_sum = logits.sub_(new_max.unsqueeze(1)).exp_().sum(dim=1)
+            running_sum[block] = running_sum[block] * torch.exp(running_max[block] - new_max) + tile_sum
+            running_max[block] = new_max
+            del logits
+        _wait(now.works)
+        if now.incoming is not None:
+            shard = now.incoming[0]
+    return running_max + torch.log(running_sum), target, dtype
+
+
+def _backward_pass(hidden, weight, labels, lse, ring: Ring, dtype: torch.dtype, softmax_scale: torch.Tensor,
+                   target_scale: torch.Tensor, trains: bool):
+    """The backward ring for per-token gradients `d logits = softmax x softmax_scale - onehot(target)
+    x target_scale` (both `[N]` fp32, zero where the target is ignored): the hidden states' gradient
+    and, when the projection `trains`, its shard's (all-reduced over the replicas)."""
+    rows = weight.shape[0]
+    # Both gradients accumulate in fp32 over the ring's steps (the tiles' products are in the
+    # compute dtype, as the reference's matmul is).
+    grad_hidden = torch.zeros_like(hidden, dtype=torch.float32)
+    compute_hidden, shard = hidden.to(dtype), weight.detach().to(dtype)
+    # A frozen projection (LoRA's base) gets no gradient: no buffer travels with its shards.
+    shard_grad = torch.zeros_like(weight, dtype=torch.float32) if trains else None
+    for step in range(ring.size):
+        now = _ring_step(ring, step, shard, labels)
+        for block in now.blocks:
+            d_logits = _logits(compute_hidden[block], shard, now.valid_columns)
+            d_logits.sub_(lse[block].unsqueeze(1)).exp_().mul_(softmax_scale[block].unsqueeze(1))
+            # Minus the one-hot target where it lies in this shard (adding 0 elsewhere): no
+            # data-dependent shapes, so no device-to-host synchronisation per tile.
+            in_shard = (now.local[block] >= 0) & (now.local[block] < rows)
+            d_logits.scatter_add_(1, now.local[block].clamp(0, rows - 1).unsqueeze(1),
+                                  -(target_scale[block] * in_shard).unsqueeze(1))
+            grad_hidden[block] += d_logits.to(dtype) @ shard
+            if trains:
+                shard_grad.addmm_(d_logits.t(), compute_hidden[block].float())
+            del d_logits
+        # Done with this shard: drop it before the gradient hop so that only the incoming
+        # shard, the gradient and the incoming gradient are in flight.
+        del shard
+        # The gradient buffer follows its shard; the last hop brings it home to its owner.
+        (shard_grad,), grad_works = ring.shift([shard_grad]) if trains else ((None,), [])
+        _wait(now.works + grad_works)
+        shard = now.incoming[0] if now.incoming is not None else None
+    if trains and ring.replica_group is not None:
+        dist.all_reduce(shard_grad, group=ring.replica_group)
+    return grad_hidden.to(hidden.dtype), shard_grad.to(weight.dtype) if trains else None
+
+
 class _RingCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, ring: Ring):
-        tokens, rows = hidden.shape[0], weight.shape[0]
-        # The logits matmul's dtype, as `LMHead`'s `F.linear` would run; autograd runs the backward
-        # outside autocast, so the forward's choice is saved and reused there.
-        dtype = compute_dtype_of(hidden)
-        running_max = hidden.new_full((tokens,), float("-inf"), dtype=torch.float32)
-        running_sum = hidden.new_zeros(tokens, dtype=torch.float32)
-        target = hidden.new_zeros(tokens, dtype=torch.float32)
-        # The shard travels in the compute dtype (half the bytes in bf16).
-        compute_hidden, shard = hidden.detach().to(dtype), weight.detach().to(dtype)
-        for step in range(ring.size):
-            now = _ring_step(ring, step, shard, labels)
-            for block in now.blocks:
-                logits = _logits(compute_hidden[block], shard, now.valid_columns)
-                mine = (now.local[block] >= 0) & (now.local[block] < rows)
-                picked = logits.gather(1, now.local[block].clamp(0, rows - 1).unsqueeze(1)).squeeze(1)
-                target[block] = torch.where(mine, picked, target[block])
-                new_max = torch.maximum(running_max[block], logits.max(dim=1).values)
-                # In place on the tile: one [block, V/P] tensor is all this step allocates.
-                tile_sum = logits.sub_(new_max.unsqueeze(1)).exp_().sum(dim=1)
-                running_sum[block] = running_sum[block] * torch.exp(running_max[block] - new_max) + tile_sum
-                running_max[block] = new_max
-                del logits
-            _wait(now.works)
-            if now.incoming is not None:
-                shard = now.incoming[0]
-        lse = running_max + torch.log(running_sum)
+        lse, target, dtype = _forward_pass(hidden, weight, labels, ring)
         valid = labels != IGNORE_INDEX
         loss = torch.where(valid, lse - target + ring.z_loss * lse.square(), torch.zeros_like(lse)).sum()
         ctx.save_for_backward(hidden, weight, labels, lse)
@@ -144,41 +190,31 @@ class _RingCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         hidden, weight, labels, lse = ctx.saved_tensors
-        ring = ctx.ring
-        rows = weight.shape[0]
         valid = (labels != IGNORE_INDEX).float() * grad_loss.float()
-        scale = (1 + 2 * ring.z_loss * lse) * valid
-        # Both gradients accumulate in fp32 over the ring's steps (the tiles' products are in the
-        # compute dtype, as the reference's matmul is).
-        grad_hidden = torch.zeros_like(hidden, dtype=torch.float32)
-        compute_hidden, shard = hidden.to(ctx.dtype), weight.detach().to(ctx.dtype)
-        # A frozen projection (LoRA's base) gets no gradient: no buffer travels with its shards.
-        trains = ctx.needs_input_grad[1]
-        shard_grad = torch.zeros_like(weight, dtype=torch.float32) if trains else None
-        for step in range(ring.size):
-            now = _ring_step(ring, step, shard, labels)
-            for block in now.blocks:
-                d_logits = _logits(compute_hidden[block], shard, now.valid_columns)
-                d_logits.sub_(lse[block].unsqueeze(1)).exp_().mul_(scale[block].unsqueeze(1))
-                # Minus the one-hot target where it lies in this shard (adding 0 elsewhere): no
-                # data-dependent shapes, so no device-to-host synchronisation per tile.
-                in_shard = (now.local[block] >= 0) & (now.local[block] < rows)
-                d_logits.scatter_add_(1, now.local[block].clamp(0, rows - 1).unsqueeze(1),
-                                      -(valid[block] * in_shard).unsqueeze(1))
-                grad_hidden[block] += d_logits.to(ctx.dtype) @ shard
-                if trains:
-                    shard_grad.addmm_(d_logits.t(), compute_hidden[block].float())
-                del d_logits
-            # Done with this shard: drop it before the gradient hop so that only the incoming
-            # shard, the gradient and the incoming gradient are in flight.
-            del shard
-            # The gradient buffer follows its shard; the last hop brings it home to its owner.
-            (shard_grad,), grad_works = ring.shift([shard_grad]) if trains else ((None,), [])
-            _wait(now.works + grad_works)
-            shard = now.incoming[0] if now.incoming is not None else None
-        if trains and ring.replica_group is not None:
-            dist.all_reduce(shard_grad, group=ring.replica_group)
-        return grad_hidden.to(hidden.dtype), shard_grad.to(weight.dtype) if trains else None, None, None
+        scale = (1 + 2 * ctx.ring.z_loss * lse) * valid
+        grads = _backward_pass(hidden, weight, labels, lse, ctx.ring, ctx.dtype, scale, valid, ctx.needs_input_grad[1])
+        return *grads, None, None
+
+
+class _RingTokenLogProbs(torch.autograd.Function):
+    """Each token's target log-probability `logit_target - lse` (fp32, 0 where ignored), any
+    gradient per token flowing back: what a preference loss sums per response."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, ring: Ring):
+        lse, target, dtype = _forward_pass(hidden, weight, labels, ring)
+        ctx.save_for_backward(hidden, weight, labels, lse)
+        ctx.ring, ctx.dtype = ring, dtype
+        return torch.where(labels != IGNORE_INDEX, target - lse, torch.zeros_like(lse))
+
+    @staticmethod
+    def backward(ctx, grad_logprobs):
+        hidden, weight, labels, lse = ctx.saved_tensors
+        # d (target - lse) / d logits = onehot - softmax, times each token's incoming gradient
+        upstream = torch.where(labels != IGNORE_INDEX, grad_logprobs.float(), torch.zeros_like(lse))
+        grads = _backward_pass(hidden, weight, labels, lse, ctx.ring, ctx.dtype, -upstream, -upstream,
+                               ctx.needs_input_grad[1])
+        return *grads, None, None
 
 
 def default_token_block(shard_rows: int) -> int:
@@ -208,6 +244,11 @@ class VocabParallelHead(nn.Module):
 
     def loss_sum(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return _RingCrossEntropy.apply(h.reshape(-1, h.shape[-1]), self.weight, labels.reshape(-1), self.ring)
+
+    def token_logprobs(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """`LMHead.token_logprobs` over the ring, without full logits."""
+        flat = _RingTokenLogProbs.apply(h.reshape(-1, h.shape[-1]), self.weight, labels.reshape(-1), self.ring)
+        return flat.view(labels.shape)
 
 
 def apply_vocab_parallel(model, layout: DistLayout, token_block: int) -> None:
