@@ -25,7 +25,7 @@ from mop.models.config import ModelConfig
 from mop.models.hf import HFWeights, config_from_hf, read_hf_config
 from mop.models.hf_mapping import HFConversionError
 from mop.models.hf_quantized import reader_for
-from mop.models.lora import LoraConfig, format_name, unmatched_targets
+from mop.models.lora import LoraConfig, format_name, is_adapter, unmatched_targets
 from mop.models.transformer import MoETransformer
 
 
@@ -154,12 +154,8 @@ def adapters_on_host(config: Config, world: int) -> bool:
     if config.adapters.validate():  # settings out of range: `check_settings` names them in one line
         return False
     record = placements(config.model, world, p.expert or 1, p.vocab or 1, config.adapters)
-    local = sum(place.local_rows * place.row_elements for name, place in record.items() if _trained(name))
+    local = sum(place.local_rows * place.row_elements for name, place in record.items() if is_adapter(name))
     return 16 * local > DEVICE_ADAMW_LIMIT
-
-
-def _trained(name: str) -> bool:
-    return name.endswith(("lora_A", "lora_B"))
 
 
 def summary(model: torch.nn.Module, config: Config) -> str:

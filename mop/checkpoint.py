@@ -62,7 +62,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from mop.config import Config, ConfigError
 from mop.data.tokenizer import AnyTokenizer, describe
+from mop.models.config import ModelConfig
 from mop.models.hf import HFWeights
+from mop.models.lora import LoraConfig
 from mop.models.peft import save_peft
 from mop.models.transformer import MoETransformer
 from mop.optim.optimizer import Optimizer
@@ -179,11 +181,17 @@ def save_hf_import(path: Path, hf_dir: Path, fingerprint: dict[str, str], config
 def _write_peft(directory: Path, meta: dict, config: Config) -> None:
     """A LoRA checkpoint's adapters in PEFT's layout, in `directory/peft` (`mop.models.peft`), read
     back from the shards just saved, in the dtype the run computes in."""
-    with torch.device("meta"):
-        model = MoETransformer(config.model, config.adapters)
-    shapes = {name: p.shape for name, p in model.named_parameters() if p.requires_grad}
     dtype = torch.bfloat16 if config.train.dtype == "bfloat16" else torch.float32
-    save_peft(directory / PEFT, config.model, config.adapters, read_tensors(directory, meta, shapes, set()), dtype)
+    adapters = read_adapters(directory, meta, config.model, config.adapters)
+    save_peft(directory / PEFT, config.model, config.adapters, adapters, dtype)
+
+
+def read_adapters(path: Path, meta: dict, cfg: ModelConfig, lora: LoraConfig) -> dict[str, torch.Tensor]:
+    """Every adapter of a LoRA checkpoint, whole, in fp32, in one process."""
+    with torch.device("meta"):
+        model = MoETransformer(cfg, lora)
+    shapes = {name: p.shape for name, p in model.named_parameters() if p.requires_grad}
+    return read_tensors(path, meta, shapes, set())
 
 
 def _write_tokenizer(directory: Path, tokenizer: AnyTokenizer) -> dict:

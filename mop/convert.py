@@ -50,7 +50,7 @@ from mop.config import Config, ConfigError, DataConfig
 from mop.data.tokenizer import COMPANION_FILES, AnyTokenizer, load_tokenizer
 from mop.models.config import ModelConfig
 from mop.models.families import FAMILIES
-from mop.models.hf import MAX_SHARD_BYTES, HFConversionError, HFWeights, AsPublished, model_types, write_hf
+from mop.models.hf import MAX_SHARD_BYTES, AsPublished, HFConversionError, HFWeights, model_types, write_hf
 from mop.models.lora import LoraConfig, adapted_weights
 from mop.models.lora import merged as lora_merged
 from mop.models.peft import save_peft
@@ -120,16 +120,8 @@ def export_adapters(path: Path, out: Path, dtype: torch.dtype) -> None:
     """A LoRA checkpoint's adapters as a PEFT adapter directory `out` (module docstring)."""
     meta, cfg, lora = lora_checkpoint(path)
     make_directory(out, out)
-    save_peft(out, cfg, lora, read_adapters(path, meta, cfg, lora), dtype)
+    save_peft(out, cfg, lora, checkpoint.read_adapters(path, meta, cfg, lora), dtype)
     print(f"mop: wrote {out} from {path}")
-
-
-def read_adapters(path: Path, meta: dict, cfg: ModelConfig, lora: LoraConfig) -> dict[str, torch.Tensor]:
-    """Every adapter of a LoRA checkpoint, whole, in fp32."""
-    with torch.device("meta"):
-        model = MoETransformer(cfg, lora)
-    shapes = {name: p.shape for name, p in model.named_parameters() if p.requires_grad}
-    return checkpoint.read_tensors(path, meta, shapes, set())
 
 
 def merge(path: Path, out: Path, dtype: str, base_dir: Path | None) -> None:
@@ -144,7 +136,7 @@ def merge(path: Path, out: Path, dtype: str, base_dir: Path | None) -> None:
     with torch.device("meta"):
         adapted = MoETransformer(cfg, lora)
         plain = MoETransformer(cfg)
-    updates, adapters = adapted_weights(adapted), read_adapters(path, meta, cfg, lora)
+    updates, adapters = adapted_weights(adapted), checkpoint.read_adapters(path, meta, cfg, lora)
     shapes = {name: tensor.shape for name, tensor in plain.state_dict().items()}
     buffers = set(checkpoint.named_buffers(plain))
     with (HFWeights(base_dir) if base_dir is not None else nullcontext()) as base:
