@@ -173,6 +173,7 @@ class TrainingRun:
     data: object  # mop.data.Data
     held_out: HeldOut | None  # the sequences evaluations read (`mop.evaluation`), None without evaluation
     base: dict | None = None  # a LoRA run's base (`mop.adapters.base_identity`), None for full fine-tuning
+    reference: dict | None = None  # what a DPO run's precomputed reference log-probs are of (`mop.preference`)
 
     @property
     def spec(self) -> ModelSpec:

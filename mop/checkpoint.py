@@ -12,7 +12,8 @@ Content of one checkpoint (a directory `step_<N>`, N = optimizer steps completed
   the tokenizer the run trained with (`mop.data.tokenizer.describe`: kind, fingerprint, vocabulary
   size, eos/bos/pad ids); a LoRA run's `lora_base`, what its base is (`mop.adapters.base_identity`:
   a Hugging Face directory and its fingerprint, or the run's own initial weights), which a resume
-  and a merge check;
+  and a merge check; a DPO run's `dpo_reference`, what its precomputed reference log-probs were
+  computed from (`mop.preference.reference`), which a resume checks against the stored ones;
 - `tokenizer/` (written by rank 0): the Hugging Face files of that tokenizer (`hf_files()`: for the
   byte tokenizer its exact HF equivalent), so that `mop convert to-hf` is self-contained and a
   run can name the checkpoint's own copy as `data.tokenizer`;
@@ -121,13 +122,15 @@ def complete_checkpoints(directory: Path) -> list[Path]:
 
 
 def save(directory: Path, step: int, model, optimizer: Optimizer, views: GlobalViews, data_state: dict,
-         config: Config, keep: int, tokenizer: AnyTokenizer, base: dict | None = None) -> Path:
-    """Write checkpoint `step_<step>` atomically (collective over all ranks) and prune to the newest `keep`.
+         config: Config, keep: int, tokenizer: AnyTokenizer, base: dict | None = None,
+         reference: dict | None = None) -> Path:
+    """Write checkpoint `step_<step>` atomically (collective over all ranks) and prune to the newest `keep`;
+    `base`: a LoRA run's base, `reference`: what its precomputed DPO reference log-probs were made of.
 
     A file-system failure (read-only, full, permissions) is one line naming `checkpoint.dir`; the
     complete checkpoints before it are untouched."""
     try:
-        return _save(directory, step, model, optimizer, views, data_state, config, keep, tokenizer, base)
+        return _save(directory, step, model, optimizer, views, data_state, config, keep, tokenizer, base, reference)
     except (OSError, CheckpointException) as err:  # DCP's own exception is a BaseException
         raise ConfigError("checkpoint.dir", f"{directory} cannot be written ({_last_line(err)}); the checkpoints "
                           f"before step {step} are intact: free space or fix permissions, then resume with "
@@ -135,7 +138,7 @@ def save(directory: Path, step: int, model, optimizer: Optimizer, views: GlobalV
 
 
 def _save(directory: Path, step: int, model, optimizer: Optimizer, views: GlobalViews, data_state: dict,
-          config: Config, keep: int, tokenizer: AnyTokenizer, base: dict | None) -> Path:
+          config: Config, keep: int, tokenizer: AnyTokenizer, base: dict | None, reference: dict | None) -> Path:
     final = directory / f"step_{step}"
     partial = directory / f"step_{step}{PARTIAL}"
     main = not dist.is_initialized() or dist.get_rank() == 0
@@ -149,7 +152,8 @@ def _save(directory: Path, step: int, model, optimizer: Optimizer, views: Global
                  no_dist=not dist.is_initialized())
     if main:
         meta = {"step": step, "data": data_state, "config": asdict(config), "has_optimizer": True,
-                "tokenizer": _write_tokenizer(partial, tokenizer), **({"lora_base": base} if base else {})}
+                "tokenizer": _write_tokenizer(partial, tokenizer), **({"lora_base": base} if base else {}),
+                **({"dpo_reference": reference} if reference else {})}
         if base:
             _write_peft(partial, meta, config)
         (partial / META).write_text(json.dumps(meta, indent=1))

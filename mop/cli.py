@@ -1,6 +1,6 @@
 """The `mop` command: `mop train [CONFIG.toml] [--section.key=value ...]`, `mop bench NAME [...]`,
 `mop convert to-hf|from-hf ...`, `mop plan ...`, `mop data prepare SOURCE --tokenizer DIR --out DIR`,
-`mop data inspect SOURCE --tokenizer DIR`.
+`mop data inspect SOURCE --tokenizer DIR` (both with `--format preference` for preference pairs).
 
 User errors (a bad setting, missing data, an impossible layout, a feature that has not landed)
 print one line naming the setting and the fix, and exit with code 2.
@@ -81,18 +81,20 @@ def build_parser(benchmark: str | None = None) -> argparse.ArgumentParser:
     plan.add_arguments(commands.add_parser("plan", help="will a model fit a cluster at a context, with which layout "
                                            "and how fast (MoP and FSDP-best)", description=plan.__doc__,
                                            formatter_class=argparse.RawDescriptionHelpFormatter))
-    data_parser = commands.add_parser("data", help="prepare conversation data once for chat fine-tuning, or look at "
-                                      "what training sees of it")
+    data_parser = commands.add_parser("data", help="prepare conversations or preference pairs once for fine-tuning, "
+                                      "or look at what training sees of them")
     data_commands = data_parser.add_subparsers(dest="data_command", required=True, metavar="SUBCOMMAND")
     from mop.data import prepared
 
     prepared.add_arguments(data_commands.add_parser(
-        "prepare", help="render, tokenize and mask conversations into a memory-mapped prepared folder",
+        "prepare", help="render, tokenize and mask conversations (or preference pairs) into a memory-mapped "
+        "prepared folder",
         description=prepared.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
     from mop.data import inspection
 
     inspection.add_arguments(data_commands.add_parser(
-        "inspect", help="show conversations as training sees them, the trained tokens marked",
+        "inspect", help="show conversations (or preference pairs) as training sees them, the trained tokens "
+        "marked",
         description=inspection.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter), DataConfig())
     bench_parser = commands.add_parser("bench", help="run a benchmark: prints a table and writes JSON")
     benchmarks = bench_parser.add_subparsers(dest="benchmark", required=True, metavar="NAME")

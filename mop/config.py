@@ -98,8 +98,8 @@ class ParallelConfig:
 class DataConfig:
     source: str = "builtin"
     """"builtin" (the shipped corpus) or a path to a .txt/.jsonl/.parquet/.bin file or a directory of them; with
-    data.format = "chat", a .jsonl/.parquet file of conversations, a folder of them, a datasets save_to_disk folder,
-    or a folder written by `mop data prepare` (it has a manifest.json)."""
+    data.format = "chat" or "preference", a .jsonl/.parquet file of conversations or preference pairs, a folder of
+    them, a datasets save_to_disk folder, or a folder written by `mop data prepare` (it has a manifest.json)."""
     tokenizer: str = "byte"
     """"byte" (built-in byte-level) or a path to a Hugging Face tokenizer.json (or its directory).
     Checkpoints record it and carry a copy (step_<N>/tokenizer); resuming with another one is an
@@ -112,22 +112,36 @@ class DataConfig:
     """Element type of pre-tokenised .bin token files."""
     eos_token: str = ""
     """The document separator of a Hugging Face tokenizer ("" : its tokenizer_config.json's eos_token,
-    else a conventional end-of-text token it defines)."""
-    format: Literal["text", "chat"] = "text"
+    else a conventional end-of-text token it defines). Plain preference responses end with the tokenizer's
+    own EOS instead, as TRL's do."""
+    format: Literal["text", "chat", "preference"] = "text"
     """"text": documents concatenated and cut every seq_len tokens, every token a target; "chat":
     conversations (`messages` or ShareGPT `conversations`) rendered with the tokenizer's chat template,
-    each packed whole into one sequence, the loss on data.loss_on (mop.data.templates)."""
+    each packed whole into one sequence, the loss on data.loss_on (mop.data.templates); "preference":
+    TRL's preference pairs (`prompt`/`chosen`/`rejected` message lists or strings; the prompt may be
+    implicit), each pair packed whole, its prompt once (data.shared_prompt), the targets its responses'
+    (data.loss_on; mop.data.preferences, mop.data.preference_packing)."""
     chat_template: str = ""
-    """With data.format = "chat": a Jinja template file used instead of data.tokenizer's chat template."""
+    """With data.format = "chat" or "preference": a Jinja template file used instead of data.tokenizer's chat
+    template (plain-text preference pairs need none)."""
     loss_on: Literal["assistant", "all"] = "assistant"
     """With data.format = "chat": the targets, what the model writes in each assistant turn (its reasoning, content
-    and tool calls through the turn's end; `mop data inspect` shows them) or every token."""
+    and tool calls through the turn's end; `mop data inspect` shows them) or every token. With "preference": the
+    responses' assistant targets or, with "all", every token after the prompt (TRL's rule: for Qwen3 also the
+    newline after <|im_end|>); plain-text responses are all targets either way."""
     overlong: Literal["drop", "truncate"] = "drop"
     """With data.format = "chat": a conversation longer than seq_len is left out, or cut after the last assistant
-    turn that ends within seq_len (left out when none does); both are counted in the start line and records."""
+    turn that ends within seq_len (left out when none does). With "preference": a pair longer than seq_len is left
+    out, or its prompt cut from the left to fit (left out when not one prompt token fits). Both are counted in the
+    start line and records."""
     skip_invalid: bool = False
-    """With data.format = "chat": count and skip a conversation that cannot be used (no assistant turn, an unknown
-    role, a template that fails on it) instead of stopping with a one-line error naming its row."""
+    """With data.format = "chat" or "preference": count and skip a conversation or pair that cannot be used (no
+    assistant turn, an unknown role, a template that fails on it, a missing field, an empty prompt, a prompt whose
+    tokens do not begin prompt + response's) instead of stopping with a one-line error naming its row."""
+    shared_prompt: bool = True
+    """With data.format = "preference": pack a pair as [prompt | chosen] and the rejected response as a branch
+    over that prompt, computed once; false packs prompt+chosen and prompt+rejected as two documents, the unshared
+    computation the exactness tests and `mop bench dpo` compare against."""
 
 
 @dataclass(frozen=True)
@@ -252,6 +266,30 @@ class LogConfig:
 
 
 @dataclass(frozen=True)
+class DpoConfig:
+    beta: float = 0.1
+    """DPO's beta (IPO's tau): the strength of the pull towards the reference; rewards are beta x the
+    log-ratio of policy to reference."""
+    loss: Literal["sigmoid", "ipo"] = "sigmoid"
+    """"sigmoid": DPO, -log sigmoid(beta x margin); "ipo": (margin' - 1 / (2 beta))^2 with each
+    response's log-ratio divided by its target count (TRL's IPO)."""
+    label_smoothing: float = 0.0
+    """With loss = "sigmoid", in [0, 0.5): the probability that a pair's labels are flipped (conservative
+    DPO: -(1 - e) log sigmoid(beta m) - e log sigmoid(-beta m))."""
+    nll_alpha: float = 0.0
+    """RPO's alpha: adds alpha x the mean negative log-likelihood of the chosen responses' target tokens
+    (TRL's loss_type ["sigmoid", "sft"] with weights [1, alpha])."""
+    reference: Literal["auto", "base", "precomputed"] = "auto"
+    """Where the reference log-probs come from: "base", the frozen base with the adapters off, in the
+    same step and layout (train.finetune = "lora" only); "precomputed", one pass over the data with the
+    starting weights before the first step, stored in dpo.reference_dir. "auto": base with LoRA, else
+    precomputed."""
+    reference_dir: str = ""
+    """Where precomputed reference log-probs are stored and read ("": <run directory>/reference); they
+    are fingerprinted to the starting weights and the data, and another start refuses them."""
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     """Architecture of the MoE transformer."""
@@ -271,6 +309,8 @@ class Config:
     """Metrics and plots."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA fine-tuning (with train.finetune = "lora")."""
+    dpo: DpoConfig = field(default_factory=DpoConfig)
+    """Preference optimisation (with data.format = "preference")."""
 
     @property
     def adapters(self) -> LoraConfig | None:

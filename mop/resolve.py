@@ -27,10 +27,12 @@ from mop.config import Config, ConfigError, check_fields
 from mop.optim import optimizer, schedule
 from mop.parallel import baseline, checkpointing, llep, ulysses, vocab
 from mop.parallel.mesh import Layout
+from mop.preference import settings as preference
 from mop.runtime import check_ranks_fit_gpus, visible_gpus
 
 # Each part's own cross-field checks, `check_settings(config, world)`, in this order.
-CHECKS = (checkpointing, vocab, llep, ulysses, baseline, optimizer, schedule, build, evaluation, metrics, adapters)
+CHECKS = (checkpointing, vocab, llep, ulysses, baseline, optimizer, schedule, build, evaluation, metrics, adapters,
+          preference)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +48,7 @@ class ResolvedConfig(Config):
 def resolve(config: Config, world: int | None = None, local_world: int | None = None) -> ResolvedConfig:
     """`config` resolved (module docstring) for `world` ranks (None: the ranks mop's launcher starts,
     `parallel.nproc`, all on this node), whose smallest node runs `local_world` (default: all)."""
-    config = adapters.decide(config)  # a LoRA run's base gives the model
+    config = preference.decide(adapters.decide(config))  # a LoRA run's base gives the model
     for key, message in config.model.validate():
         raise ConfigError(f"model.{key}", message)
     launched = world is None

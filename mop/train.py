@@ -49,6 +49,9 @@ from mop.models.transformer import MoETransformer
 from mop.optim.optimizer import Optimizer
 from mop.optim.schedule import learning_rate
 from mop.parallel.mesh import TorchrunEnv
+from mop.preference import reference
+from mop.preference.loss import StepTotals
+from mop.preference.step import PreferenceObjective, local_counts, step_record
 from mop.progress import StepProgress
 from mop.resolve import ResolvedConfig, resolve
 from mop.run_dir import shared_run_dir
@@ -85,65 +88,84 @@ def worst_rank_state(run: TrainingRun) -> dict:
     return {**state, **{k: v if k.startswith("device_bytes_per_param") else int(v) for k, v in zip(keys, worst)}}
 
 
-def micro_batch_objective(model: MoETransformer, batch: dict, global_targets: int, global_batch: int):
-    """Loss terms of one micro-batch and its share of the step objective (`MoETransformer.objective`)."""
-    terms = model.loss_terms(batch["input_ids"], batch["labels"], batch["position_ids"], batch["document_ids"],
-                             batch.get("padding"))
-    return terms, model.objective(terms, global_targets, global_batch)
+class SupervisedObjective:
+    """`forward_backward`'s objective for next-token prediction: (loss, its float64 parts (ce, aux),
+    expert counts) of one micro-batch (`MoETransformer.objective`)."""
+
+    PARTS = ("ce_loss", "aux_loss")
+
+    def __init__(self, model: MoETransformer, global_targets: int, global_batch: int):
+        self.model, self.global_targets, self.global_batch = model, global_targets, global_batch
+
+    def __call__(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        terms = self.model.loss_terms(batch["input_ids"], batch["labels"], batch["position_ids"],
+                                      batch["document_ids"], batch.get("padding"))
+        loss = self.model.objective(terms, self.global_targets, self.global_batch)
+        ce = terms.ce_sum.detach().double() / max(self.global_targets, 1)
+        return loss, torch.stack([ce, loss.detach().double() - ce]), terms.expert_counts
 
 
-def forward_backward(model: MoETransformer, batches: list[dict], global_targets: int, global_batch: int,
-                     runtime: Runtime, autocast=nullcontext(), optimizer: Optimizer | None = None) -> tuple[float, float]:
+def forward_backward(model: MoETransformer, batches: list[dict], objective, runtime: Runtime,
+                     autocast=nullcontext(), optimizer: Optimizer | None = None) -> list[float]:
     """Forward and backward of this rank's micro-batches, accumulating gradients; returns this
-    rank's (ce, aux) shares of the step loss.
+    rank's shares of the step loss's parts (`objective(batch)` gives a micro-batch's loss, its
+    float64 parts and its expert counts: `SupervisedObjective`, `mop.preference.step`).
 
     The optimizer (None: gradients are left on the parameters) is told the phases of the step
     (`mop.optim.optimizer`): the host optimizer's forward waits only for the parameters whose
     update is not finished yet, and every backward hands each gradient over as soon as it is
     reduced; the last one's are final.
     """
-    # Summed on the device: one host read per step, not per micro-batch.
-    ce_total = aux_total = torch.zeros((), dtype=torch.float64, device=runtime.device)
+    totals = 0  # summed on the device: one host read per step, not per micro-batch
     expert_counts = 0
     if optimizer is not None:
         optimizer.before_forward()
     for index, batch in enumerate(batches):
         batch = to_device(batch, runtime.device)
         with autocast:
-            terms, loss = micro_batch_objective(model, batch, global_targets, global_batch)
+            loss, parts, counts = objective(batch)
         if optimizer is not None:
             optimizer.before_backward(last=index == len(batches) - 1)
         loss.backward()
         if optimizer is not None:
             optimizer.after_backward()
-        ce_part = terms.ce_sum.detach().double() / max(global_targets, 1)
-        ce_total = ce_total + ce_part
-        aux_total = aux_total + (loss.detach().double() - ce_part)
-        if terms.expert_counts is not None:
-            expert_counts = expert_counts + terms.expert_counts.double()  # exact counts past 2^24
-    ce, aux = torch.stack([ce_total, aux_total]).tolist()
+        totals = totals + parts
+        if counts is not None:
+            expert_counts = expert_counts + counts.double()  # exact counts past 2^24
     if model.balances_router_biases:  # after the backward: the next forward routes with the moved biases
         model.update_router_biases(sum_tensor_over_ranks(expert_counts, runtime))
-    return ce, aux
+    return totals.tolist()
 
 
 def train_step(run: TrainingRun, batches: list[dict]) -> dict:
     """Forward/backward over this rank's micro-batches of a step; returns the globally reduced
-    losses, the step's targets, their share of its token positions, its tokens that are data (not
-    padding) and its model FLOPs (`mop.flops`)."""
-    runtime = run.runtime
+    losses (and, for preference pairs, TRL's records: `mop.preference`), the step's targets, their
+    share of its token positions, its tokens that are data (not padding) and its model FLOPs
+    (`mop.flops`)."""
+    runtime, config = run.runtime, run.config
+    preference = config.data.format == "preference"
     local_targets = count_targets(batches)
     keys = run.spec.layer_keys(lambda window: sum(int(attended_keys(b["position_ids"], window).sum()) for b in batches))
     tokens = sum(b["input_ids"].numel() for b in batches)
     padding = sum(int(b["padding"].sum()) for b in batches if b.get("padding") is not None)
-    global_targets, keys, tokens, padding = sum_over_ranks([local_targets, keys, tokens, padding], runtime)
-    shares = forward_backward(run.model, batches, int(global_targets), run.config.train.global_batch, runtime,
-                              run.autocast(), run.optimizer)
-    ce_loss, aux_loss = sum_over_ranks(list(shares), runtime)
+    counts = sum_over_ranks([local_targets, keys, tokens, padding, *(local_counts(batches) if preference else [])],
+                            runtime)
+    global_targets, keys, tokens, padding = counts[:4]
+    if preference:
+        totals = StepTotals(int(counts[4]), int(counts[5]), config.train.global_batch)
+        objective = PreferenceObjective(run.model, config.dpo, totals, run.data.dataset.pairs_max)
+    else:
+        objective = SupervisedObjective(run.model, int(global_targets), config.train.global_batch)
+    parts = sum_over_ranks(forward_backward(run.model, batches, objective, runtime, run.autocast(), run.optimizer),
+                           runtime)
+    if preference:
+        losses = step_record(parts, config.dpo.nll_alpha, totals)
+    else:
+        losses = {"loss": sum(parts), **dict(zip(SupervisedObjective.PARTS, parts))}
     # Every rank of a sequence group holds distinct tokens, so the sums count each token once.
     model_flops = run.spec.flops_per_token(keys / tokens) * tokens
-    return {"loss": ce_loss + aux_loss, "ce_loss": ce_loss, "aux_loss": aux_loss, "targets": int(global_targets),
-            "target_share": global_targets / tokens, "tokens": int(tokens - padding), "model_flops": model_flops}
+    return {**losses, "targets": int(global_targets), "target_share": global_targets / tokens,
+            "tokens": int(tokens - padding), "model_flops": model_flops}
 
 
 def update(run: TrainingRun) -> dict:
@@ -177,6 +199,13 @@ def describe_data(config: Config, data: Data) -> str:
     d, stats = config.data, data.dataset.stats
     if d.format == "text":
         return f"text ({data.stream.num_sequences} sequences)"
+    if d.format == "preference":
+        dpo = config.dpo
+        return (f"preference pairs, {dpo.loss} beta {dpo.beta}, reference {dpo.reference}, prompt "
+                f"{'shared' if d.shared_prompt else 'repeated'}, loss on {d.loss_on} ({stats['data_pairs']} pairs in "
+                f"{data.stream.num_sequences} sequences, {stats['data_padding_share']:.1%} padding; overlong: "
+                f"{stats['data_overlong_dropped']} dropped, {stats['data_overlong_truncated']} truncated; "
+                f"{stats['data_skipped_invalid']} invalid skipped)")
     return (f"chat, loss on {d.loss_on} ({stats['data_conversations']} conversations in {data.stream.num_sequences} "
             f"sequences, {stats['data_padding_share']:.1%} padding; overlong: {stats['data_overlong_dropped']} dropped, "
             f"{stats['data_overlong_truncated']} truncated; {stats['data_skipped_invalid']} invalid skipped)")
@@ -356,22 +385,26 @@ def save(run: TrainingRun, run_dir: Path, done: int) -> Path:
     """Checkpoint `step_<done>` of the run (collective over all ranks)."""
     config = run.config
     return checkpoint.save(checkpoint.checkpoint_dir(config, run_dir), done, run.model, run.optimizer, run.views,
-                           run.data.stream.state_dict(), config, config.checkpoint.keep, run.data.tokenizer, run.base)
+                           run.data.stream.state_dict(), config, config.checkpoint.keep, run.data.tokenizer, run.base,
+                           run.reference)
 
 
 def resume(run: TrainingRun, run_dir: Path) -> int:
-    """Load the checkpoint `checkpoint.resume` names, if any; returns the first step to run."""
+    """Load the checkpoint `checkpoint.resume` names, if any, and a DPO run's precomputed reference
+    log-probs (`mop.preference.reference`); returns the first step to run."""
     config = run.config
     path = checkpoint.resolve_resume(config, run_dir)
-    if path is None:
-        if config.checkpoint.resume and run.runtime.is_main:
-            print(f"mop: no complete checkpoint in {checkpoint.checkpoint_dir(config, run_dir)}; starting at step 0")
-        return 0
-    meta = checkpoint.read_meta(path)
-    checkpoint.check_compatible(meta, config, path)
-    check_resume(meta, config, run.base, path)
-    checkpoint.check_tokenizer(meta, run.data.tokenizer, config, path)
-    checkpoint.load(path, run.model, run.optimizer, run.views, meta=meta)
-    if meta["data"] is not None:
-        run.data.stream.load_state_dict(meta["data"])
-    return meta["step"]
+    meta = None
+    if path is None and config.checkpoint.resume and run.runtime.is_main:
+        print(f"mop: no complete checkpoint in {checkpoint.checkpoint_dir(config, run_dir)}; starting at step 0")
+    if path is not None:
+        meta = checkpoint.read_meta(path)
+        checkpoint.check_compatible(meta, config, path)
+        check_resume(meta, config, run.base, path)
+        checkpoint.check_tokenizer(meta, run.data.tokenizer, config, path)
+        checkpoint.load(path, run.model, run.optimizer, run.views, meta=meta)
+        if meta["data"] is not None:
+            run.data.stream.load_state_dict(meta["data"])
+    if config.data.format == "preference" and config.dpo.reference == "precomputed":
+        run.reference = reference.attach(run, run_dir, meta)
+    return meta["step"] if meta is not None else 0

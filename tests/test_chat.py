@@ -23,7 +23,7 @@ from mop.parallel.checkpointing import canonical_name
 from mop.resolve import resolve
 from mop.runtime import Runtime
 from mop.testing import run_distributed
-from mop.train import forward_backward, micro_batch_objective
+from mop.train import SupervisedObjective, forward_backward
 
 QWEN3, GPT_OSS = "mop/data/assets/qwen3", "mop/data/assets/gpt-oss"
 CONVERSATIONS = Path("mop/data/corpus/conversations.jsonl")
@@ -236,7 +236,7 @@ def one_at_a_time(config, dataset: ChatDataset, sequences: list[int]):
     targets = count_targets(batches)
     total = 0.0
     for batch in batches:
-        _, loss = micro_batch_objective(model, batch, targets, len(sequences))
+        loss, _, _ = SupervisedObjective(model, targets, len(sequences))(batch)
         loss.backward()
         total += loss.item()
     return total, {canonical_name(n): p.grad for n, p in model.named_parameters()}
@@ -254,7 +254,8 @@ def packed_step(rank, world, config):
     batches = run.rank_batches(sequences, run.data.dataset)
     targets = torch.tensor(float(count_targets(batches)))
     torch.distributed.all_reduce(targets)
-    ce, aux = forward_backward(run.model, batches, int(targets), config.train.global_batch, run.runtime)
+    objective = SupervisedObjective(run.model, int(targets), config.train.global_batch)
+    ce, aux = forward_backward(run.model, batches, objective, run.runtime)
     loss = torch.tensor(ce + aux)
     torch.distributed.all_reduce(loss)
     grads = {canonical_name(n): full_gradient(run.views, q) for n, q in run.model.named_parameters()}
@@ -285,7 +286,7 @@ def test_a_packed_batch_equals_its_conversations_one_at_a_time_in_the_reference(
     assert all(int(b["padding"].sum()) < 384 for b in packed) and max(int(b["document_ids"].max()) for b in packed) > 1
     model = build_model(config.model, seed=config.train.seed)
     batch = {key: torch.stack([b[key] for b in packed]) for key in packed[0]}
-    _, loss = micro_batch_objective(model, batch, count_targets([batch]), 4)
+    loss, _, _ = SupervisedObjective(model, count_targets([batch]), 4)(batch)
     loss.backward()
     expected_loss, expected = one_at_a_time(config, data.dataset, sequences)
     assert_close(loss.detach(), torch.tensor(expected_loss), atol=1e-6, rtol=1e-5)
@@ -334,7 +335,7 @@ def test_padding_is_left_out_of_the_router_statistics_in_the_full_mop_layout_as_
     batches = [{key: value.unsqueeze(0) for key, value in item.items()} for item in packed]
     targets, total = count_targets(batches), 0.0
     for batch in batches:
-        _, loss = micro_batch_objective(model, batch, targets, len(batches))
+        loss, _, _ = SupervisedObjective(model, targets, len(batches))(batch)
         loss.backward()
         total += loss.item()
     for loss, grads, _ in results:

@@ -2,7 +2,7 @@
 single-process model on the same global batch: the loss and every parameter gradient.
 
 Each rank takes its data group's share of the batch and its slice of every sequence, exactly as
-the trainer does (`group_slice`, `sequence_shard`, `micro_batch_objective`).
+the trainer does (`group_slice`, `sequence_shard`, `SupervisedObjective`).
 """
 
 import dataclasses
@@ -19,7 +19,7 @@ from mop.parallel.checkpointing import canonical_name
 from mop.parallel.parallelize import apply_memory_options, parallelize
 from mop.resolve import resolve
 from mop.testing import run_distributed
-from mop.train import micro_batch_objective
+from mop.train import SupervisedObjective
 
 MODEL = ["--model.vocab_size=64", "--model.hidden=32", "--model.layers=2", "--model.heads=4", "--model.kv_heads=2",
          "--model.head_dim=8", "--model.experts=4", "--model.expert_intermediate=16", "--model.dense_layers=1",
@@ -52,7 +52,7 @@ def reference_gradients(config: Config):
     apply_memory_options(model, config, torch.device("cpu"))
     batch = global_batch(config.data.seq_len)
     targets = int((batch["labels"] != IGNORE_INDEX).sum())
-    _, loss = micro_batch_objective(model, batch, targets, GLOBAL_BATCH)
+    loss, _, _ = SupervisedObjective(model, targets, GLOBAL_BATCH)(batch)
     loss.backward()
     return loss.item(), {canonical_name(name): p.grad for name, p in model.named_parameters()}
 
@@ -67,7 +67,7 @@ def mop_gradients(rank, world, config: Config):
     total = torch.zeros(())
     for row in rows:  # micro-batches of one sequence, gradients accumulate
         micro = sequence_shard({k: v[row:row + 1] for k, v in batch.items()}, rank % p.sequence, p.sequence)
-        _, loss = micro_batch_objective(model, micro, targets, GLOBAL_BATCH)
+        loss, _, _ = SupervisedObjective(model, targets, GLOBAL_BATCH)(micro)
         loss.backward()
         total += loss.detach()
     torch.distributed.all_reduce(total)

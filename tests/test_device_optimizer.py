@@ -17,7 +17,7 @@ from mop.parallel import DistLayout, Layout
 from mop.resolve import resolve
 from mop.runtime import Runtime
 from mop.testing import run_distributed
-from mop.train import forward_backward
+from mop.train import SupervisedObjective, forward_backward
 from test_train import TINY
 
 LAYOUT = ["--parallel.strategy=mop", "--parallel.nproc=2", "--parallel.sequence=2", "--parallel.expert=2",
@@ -37,7 +37,8 @@ def _one_step(rank, world, run_dir, foreach: bool):
     kinds = [sorted({_kind(p) for p in group["params"]}) for group in groups]
     for group in groups:
         group["foreach"] = foreach
-    forward_backward(run.model, run.next_batches(), 100, config.train.global_batch, runtime, run.autocast())
+    forward_backward(run.model, run.next_batches(), SupervisedObjective(run.model, 100, config.train.global_batch),
+                     runtime, run.autocast())
     run.optimizer.step(config.train.grad_clip)
     local = {name: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
              for name, p in run.model.named_parameters()}

@@ -22,7 +22,7 @@ from mop.parallel import DistLayout, Layout
 from mop.resolve import resolve
 from mop.runtime import Runtime
 from mop.testing import run_distributed
-from mop.train import forward_backward
+from mop.train import SupervisedObjective, forward_backward
 from test_train import TINY
 
 aten = torch.ops.aten
@@ -101,8 +101,8 @@ def syncs_of_one_step(config, runtime) -> dict:
                 syncs.counting = False
 
         monkeypatch.setattr(torch.Tensor, "backward", counted_backward)
-        forward_backward(run.model, batches, targets, config.train.global_batch, runtime, run.autocast(),
-                         run.optimizer)
+        objective = SupervisedObjective(run.model, targets, config.train.global_batch)
+        forward_backward(run.model, batches, objective, runtime, run.autocast(), run.optimizer)
     run.optimizer.synchronize()
     passes = len(batches) * (config.model.layers - config.model.dense_layers)
     return {"reads_per_moe_layer": len(syncs.reads) / passes, "reads": sorted(set(syncs.reads)),

@@ -21,7 +21,7 @@ from mop.resolve import resolve
 from mop.runtime import Runtime
 from mop.testing import run_distributed
 from mop.testing.memory import PeakMemory
-from mop.train import forward_backward
+from mop.train import SupervisedObjective, forward_backward
 from test_train import losses, run
 
 
@@ -106,7 +106,7 @@ def _count_passes(rank, world, extra):
     batch = packed_batch(config.data.seq_len)
     tokens = config.data.seq_len // world
     mine = {k: v[:, rank * tokens:(rank + 1) * tokens] for k, v in batch.items()}
-    forward_backward(model, [mine], int((batch["labels"] != IGNORE_INDEX).sum()), 1,
+    forward_backward(model, [mine], SupervisedObjective(model, int((batch["labels"] != IGNORE_INDEX).sum()), 1),
                      Runtime(rank, world, layout.device, layout))
     grads = {canonical_name(n): (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
              for n, p in model.named_parameters()}

@@ -1,12 +1,14 @@
 """Data pipeline: tokenizers, document sources, packing with document boundaries, the
-deterministic, layout-independent sequence order, and chat data (conversations, templates,
-prepared folders, packing of whole conversations).
+deterministic, layout-independent sequence order, chat data (conversations, templates,
+prepared folders, packing of whole conversations) and preference pairs (read, prepared and packed
+with each prompt once).
 
 ``build_data(source, tokenizer, seq_len, seed)`` wires the pieces: a tokenizer
 (``tokenizer``), the packed token stream of a source (``sources``, ``packing``; for chat,
-``conversations``, ``templates`` with ``turns``, ``prepared``, ``chat_packing``) and the order in
-which training reads it (``loader``); ``inspection`` shows what training sees of chat data. Each
-module's docstring states its invariants.
+``conversations``, ``templates`` with ``turns``, ``prepared``, ``chat_packing``; for preference
+pairs, ``preferences`` and ``preference_packing``) and the order in which training reads it
+(``loader``); ``inspection`` shows what training sees of chat and preference data. Each module's
+docstring states its invariants.
 
 The names below are imported on first use (PEP 562): a worker process of ``mop data prepare``
 imports ``mop.data.prepared`` alone, without torch (about 200 MB and seconds per worker).
@@ -17,6 +19,7 @@ from importlib import import_module
 _OWNERS = {
     "ChatDataset": "chat_packing",
     "DataError": "errors",
+    "PreferenceDataset": "preference_packing",
     **dict.fromkeys(["Data", "SequenceStream", "build_data", "collate", "count_targets", "group_slice", "load_batch",
                      "load_dataset", "micro_batches", "sequence_shard", "source_options", "to_device"], "loader"),
     **dict.fromkeys(["IGNORE_INDEX", "ConcatTokens", "PackedDataset", "fingerprint", "pack_documents"], "packing"),

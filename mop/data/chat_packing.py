@@ -113,17 +113,17 @@ def best_fit_decreasing(lengths: np.ndarray, capacity: int, seed: int) -> tuple[
     return order[grouping], bounds
 
 
-def pack(corpus: ChatCorpus, seq_len: int, overlong: str, seed: int) -> Packing:
-    """The sequences of a corpus, in an order drawn from the seed: best fit numbers them as it opens
-    them, longest conversations first, and a held-out split (the last sequences) or an evaluation
-    (the first ones) must not see only the shortest or the longest."""
-    lengths, dropped, truncated = fitted_lengths(corpus, seq_len, overlong)
+def pack(lengths: np.ndarray, seq_len: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Items of `lengths` (zeros left out) packed into sequences by `best_fit_decreasing`, `(items,
+    bounds)` in an order drawn from the seed: best fit numbers the sequences as it opens them, longest
+    items first, and a held-out split (the last sequences) or an evaluation (the first ones) must not
+    see only the shortest or the longest."""
     items, bounds = best_fit_decreasing(lengths, seq_len, seed)
     sizes = np.diff(bounds)
     rank = np.random.default_rng([seed, 1]).permutation(len(sizes))  # sequence b becomes sequence rank[b]
     items = items[np.argsort(np.repeat(rank, sizes), kind="stable")]
     bounds = np.concatenate([[0], np.cumsum(sizes[np.argsort(rank)])]).astype(np.int64)
-    return Packing(items, lengths[items], bounds, dropped, truncated)
+    return items, bounds
 
 
 class ChatDataset(Dataset):
@@ -134,7 +134,9 @@ class ChatDataset(Dataset):
         if seq_len < 2:
             raise DataError(f"data.seq_len = {seq_len}: a conversation needs at least 2 tokens; raise data.seq_len")
         self.corpus, self.seq_len, self.pad_id, self.loss_on = corpus, seq_len, pad_id, loss_on
-        self.packing = pack(corpus, seq_len, overlong, seed)
+        lengths, dropped, truncated = fitted_lengths(corpus, seq_len, overlong)
+        items, bounds = pack(lengths, seq_len, seed)
+        self.packing = Packing(items, lengths[items], bounds, dropped, truncated)
         self.fingerprint = f"{corpus.fingerprint}/{seq_len}/{overlong}/{seed}/{loss_on}"
         real = int(self.packing.lengths.sum())
         self.stats = {"data_conversations": len(self.packing.items), "data_overlong_dropped": self.packing.dropped,

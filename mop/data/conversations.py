@@ -1,6 +1,7 @@
 """Conversation sources: rows of messages from jsonl, parquet and Hugging Face `datasets` folders.
 
-A source (`data.source` with `data.format = "chat"`) is a `.jsonl` or `.parquet` file, a folder of
+A source (`data.source` with `data.format = "chat"`, or "preference": `mop.data.preferences` reads
+its rows with `parse_row`, `message_list` and `row_tools`) is a `.jsonl` or `.parquet` file, a folder of
 them (sorted, hidden files skipped), or a folder written by `datasets`' `save_to_disk` (its
 `state.json` lists Arrow stream files, read with pyarrow; a `DatasetDict` folder, with
 `dataset_dict.json`, is read through its "train" split). `datasets` itself is never imported.
@@ -61,14 +62,14 @@ def chat_files(source: str) -> list[Path]:
         files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in SUFFIXES and not p.name.startswith("."))
         if not files:
             raise DataError(f"data.source: {path} holds no .jsonl/.parquet files and is no saved datasets folder "
-                            "(state.json); point data.source at conversations")
+                            "(state.json); point data.source at conversations or preference pairs")
         return files
     if not path.is_file():
         raise DataError(f"data.source: {path} does not exist; point data.source at a .jsonl/.parquet file of "
-                        "conversations, a folder of them, a datasets folder or a prepared folder")
+                        "conversations or preference pairs, a folder of them, a datasets folder or a prepared folder")
     if path.suffix not in SUFFIXES:
-        raise DataError(f"data.source: {path} has extension {path.suffix!r}; conversations are read from .jsonl, "
-                        ".parquet and datasets folders")
+        raise DataError(f"data.source: {path} has extension {path.suffix!r}; conversations and preference "
+                        "pairs are read from .jsonl, .parquet and datasets folders")
     return [path]
 
 
@@ -127,20 +128,40 @@ def _table_rows(path: Path, batches) -> Iterator[tuple[str, dict]]:
 def conversation(row) -> Conversation:
     """The conversation of one row, a dict or a JSON line (the module docstring); a
     `ConversationError` says what is wrong."""
+    row = parse_row(row, "'messages' or 'conversations'")
+    if row.get("messages") is not None:
+        messages = message_list(row["messages"], "messages")
+    elif row.get("conversations") is not None:
+        messages = [_sharegpt(m, k) for k, m in enumerate(_listed(row["conversations"], "conversations"))]
+    else:
+        raise ConversationError(f"it has no 'messages' or 'conversations' (fields: {present_fields(row)})")
+    return Conversation(messages, row_tools(row))
+
+
+def parse_row(row, fields: str) -> dict:
+    """A row as a dict: a JSON line parsed, anything but an object refused (`fields`: what it should hold)."""
     if isinstance(row, str):
         try:
             row = json.loads(row)
         except ValueError as e:
             raise ConversationError(f"it is not valid JSON ({e})") from None
     if not isinstance(row, dict):
-        raise ConversationError(f"it is a {type(row).__name__}, not an object with 'messages' or 'conversations'")
-    if row.get("messages") is not None:
-        messages = [_message(m, k) for k, m in enumerate(_listed(row["messages"], "messages"))]
-    elif row.get("conversations") is not None:
-        messages = [_sharegpt(m, k) for k, m in enumerate(_listed(row["conversations"], "conversations"))]
-    else:
-        fields = [repr(key) for key, value in row.items() if value is not None]  # a parquet row has every column
-        raise ConversationError(f"it has no 'messages' or 'conversations' (fields: {', '.join(fields) or 'none'})")
+        raise ConversationError(f"it is a {type(row).__name__}, not an object with {fields}")
+    return row
+
+
+def present_fields(row: dict) -> str:
+    """The fields a row has values in (a parquet row has every column), for an error message."""
+    return ", ".join(repr(key) for key, value in row.items() if value is not None) or "none"
+
+
+def message_list(value, field: str) -> list[dict]:
+    """A non-empty list of `{role, content, ...}` messages (the module docstring), each checked."""
+    return [_message(m, k) for k, m in enumerate(_listed(value, field))]
+
+
+def row_tools(row: dict) -> list[dict] | None:
+    """A row's `tools`: a list of JSON schemas, or a JSON string of one (None: no tools)."""
     tools = row.get("tools")
     if isinstance(tools, str) and not tools.strip():  # a string column's empty value: no tools
         tools = None
@@ -151,7 +172,7 @@ def conversation(row) -> Conversation:
             raise ConversationError(f"its 'tools' is not JSON ({e})") from None
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         raise ConversationError("its 'tools' is not a list of JSON schemas")
-    return Conversation(messages, tools or None)
+    return tools or None
 
 
 def _listed(value, field: str) -> list:

@@ -8,6 +8,13 @@ trained tokens marked: green on a terminal, between ⟦ and ⟧ otherwise (`--co
 trained when it is a target (`--loss-on`, `data.loss_on`), is not the conversation's first token
 (no label predicts it) and lies within the tokens kept: the labels `mop.data.chat_packing` builds.
 A row that cannot be used is shown with its one-line reason.
+
+With `--format preference` each row is a preference pair (`mop.data.preferences`): a header with
+where it is, its prompt's length, its unit's (`mop.data.preference_packing`: with the prompt once, or
+twice with `--no-shared-prompt`) and what `--overlong` does with it at `--seq-len`; then its prompt,
+once (its kept tokens only where it is cut from the left), and each response with its token count and
+its trained tokens marked: its targets, or every token with `--loss-on all` (none when the pair is
+dropped).
 """
 
 from __future__ import annotations
@@ -19,10 +26,10 @@ from itertools import islice
 import numpy as np
 
 from mop.data.chat_packing import trained_tokens, truncated_length
-from mop.data.conversations import chat_files, conversation, iter_rows
+from mop.data.conversations import chat_files, iter_rows
 from mop.data.errors import ConversationError
-from mop.data.prepared import ChatSettings, is_prepared, open_prepared
-from mop.data.templates import ChatTemplate
+from mop.data.preference_packing import fitted_prompts, trained_response, unit_lengths
+from mop.data.prepared import KINDS, ChatSettings, is_prepared, open_prepared
 
 MARKS = {"color": ("\x1b[1;32m", "\x1b[0m"), "plain": ("⟦", "⟧")}
 
@@ -39,6 +46,10 @@ def add_arguments(parser, defaults) -> None:
                         f"conversations (default {defaults.seq_len})")
     parser.add_argument("--loss-on", choices=("assistant", "all"), default=defaults.loss_on, help="data.loss_on")
     parser.add_argument("--overlong", choices=("drop", "truncate"), default=defaults.overlong, help="data.overlong")
+    parser.add_argument("--format", choices=tuple(KINDS), default="chat", help="what the rows hold: conversations, "
+                        "or preference pairs (data.format)")
+    parser.add_argument("--shared-prompt", action=argparse.BooleanOptionalAction, default=defaults.shared_prompt,
+                        help="with --format preference: a pair's unit length with its prompt once (data.shared_prompt)")
     parser.add_argument("--color", choices=("auto", "always", "never"), default="auto",
                         help="mark trained tokens in colour (auto: on a terminal) or between ⟦ and ⟧")
 
@@ -50,26 +61,25 @@ def _positive(text: str) -> int:
 
 
 def run(args) -> None:
-    settings = ChatSettings(args.tokenizer, args.chat_template)
-    template = settings.template()
+    settings = ChatSettings(args.tokenizer, args.chat_template, kind=args.format)
+    encoder = settings.encoder()
     marks = MARKS["color" if args.color == "always" or (args.color == "auto" and sys.stdout.isatty()) else "plain"]
-    for where, encoded in islice(_encoded(args.source, settings, template), args.rows):
-        print(show(where, encoded, template.tokenizer, args.seq_len, args.loss_on, args.overlong, marks), end="\n\n")
+    for where, encoded in islice(_encoded(args.source, settings, encoder), args.rows):
+        what = (where, encoded, encoder.tokenizer, args.seq_len, args.loss_on, args.overlong, marks)
+        print(show(*what) if args.format == "chat" else show_pair(*what, shared=args.shared_prompt), end="\n\n")
 
 
-def _encoded(source: str, settings: ChatSettings, template: ChatTemplate):
-    """`(where, (ids, targets) or the reason it cannot be used)` per conversation, in order."""
+def _encoded(source: str, settings: ChatSettings, encoder):
+    """`(where, the encoded row or the reason it cannot be used)` per row, in order."""
     if is_prepared(source):
         corpus = open_prepared(source, settings)
         for k in range(len(corpus.offsets) - 1):
-            part = slice(int(corpus.offsets[k]), int(corpus.offsets[k + 1]))
-            encoded = np.asarray(corpus.tokens[part]), np.asarray(corpus.targets[part], dtype=bool)
-            yield f"{source} conversation {k}", encoded
+            yield f"{source} {KINDS[settings.kind].unit} {k}", corpus.item(k)
         return
     for path in chat_files(source):
         for where, row in iter_rows(path):
             try:
-                yield where, template.encode(conversation(row))
+                yield where, encoder(row)
             except ConversationError as e:
                 yield where, str(e)
 
@@ -88,10 +98,39 @@ def show(where: str, encoded, tokenizer, seq_len: int, loss_on: str, overlong: s
         trained[kept:] = False
     count = int(trained.sum())
     header = f"── {where}: {len(ids)} tokens, {count} trained ({count / max(len(ids), 1):.0%}), {fit}"
+    return f"{header}\n{marked(ids, trained, tokenizer, marks)}"
+
+
+def marked(ids: np.ndarray, trained: np.ndarray, tokenizer, marks: tuple[str, str]) -> str:
+    """The text of `ids`, each run of trained tokens between the marks."""
     bounds = [0, *(np.flatnonzero(np.diff(trained)) + 1).tolist(), len(ids)]  # runs of trained or untrained tokens
     pieces = []
     for a, b in zip(bounds[:-1], bounds[1:]):
         text = tokenizer.decode(ids[a:b], special=True)
         pieces.append(f"{marks[0]}{text}{marks[1]}" if trained[a] else text)
-    body = "".join(pieces).removesuffix("\n")  # a rendering's last newline: the blank line after each row shows it
-    return f"{header}\n{body}"
+    return "".join(pieces).removesuffix("\n")  # a rendering's last newline: the blank line after each row shows it
+
+
+def show_pair(where: str, encoded, tokenizer, seq_len: int, loss_on: str, overlong: str, marks: tuple[str, str],
+              shared: bool = True) -> str:
+    """One preference pair's header, prompt and marked responses (the module docstring)."""
+    if isinstance(encoded, str):
+        return f"── {where}: cannot be used: {encoded}"
+    ids, targets, (p, c, r) = encoded
+    parts = np.array([[p, c, r]])
+    kept = int(fitted_prompts(parts, seq_len, overlong, shared)[0][0])
+    unit = int(unit_lengths(parts, parts[:, 0], shared)[0])
+    fit = f"fits seq_len {seq_len}"
+    if unit > seq_len:
+        what = f"prompt cut to its last {kept} tokens" if kept else "dropped"
+        fit = f"overlong ({unit} > seq_len {seq_len}): {what} (data.overlong = {overlong})"
+    once = "once" if shared else "twice"
+    shown = kept or p  # a dropped pair's whole prompt
+    lines = [f"── {where}: pair, prompt {p} tokens, unit {unit} tokens (the prompt {once}), {fit}",
+             "▸ prompt" + (f": its last {kept} tokens" if 0 < kept < p else ""),
+             tokenizer.decode(ids[p - shown:p], special=True).removesuffix("\n")]
+    for name, span in (("chosen", slice(p, p + c)), ("rejected", slice(p + c, p + c + r))):
+        trained = trained_response(targets[span], loss_on) & (kept > 0)
+        lines += [f"▸ {name}: {span.stop - span.start} tokens, {int(trained.sum())} trained",
+                  marked(ids[span], trained, tokenizer, marks)]
+    return "\n".join(lines)

@@ -24,7 +24,8 @@ import torch
 from mop.data.chat_packing import ChatDataset
 from mop.data.errors import DataError
 from mop.data.packing import IGNORE_INDEX, PackedDataset
-from mop.data.prepared import ChatSettings, is_prepared, load_chat
+from mop.data.preference_packing import PreferenceDataset
+from mop.data.prepared import ChatSettings, is_prepared, load_corpus, other_format, prepared_kind
 from mop.data.sources import load_token_stream
 from mop.data.tokenizer import AnyTokenizer, load_tokenizer
 
@@ -94,8 +95,8 @@ class SequenceStream:
                 raise DataError(
                     f"{setting}: cannot resume: the checkpoint's data stream has {key} = {state[key]!r} but "
                     f"this run has {getattr(self, key)!r}; resume with the same train.seed, data.source, "
-                    "data.tokenizer and data.seq_len (for chat data also data.chat_template, data.loss_on and "
-                    "data.overlong), or start a new run"
+                    "data.tokenizer and data.seq_len (for chat and preference data also data.chat_template, "
+                    "data.loss_on and data.overlong; for preference data data.shared_prompt), or start a new run"
                 )
         self.position = int(state["position"])
 
@@ -153,48 +154,56 @@ class Data(NamedTuple):
     """What ``build_data`` returns; unpacks as ``tokenizer, dataset, stream``."""
 
     tokenizer: AnyTokenizer
-    dataset: PackedDataset | ChatDataset
+    dataset: PackedDataset | ChatDataset | PreferenceDataset
     stream: SequenceStream
 
 
 def source_options(d) -> dict:
     """The ``load_dataset`` keywords that a run's data settings (``mop.config.DataConfig``) give."""
-    chat = ChatSettings(d.tokenizer, d.chat_template, d.skip_invalid) if d.format == "chat" else None
+    chat = None if d.format == "text" else ChatSettings(d.tokenizer, d.chat_template, d.skip_invalid, d.format)
     return {"text_field": d.text_field, "bin_dtype": d.bin_dtype, "chat": chat, "overlong": d.overlong,
-            "loss_on": d.loss_on}
+            "loss_on": d.loss_on, "shared_prompt": d.shared_prompt}
 
 
 def load_dataset(source: str, tok: AnyTokenizer, seq_len: int, seed: int, *, text_field: str = "text",
                  bin_dtype: str = "uint16", chat: ChatSettings | None = None, overlong: str = "drop",
-                 loss_on: str = "assistant"):
-    """The packed sequences of a source: text cut every ``seq_len`` tokens (``PackedDataset``), or with
-    ``chat`` whole conversations packed by best-fit decreasing (``ChatDataset``). Both carry a
-    ``fingerprint`` of what they hold and ``stats``, the counts a run reports."""
+                 loss_on: str = "assistant", shared_prompt: bool = True):
+    """The packed sequences of a source: text cut every ``seq_len`` tokens (``PackedDataset``); with
+    ``chat`` whole conversations packed by best-fit decreasing (``ChatDataset``), or, where its kind
+    is "preference", whole preference pairs (``PreferenceDataset``, each prompt once unless not
+    ``shared_prompt``). All carry a ``fingerprint`` of what they hold and ``stats``, the counts a run
+    reports."""
     if chat is None:
         if is_prepared(source):
-            raise DataError(f"data.source: {source} is a prepared chat folder; set data.format = 'chat'")
+            raise other_format(source, prepared_kind(source))
         tokens, doc_starts = load_token_stream(source, tok, text_field, bin_dtype)
         return PackedDataset(tokens, doc_starts, seq_len)
-    return ChatDataset(load_chat(source, chat), seq_len, overlong, seed, tok.pad_id, loss_on)
+    corpus = load_corpus(source, chat)
+    if chat.kind == "preference":
+        return PreferenceDataset(corpus, seq_len, overlong, seed, tok.pad_id, loss_on, shared_prompt)
+    return ChatDataset(corpus, seq_len, overlong, seed, tok.pad_id, loss_on)
 
 
 def build_data(source: str, tokenizer: str, seq_len: int, seed: int, *,
                text_field: str = "text", bin_dtype: str = "uint16",
                eos_token: str | None = None, chat: ChatSettings | None = None, overlong: str = "drop",
-               loss_on: str = "assistant") -> Data:
+               loss_on: str = "assistant", shared_prompt: bool = True) -> Data:
     """Tokenizer, packed dataset and sequence stream from plain settings.
 
     ``source``: ``"builtin"`` or a local file/directory (see ``sources``; with ``chat``, a conversation
-    source or a prepared folder, see ``conversations`` and ``prepared``); ``tokenizer``: ``"byte"`` or
-    a local ``tokenizer.json`` (file or directory); ``seq_len``: tokens per training sequence;
+    or preference source or a prepared folder, see ``conversations``, ``preferences`` and
+    ``prepared``); ``tokenizer``: ``"byte"`` or a local ``tokenizer.json`` (file or directory);
+    ``seq_len``: tokens per training sequence;
     ``seed``: the data-order seed (and the packing's); ``text_field``: the JSONL field or parquet
     column holding text; ``bin_dtype``: ``"uint16"`` or ``"uint32"`` for ``.bin`` files;
-    ``eos_token``: overrides the tokenizer's document separator; ``chat``: how conversations become
-    tokens and targets (None: text); ``overlong``: "drop" or "truncate" conversations longer than
-    ``seq_len``; ``loss_on``: the targets of a conversation, "assistant" or "all".
+    ``eos_token``: overrides the tokenizer's document separator; ``chat``: how conversations (or
+    preference pairs, its kind "preference") become tokens and targets (None: text); ``overlong``:
+    "drop" or "truncate" conversations or pairs longer than ``seq_len``; ``loss_on``: the targets of a
+    conversation or response, "assistant" or "all"; ``shared_prompt``: pack a pair's prompt once
+    (``mop.data.preference_packing``).
     """
     tok = load_tokenizer(tokenizer, eos_token)
     dataset = load_dataset(source, tok, seq_len, seed, text_field=text_field, bin_dtype=bin_dtype, chat=chat,
-                           overlong=overlong, loss_on=loss_on)
+                           overlong=overlong, loss_on=loss_on, shared_prompt=shared_prompt)
     stream = SequenceStream(len(dataset), seed, seq_len, dataset.fingerprint)
     return Data(tok, dataset, stream)

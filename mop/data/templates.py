@@ -157,7 +157,7 @@ def _marks_generation(template: jinja2.Template, source: str, origin: str) -> bo
 
 def read_template(tokenizer_dir: Path | None, override: str = "") -> tuple[str, str]:
     """The chat template's text and where it came from: the file `override`, else the tokenizer
-    folder's `chat_template.jinja`, else its `tokenizer_config.json`'s `chat_template`."""
+    folder's (`folder_template`)."""
     if override:
         path = Path(override).expanduser()
         if not path.is_file():
@@ -166,17 +166,26 @@ def read_template(tokenizer_dir: Path | None, override: str = "") -> tuple[str, 
     if tokenizer_dir is None:
         raise DataError("data.format = 'chat' needs a chat template: set data.tokenizer to a Hugging Face tokenizer "
                         "folder with one, or data.chat_template to a template file")
+    found = folder_template(tokenizer_dir)
+    if found is None:
+        raise DataError(f"data.tokenizer: {tokenizer_dir} has no chat template (no chat_template.jinja, no "
+                        "chat_template in tokenizer_config.json); set data.chat_template to a template file")
+    return found
+
+
+def folder_template(tokenizer_dir: Path) -> tuple[str, str] | None:
+    """A tokenizer folder's chat template and its file: `chat_template.jinja`, else the `chat_template`
+    of `tokenizer_config.json` (a string, or the entry named "default" of a list); None without one."""
     jinja_file = tokenizer_dir / "chat_template.jinja"
     if jinja_file.is_file():
         return jinja_file.read_text(encoding="utf-8"), str(jinja_file)
     config_file = tokenizer_dir / "tokenizer_config.json"
-    template = json.loads(config_file.read_text(encoding="utf-8")).get("chat_template") if config_file.is_file() else None
+    config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+    template = config.get("chat_template")
     if isinstance(template, list):  # named templates: the default one
-        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"), None)
-    if not isinstance(template, str) or not template:
-        raise DataError(f"data.tokenizer: {tokenizer_dir} has no chat template (no chat_template.jinja, no "
-                        "chat_template in tokenizer_config.json); set data.chat_template to a template file")
-    return template, str(config_file)
+        named = (t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default")
+        template = next(named, None)
+    return (template, str(config_file)) if isinstance(template, str) and template else None
 
 
 def template_hash(source: str) -> str:
@@ -268,6 +277,12 @@ class ChatTemplate:
         text, spans = self.spans(conversation)
         ids, offsets = self.tokenizer.encode_with_offsets(text)
         return ids, _overlapping(offsets, spans)
+
+    def encode_prompt(self, conversation: Conversation) -> np.ndarray:
+        """Token ids (int64) of a conversation rendered with the generation prompt, as a model is given
+        it to answer (TRL's `prompt_ids` of a preference pair)."""
+        prepared = Conversation(_prepared_messages(conversation.messages), conversation.tools)
+        return self.tokenizer.encode_with_offsets(self.render(prepared, add_generation_prompt=True))[0]
 
     def _probe(self, messages: list[dict], add_generation_prompt: bool) -> str | None:
         """A probe conversation rendered, with a system prompt before it where the template needs one

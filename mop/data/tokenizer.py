@@ -4,8 +4,8 @@ Both expose the same small interface, which is all the rest of the stack relies 
 
 - ``encode(text) -> list[int]``: no special tokens are added (packing appends eos itself);
 - ``encode_batch(texts) -> list[list[int]]``: the same, for many documents at once;
-- ``decode(ids) -> str``: special tokens are dropped, invalid UTF-8 becomes U+FFFD (an HF
-  tokenizer writes them with ``special=True``);
+- ``decode(ids, special=False) -> str``: special tokens are dropped (written with ``special=True``),
+  invalid UTF-8 becomes U+FFFD;
 - ``vocab_size`` (one more than the largest id), ``eos_id``, ``bos_id`` (None for an HF
   tokenizer without one), ``pad_id`` and ``name`` (what ``data.tokenizer`` was set to);
 - ``kind`` ("byte" or "hf") and ``fingerprint`` ("byte", or the sha256 of the ``tokenizer.json``
@@ -29,7 +29,6 @@ import json
 from pathlib import Path
 
 import numpy as np
-
 from tokenizers import Tokenizer as _HFTokenizerImpl
 
 from mop.data.errors import DataError
@@ -64,8 +63,10 @@ class ByteTokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [self.encode(t) for t in texts]
 
-    def decode(self, ids) -> str:
-        return bytes(int(i) for i in ids if i < 256).decode("utf-8", errors="replace")
+    def decode(self, ids, special: bool = False) -> str:
+        """The text of `ids`; the special tokens dropped, or with `special` written as their names."""
+        names = {i: token.encode() for token, i in self.SPECIAL.items()} if special else {}
+        return b"".join(bytes([i]) if i < 256 else names.get(i, b"") for i in map(int, ids)).decode("utf-8", "replace")
 
     def hf_files(self) -> dict[str, bytes]:
         """The Hugging Face equivalent (module docstring): a byte-level BPE without merges whose

@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -145,14 +146,34 @@ class _FrozenLinear(torch.autograd.Function):
         return (grad.to(ctx.dtype) @ weight).to(ctx.input_dtype), None, None
 
 
+class AdapterSwitch:
+    """Whether a model's adapters take part in its forward: one object per model, shared by every
+    adapted module and experts kind (and the copies parallelism makes of a kind), so turning it off
+    runs the frozen base in the same layout with the same collectives (`adapters_disabled`)."""
+
+    enabled: bool = True
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module):
+    """Run `model`'s frozen base inside the block: DPO's reference with LoRA (`mop.preference`)."""
+    switch = model.adapter_switch
+    switch.enabled = False
+    try:
+        yield
+    finally:
+        switch.enabled = True
+
+
 class AdaptedLinear(nn.Module):
     """`nn.Linear`'s function over a frozen weight (in the compute dtype, or stored in `fmt`), plus
     LoRA adapters when `rank` (module docstring). Parameters: `weight` (and its format's companions,
     `weight_scale_inv`), `bias`, `lora_A`, `lora_B`."""
 
-    def __init__(self, linear: nn.Linear, rank: int, lora: LoraConfig, fmt):
+    def __init__(self, linear: nn.Linear, rank: int, lora: LoraConfig, fmt, switch: AdapterSwitch):
         super().__init__()
         self.in_features, self.out_features, self.fmt = linear.in_features, linear.out_features, fmt
+        self.switch = switch
         self.stored_parameters = _register_stored(self, "weight", (self.out_features, self.in_features), fmt)
         self.bias = None if linear.bias is None else nn.Parameter(torch.empty(self.out_features), requires_grad=False)
         self.rank, self.scaling = rank, lora.scaling
@@ -168,7 +189,7 @@ class AdaptedLinear(nn.Module):
             stored = tuple(getattr(self, name) for name in self.stored_parameters)
             y = _FrozenLinear.apply(x, self.fmt, stored)
             y = y if self.bias is None else y + self.bias
-        if self.rank:
+        if self.rank and self.switch.enabled:
             y = y + F.linear(F.linear(self.dropout(x), self.lora_A), self.lora_B) * self.scaling
         return y
 
@@ -196,6 +217,7 @@ class AdaptedKind(ExpertKind):
     formats: tuple = ()  # per projection: its format (None: the compute dtype)
     rank: int = 0
     scaling: float = 1.0
+    switch: AdapterSwitch = field(default_factory=AdapterSwitch, compare=False)
 
     def tensors(self, stacked: tuple[torch.Tensor, ...]) -> dict:
         tensors = dict(zip(self.names, stacked))
@@ -207,7 +229,7 @@ class AdaptedKind(ExpertKind):
                 transposed = projection.transposed or isinstance(fmt, Mxfp4)
                 base = Dequantized(fmt, tuple(tensors[n] for n in names), transposed, *_widths(projection, tensors,
                                                                                            names, fmt))
-            if self.rank:
+            if self.rank and self.switch.enabled:
                 base = Adapted(base, tensors[f"{projection.name}_lora_A"], tensors[f"{projection.name}_lora_B"],
                                self.scaling)
             out[projection.name] = base
@@ -227,7 +249,7 @@ class AdaptedExperts(nn.Module):
     """A family's routed experts with their projections frozen (stored in `fmt`) and, when `rank`,
     one adapter pair per expert and projection (module docstring); biases stay frozen as they are."""
 
-    def __init__(self, experts: nn.Module, rank: int, lora: LoraConfig, fmt):
+    def __init__(self, experts: nn.Module, rank: int, lora: LoraConfig, fmt, switch: AdapterSwitch):
         super().__init__()
         kind, self.num_experts = experts.kind, experts.num_experts
         projections = {p.name: p for p in kind.projections}
@@ -255,7 +277,7 @@ class AdaptedExperts(nn.Module):
                 self.register_parameter(b, nn.Parameter(torch.empty(experts_count, out, rank)))
                 names += [f"{projection.name}_lora_A", f"{projection.name}_lora_B"]
         self.kind = AdaptedKind(tuple(names), kind.run, kind.projections, kind.options, kind.names, tuple(stored),
-                                tuple(formats), rank, lora.scaling)
+                                tuple(formats), rank, lora.scaling, switch)
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, **run_options) -> torch.Tensor:
         return self.kind.forward(self, x, expert_ids, weights, **run_options)
@@ -311,6 +333,7 @@ def add_adapters(model: nn.Module, lora: LoraConfig) -> None:
     """Freeze `model` and give its targeted modules adapters (module docstring), in place."""
     fmt = lora.format()
     targets = set(lora.target_list())
+    model.adapter_switch = AdapterSwitch()
     for param in model.parameters():
         param.requires_grad_(False)
     for path, kind, leaf in adaptable_modules(model):
@@ -319,9 +342,10 @@ def add_adapters(model: nn.Module, lora: LoraConfig) -> None:
         module = getattr(parent, name)
         rank = lora.rank if kind in targets or leaf in targets else 0
         if kind == "routed_experts":
-            setattr(parent, name, AdaptedExperts(module, rank, lora, fmt))
+            setattr(parent, name, AdaptedExperts(module, rank, lora, fmt, model.adapter_switch))
         elif rank or isinstance(fmt, Fp8Blocks):
-            setattr(parent, name, AdaptedLinear(module, rank, lora, fmt if isinstance(fmt, Fp8Blocks) else None))
+            setattr(parent, name, AdaptedLinear(module, rank, lora, fmt if isinstance(fmt, Fp8Blocks) else None,
+                                                model.adapter_switch))
     model.lora = lora
 
 

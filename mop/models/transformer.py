@@ -14,6 +14,11 @@ projection and loss); everything else runs on the rank's own tokens unchanged.
 Losses are returned as sums with their counts (`LossTerms`), never as per-rank means: a step's
 objective is `ce_sum / global_targets + aux_coef * aux_sum / global_sequences`, which any layout
 and any micro-batching reproduces exactly.
+
+Preference pairs (DPO, `mop.preference`): `preference_terms` sums each response's target
+log-probabilities over its tokens (`PreferenceTerms`), whichever rank holds them: a sixth seam,
+`MoETransformer.response_sums`, is the identity here and sums a sequence group's slices under
+sequence parallelism (its D ranks then each hold every response's sums, `copies` = D).
 """
 
 from __future__ import annotations
@@ -75,6 +80,22 @@ class Block(nn.Module):
         return h + out, stats
 
 
+@dataclass
+class PreferenceTerms:
+    """Per-response sums of a forward pass over packed preference pairs: slot `2 * (row * pairs_max +
+    j) + side` holds pair j of that row's chosen (side 0) or rejected (side 1) response."""
+
+    logps: torch.Tensor
+    """`[B * pairs_max, 2]` float64 sums of the responses' fp32 target log-probabilities (with gradient)."""
+    targets: torch.Tensor
+    """`[B * pairs_max, 2]` their target counts (float64, no gradient); a slot no pair fills counts 0."""
+    reference: torch.Tensor | None
+    """`[B * pairs_max, 2]` the batch's stored reference sums (`reference_logps`), None without them."""
+    router: RouterStats | None
+    sequences: int
+    expert_counts: torch.Tensor | None = None
+
+
 class RouterSums(nn.Module):
     """The model's seam for a forward's router sums: here those of the rank's own tokens, each
     sequence held once (`copies`). Sequence parallelism swaps it for one that sums each sequence's
@@ -84,6 +105,17 @@ class RouterSums(nn.Module):
 
     def forward(self, stats: RouterStats) -> RouterStats:
         return stats
+
+
+class ResponseSums(nn.Module):
+    """The model's seam for per-response sums `[3, slots]` (log-probs, counts, reference): here the
+    rank's own tokens hold whole responses. Sequence parallelism swaps it for one that sums a
+    sequence group's slices (`mop.parallel.ulysses.SequenceResponseSums`, `copies` = D)."""
+
+    copies = 1
+
+    def forward(self, sums: torch.Tensor) -> torch.Tensor:
+        return sums
 
 
 class LMHead(nn.Module):
@@ -134,6 +166,7 @@ class MoETransformer(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden)
         self.documents = DocumentBoundaries()
         self.router_sums = RouterSums()
+        self.response_sums = ResponseSums()
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.layers))
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.lm_head = LMHead(cfg)
@@ -198,6 +231,33 @@ class MoETransformer(nn.Module):
         targets = int((labels != IGNORE_INDEX).sum())
         return LossTerms(ce_sum, targets, router, input_ids.shape[0], counts)
 
+    def preference_terms(self, input_ids, labels, response_ids, pairs_max: int, position_ids=None, document_ids=None,
+                         padding=None, prefix_lengths=None, reference_logps=None) -> PreferenceTerms:
+        """Each response's summed target log-probabilities (`PreferenceTerms`). `response_ids [B, S]`:
+        `2 * j + side` on the tokens whose label lies in pair j's response `side` of their row (-1
+        elsewhere); `pairs_max`: the slots per row; `reference_logps [B, S]` (None: none): each
+        response's reference sum on one of its tokens, summed into the slots alongside."""
+        h, router, counts = self.hidden_states(input_ids, position_ids, document_ids, padding, prefix_lengths)
+        logp = self.lm_head.token_logprobs(h, labels)
+        rows, slots = input_ids.shape[0], 2 * pairs_max
+        in_response = response_ids >= 0
+        trained = in_response & (labels != IGNORE_INDEX)
+        row_base = torch.arange(rows, device=input_ids.device).unsqueeze(1) * slots
+        slot = torch.where(in_response, row_base + response_ids, 0).flatten()
+        # float64 sums: DPO reads differences of sums of hundreds of log-probs, which fp32 would round
+        # differently in each layout; the sums are small ([3, B x slots]).
+        zero = torch.zeros(rows * slots, dtype=torch.float64, device=input_ids.device)
+        parts = [zero.index_add(0, slot, torch.where(trained, logp, 0).flatten().double()),
+                 zero.index_add(0, slot, trained.flatten().double())]
+        if reference_logps is not None:
+            parts.append(zero.index_add(0, slot, torch.where(in_response, reference_logps, 0).flatten().double()))
+        # Copies, not views of one tensor: FSDP2 hooks a wrapped model's outputs and warns on views.
+        sums = self.response_sums(torch.stack(parts)).view(len(parts), rows * pairs_max, 2).unbind(0)
+        logps, targets, *reference = (part.clone() for part in sums)
+        router = self.router_sums(router) if router is not None else None
+        return PreferenceTerms(logps, targets.detach(), reference[0].detach() if reference else None, router, rows,
+                               counts)
+
     @torch.no_grad()
     def update_router_biases(self, expert_counts: torch.Tensor) -> None:
         """Auxiliary-loss-free balancing (DeepSeek-V3): each MoE layer's router that has a bias
@@ -220,11 +280,15 @@ class MoETransformer(nn.Module):
     def objective(self, terms: LossTerms, global_targets: int, global_sequences: int) -> torch.Tensor:
         """This forward pass's share of the step loss normalised by the step's global counts (a
         sequence whose router sums `copies` ranks hold contributes 1/copies on each)."""
-        loss = terms.ce_sum / max(global_targets, 1)
-        if terms.router is not None and self.cfg.aux_loss_coef:
-            sequences = global_sequences * self.router_sums.copies
-            loss = loss + self.cfg.aux_loss_coef * load_balancing_loss(terms.router) / sequences
-        return loss
+        return terms.ce_sum / max(global_targets, 1) + self.aux_objective(terms.router, global_sequences)
+
+    def aux_objective(self, router: RouterStats | None, global_sequences: int) -> torch.Tensor | float:
+        """The load-balancing loss's share of the step loss: `aux_coef x` the forward's summed
+        per-sequence losses over the step's sequences (each held by `router_sums.copies` ranks)."""
+        if router is None or not self.cfg.aux_loss_coef:
+            return 0.0
+        sequences = global_sequences * self.router_sums.copies
+        return self.cfg.aux_loss_coef * load_balancing_loss(router) / sequences
 
     def forward(self, input_ids, labels=None, position_ids=None, document_ids=None, prefix_lengths=None):
         """Logits `[B, S, V]` without labels; with labels, the mean loss over this batch's targets."""

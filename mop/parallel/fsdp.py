@@ -62,8 +62,9 @@ def shard_dense(model: MoETransformer, layout: DistLayout, compute_dtype: torch.
     for block in model.layers:
         fully_shard(block, **options)
     fully_shard(model, ignored_params=set(ignored) or None, **options)
-    # The trainer calls loss_terms, not forward; FSDP2 must gather the root's weights for it too.
+    # The trainer calls loss_terms (or preference_terms), not forward; FSDP2 gathers the root's weights for them too.
     register_fsdp_forward_method(model, "loss_terms")
+    register_fsdp_forward_method(model, "preference_terms")
     for module in model.modules():
         if isinstance(module, FSDPModule):
             sum_gradients(module)

@@ -256,6 +256,7 @@ def apply_sequence_parallel(model: MoETransformer, group: dist.ProcessGroup, hea
     heads = model_spec(model.cfg).attention
     model.documents = SequenceDocumentBoundaries(group)
     model.router_sums = SequenceRouterSums(group)
+    model.response_sums = SequenceResponseSums(group)
     for block in model.layers:
         block.attention.core = UlyssesAttention(group, heads.heads, heads.kv_heads, head_chunks, block.attention.core)
 
@@ -272,6 +273,21 @@ class SequenceRouterSums(nn.Module):
     def forward(self, stats: RouterStats) -> RouterStats:
         return RouterStats(all_reduce_sum(stats.assignments, self.group), all_reduce_sum(stats.prob_sum, self.group),
                            all_reduce_sum(stats.rows, self.group))
+
+
+class SequenceResponseSums(nn.Module):
+    """`MoETransformer.response_sums` for a sequence group: each response's sums over the slices of
+    its sequence, summed over the group (with gradient, one all-reduce per forward); each of the D
+    ranks then holds them (`copies`), and the backward sums the D ranks' gradients back to every
+    token, as for the router sums."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        super().__init__()
+        self.group = group
+        self.copies = dist.get_world_size(group)
+
+    def forward(self, sums: torch.Tensor) -> torch.Tensor:
+        return all_reduce_sum(sums, self.group)
 
 
 def check_settings(config: Config, world: int) -> None:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Regenerate mop's shipped chat assets (issue 29): a conversation set and two tiny tokenizer folders.
+"""Regenerate mop's shipped chat assets (issue 29): conversation and preference sets, two tiny tokenizers.
 
 What it writes (byte for byte the shipped files; run it twice and nothing changes):
 
@@ -13,6 +13,15 @@ What it writes (byte for byte the shipped files; run it twice and nothing change
   schemas as a top-level ``tools`` list); some assistant turns carry reasoning in both
   ``reasoning_content`` (what Qwen3's template reads) and ``thinking`` (what gpt-oss's reads),
   with the same text. A few conversations hold whole documents (up to ~1,500 tokens).
+- ``mop/data/corpus/preferences.jsonl``: 300 preference pairs for DPO in TRL's explicit
+  conversational form, ``{"prompt": [...], "chosen": [assistant], "rejected": [assistant],
+  "tools": [...]?}``, drawn the same way (from their own seed, so the conversations do not move):
+  the prompt is a conversation up to its last assistant turn (system prompts, earlier turns, tool
+  calls and results; 10% hold whole documents), ``chosen`` the right answer or tool call and
+  ``rejected`` a plausible wrong one (a wrong sum or count, a mis-sorted list, the wrong sentence,
+  a wrong tool argument, reasoning that reaches a wrong result ...). Prompts carry no reasoning, so
+  each prompt renders as a prefix of prompt + response under both templates. The pairs are not
+  part of the tokenizers' training text.
 - ``mop/data/assets/qwen3/{tokenizer.json, tokenizer_config.json}``: the Qwen3 layout, with the real
   Qwen3 chat template as ``chat_template`` in ``tokenizer_config.json``.
 - ``mop/data/assets/gpt-oss/{tokenizer.json, tokenizer_config.json, chat_template.jinja}``: the
@@ -53,6 +62,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 CORPUS = ROOT / "mop" / "data" / "corpus" / "corpus.jsonl"
 CONVERSATIONS = ROOT / "mop" / "data" / "corpus" / "conversations.jsonl"
+PREFERENCES = ROOT / "mop" / "data" / "corpus" / "preferences.jsonl"
 ASSETS = ROOT / "mop" / "data" / "assets"
 
 # sha256 of the upstream template bytes (see mop/data/assets/README.md for where they come from).
@@ -60,6 +70,7 @@ QWEN3_TEMPLATE_SHA256 = "87a2728cb8dc9fe424d624542f6060ec05a1d285ebbec578bb07890
 GPT_OSS_TEMPLATE_SHA256 = "a4c9919cbbd4acdd51ccffe22da049264b1b73e59055fa58811a99efbd7c8146"
 
 SEED = 29
+PREFERENCE_SEED = 2929  # its own stream, so the conversations do not change with the pairs
 N_MERGES = 300
 
 # Qwen3's added tokens (Qwen/Qwen3-30B-A3B tokenizer_config.json, ids 151643-151668), in id order.
@@ -425,6 +436,429 @@ def build_conversations(corpus):
 
 
 # ---------------------------------------------------------------------------------------------
+# Preference pairs (DPO): prompt, a correct final answer and a plausible wrong one
+# ---------------------------------------------------------------------------------------------
+
+def pick_wrong(rng, answer, candidates):
+    """One (wrong, wrong_reasoning) of the candidates whose text differs from the answer."""
+    usable = [w for w in candidates if w[0] != answer]
+    assert usable, answer
+    return rng.choice(usable)
+
+
+def cut_words(text, keep=2 / 3):
+    """The first part of a text's words: a truncated copy."""
+    ws = text.split()
+    return " ".join(ws[:max(1, int(len(ws) * keep))])
+
+
+def listing(ws):
+    return ", ".join(f"{k + 1} {w}" for k, w in enumerate(ws))
+
+
+def pair_first_sentence(rng, c):
+    p = rng.choice(c.paragraphs)
+    ss = sentences(p)
+    s = ss[0]
+    prompt = rng.choice(["Repeat the first sentence of this passage.\n\n{p}",
+                         "{p}\n\nWhat is the first sentence of the passage above?",
+                         "Here is a passage:\n\n{p}\n\nCopy its first sentence."]).format(p=p)
+    two = " ".join(ss[:2])
+    return prompt, s, f"The passage starts with: {s}", [
+        (ss[1], f"The passage starts with: {ss[1]}"),
+        (ss[-1], f"The sentence to copy is the last one: {ss[-1]}"),
+        (two, f"The first sentence runs on: {two}"),
+        (cut_words(s), f"The passage starts with: {cut_words(s)}")]
+
+
+def pair_upper(rng, c):
+    s = rng.choice(c.sentences)
+    ws = s.split()
+    n = rng.randint(2, min(6, len(ws)))
+    i = rng.randint(0, len(ws) - n)
+    words = [w.strip('",.;:!?()') for w in ws[i:i + n]]
+    phrase = " ".join(words)
+    prompt = rng.choice(["Write this phrase in capital letters: {x}",
+                         "Uppercase the following: {x}",
+                         "Make every letter a capital: {x}"]).format(x=phrase)
+    why = f"Each letter of \"{phrase}\" becomes a capital."
+    initials = " ".join(w[:1].upper() + w[1:] for w in words)
+    most = " ".join([w.upper() for w in words[:-1]] + [words[-1]])
+    more = ws[i:i + n + 1] if i + n < len(ws) else ws[i - 1:i + n]  # one word of the sentence too many
+    return prompt, phrase.upper(), why, [
+        (initials, "Each word starts with a capital."),
+        (most, why),
+        (phrase, "The phrase is already written correctly."),
+        (" ".join(w.upper() for w in words[:-1]), why),
+        (" ".join(w.strip('",.;:!?()').upper() for w in more), why)]
+
+
+def pair_count_words(rng, c):
+    s = rng.choice(c.sentences)
+    ws = s.split()
+    n = len(ws)
+    prompt = rng.choice(["How many words are in this sentence? {s}",
+                         "Count the words: {s}"]).format(s=s)
+    j = rng.randrange(n)
+    skipped = ws[:j] + ws[j + 1:]
+    doubled = ws[:j + 1] + ws[j:]
+    return prompt, f"{n} words.", f"Counting: {listing(ws)}. That is {n}.", [
+        (f"{n - 1} words.", f"Counting: {listing(skipped)}. That is {n - 1}."),
+        (f"{n + 1} words.", f"Counting: {listing(doubled)}. That is {n + 1}."),
+        (f"{n + 2}", f"It looks like about {n + 2}."),
+        (f"The sentence has {len(words_of(s)) + 3} words in it.",
+         f"Counting them quickly gives {len(words_of(s)) + 3}.")]
+
+
+def pair_reverse_list(rng, c):
+    items = rng.sample(c.words, rng.randint(3, 6))
+    prompt = rng.choice(["Reverse this list: {l}", "Write these in reverse order: {l}"]).format(
+        l=", ".join(items))
+    rev = items[::-1]
+    return prompt, ", ".join(rev), f"The last item is {items[-1]}, so it goes first.", [
+        (", ".join(items), f"The first item is {items[0]}, so it stays first."),
+        (", ".join(sorted(items)), f"In order the first is {min(items)}."),
+        (", ".join(items[1:] + items[:1]), f"The first item, {items[0]}, moves to the end."),
+        (", ".join(rev[:-1]), f"The last item is {items[-1]}, so it goes first."),
+        (", ".join(rev + rev[:1]), f"The last item is {items[-1]}, so it goes first and last.")]
+
+
+def pair_sort_list(rng, c):
+    items = rng.sample(c.words, rng.randint(3, 6))
+    prompt = "Sort these words alphabetically: " + ", ".join(items)
+    out = sorted(items)
+    j = rng.randrange(len(out) - 1)
+    swapped = out[:j] + [out[j + 1], out[j]] + out[j + 2:]
+    by_length = sorted(items, key=lambda w: (len(w), w))
+    candidates = [(", ".join(items), f"In alphabetical order the first is {items[0]}."),
+                  (", ".join(swapped), f"In alphabetical order the first is {swapped[0]}."),
+                  (", ".join(out[::-1]), f"In alphabetical order the first is {out[-1]}."),
+                  (", ".join(by_length), f"The shortest word, {by_length[0]}, comes first."),
+                  (", ".join(out[:-1]), f"In alphabetical order the first is {out[0]}.")]
+    return prompt, ", ".join(out), f"In alphabetical order the first is {out[0]}.", candidates
+
+
+def pair_last_word(rng, c):
+    s = rng.choice(c.sentences)
+    ws = words_of(s)
+    last = ws[-1]
+    return (f"What is the last word of this sentence? {s}", last, f"The sentence ends with \"{last}\".", [
+        (ws[0], f"The sentence starts with \"{ws[0]}\"."),
+        (ws[-2], f"The sentence ends with \"{ws[-2]}\"."),
+        (" ".join(ws[-2:]), f"The sentence ends with \"{' '.join(ws[-2:])}\"."),
+        (f"The last word is \"{ws[-2]}\".", f"The word before the full stop is \"{ws[-2]}\".")])
+
+
+def pair_title(rng, c):
+    title, body = rng.choice(c.titled)
+    text = "\n\n".join([title] + body[:1])
+    other, other2 = rng.sample([t for t, _ in c.titled if t != title], 2)
+    first = sentences(body[0])[0]
+    return (f"What is the title of this text?\n\n{text}", title, f"The first line, \"{title}\", is the title.", [
+        (first, f"The text opens with \"{first}\", so that is the title."),
+        (other, f"The first line, \"{other}\", is the title."),
+        (cut_words(title, 1 / 2), f"The first words, \"{cut_words(title, 1 / 2)}\", are the title."),
+        (f"The title of this text is \"{other2}\".", f"It reads like the text called \"{other2}\".")])
+
+
+def pair_arith(rng, c):
+    a, b, op, r = arithmetic(rng)
+    sym, word, _ = OPS[op]
+    prompt = rng.choice(["What is {a} {s} {b}?", "Compute {a} {s} {b}.", "{a} {s} {b} = ?"]).format(
+        a=a, s=sym, b=b)
+    d = rng.choice([1, -1, 10, -10, 2])
+    other = rng.choice([o for o in sorted(OPS) if o != op])
+    w_op = OPS[other][2](a, b)
+    return prompt, f"{a} {sym} {b} = {r}", f"{a} {word} {b} is {r}.", [
+        (f"{a} {sym} {b} = {r + d}", f"{a} {word} {b} is {r + d}."),
+        (f"{a} {sym} {b} = {w_op}", f"{a} {OPS[other][1]} {b} is {w_op}."),
+        (str(r + d), f"{a} {word} {b} is {r + d}."),
+        (f"{a} {sym} {b} is {r - d}, if I have carried correctly.",
+         f"{a} {word} {b}: carrying the tens gives {r - d}.")]
+
+
+PAIR_TASKS = [pair_first_sentence, pair_upper, pair_count_words, pair_reverse_list, pair_sort_list,
+              pair_last_word, pair_title, pair_arith]
+
+
+def spoiled_turn(rng, c, reasoning, task=None):
+    """A user turn, its correct answer and a plausible wrong one (as assistant messages)."""
+    prompt, answer, why, candidates = (task or rng.choice(PAIR_TASKS))(rng, c)
+    wrong, wrong_why = pick_wrong(rng, answer, candidates)
+    return ({"role": "user", "content": prompt}, assistant(answer, why if reasoning else None),
+            assistant(wrong, wrong_why if reasoning else None))
+
+
+def pair(prompt, chosen, rejected, tools=None):
+    row = {"prompt": prompt, "chosen": [chosen], "rejected": [rejected]}
+    if tools is not None:
+        row["tools"] = tools
+    return row
+
+
+def pref_single(rng, c, reasoning=False):
+    user, chosen, rejected = spoiled_turn(rng, c, reasoning)
+    return pair(maybe_system(rng) + [user], chosen, rejected)
+
+
+def pref_passage_turns(rng, c, reasoning=False):
+    """Earlier turns about one passage in the prompt; the last question's answer is the pair."""
+    p = rng.choice([q for q in c.paragraphs if len(q) <= 300])
+    ss = sentences(p)
+    s = ss[0]
+    ws, n, t = words_of(s), len(s.split()), ss[1]
+    turns = [("Here is a passage:\n\n" + p + "\n\nRepeat its first sentence.", s, None),
+             ("Now write that sentence in capital letters.", s.upper(),
+              [(t.upper(), "Every letter of the sentence becomes a capital."),
+               (cut_words(s).upper(), "Every letter of the sentence becomes a capital."),
+               (s, "The sentence is already written out.")]),
+             ("How many words does it have?", f"{n} words.",
+              [(f"{n + 1} words.", f"Splitting on spaces gives {n + 1} pieces."),
+               (f"{len(t.split())} words.", f"Splitting on spaces gives {len(t.split())} pieces."),
+               (f"It has {n - 1} words, counting each one once.", f"Splitting on spaces gives {n - 1} pieces.")]),
+             ("What is its last word?", ws[-1],
+              [(ws[0], f"It starts with \"{ws[0]}\"."), (words_of(t)[-1], f"It ends with \"{words_of(t)[-1]}\"."),
+               (" ".join(ws[-3:]), f"It ends with \"{' '.join(ws[-3:])}\".")])]
+    whys = ["", "Every letter of the sentence becomes a capital.", f"Splitting on spaces gives {n} pieces.",
+            f"It ends with \"{ws[-1]}\"."]
+    k = rng.randint(2, 4)
+    msgs = maybe_system(rng)
+    for q, a, _ in turns[:k - 1]:
+        msgs += [{"role": "user", "content": q}, assistant(a)]
+    q, a, candidates = turns[k - 1]
+    wrong, wrong_why = pick_wrong(rng, a, candidates)
+    msgs.append({"role": "user", "content": q})
+    return pair(msgs, assistant(a, whys[k - 1] if reasoning else None),
+                assistant(wrong, wrong_why if reasoning else None))
+
+
+def pref_mixed_turns(rng, c, reasoning=False):
+    """One to three answered tasks in the prompt, then the pair's task."""
+    msgs = maybe_system(rng)
+    for _ in range(rng.randint(1, 3)):
+        prompt, answer, _ = rng.choice(SIMPLE_TASKS)(rng, c)
+        msgs += [{"role": "user", "content": prompt}, assistant(answer)]
+    user, chosen, rejected = spoiled_turn(rng, c, reasoning)
+    return pair(msgs + [user], chosen, rejected)
+
+
+def tools_for(rng, messages):
+    """The schemas of the tools the messages call, or now and then all of them."""
+    called = {m["tool_calls"][0]["function"]["name"] for m in messages if "tool_calls" in m}
+    names = sorted(TOOLS) if not called or rng.random() < 0.3 else sorted(called)
+    return [TOOLS[n] for n in names]
+
+
+def answer_after_calculator(rng, reasoning):
+    a, b, op, r = arithmetic(rng)
+    word = OPS[op][1]
+    q = rng.choice(["Use the calculator: what is {a} {w} {b}?",
+                    "Please work out {a} {w} {b} with the calculator tool."]).format(a=a, w=word, b=b)
+    d = rng.choice([1, -1, 10, -10])
+    other = rng.choice([o for o in sorted(OPS) if o != op])
+    w_op = OPS[other][2](a, b)
+    flow = [{"role": "user", "content": q}, call_msg("calculator", {"a": a, "b": b, "op": op}),
+            {"role": "tool", "content": str(r)}]
+    return flow, (f"{a} {word} {b} is {r}.", f"The calculator returned {r}."), [
+        (f"{a} {word} {b} is {r + d}.", f"The calculator returned {r + d}."),
+        (f"{a} {word} {b} is {w_op}.", f"{a} {OPS[other][1]} {b} is {w_op}."),
+        (f"{r + d}", f"The calculator returned {r + d}."),
+        (f"The calculator returned {r}, but checking by hand, {a} {word} {b} is {r - d}.",
+         f"The calculator may be wrong; by hand it is {r - d}.")]
+
+
+def answer_after_two_steps(rng, reasoning):
+    a, b, c3 = rng.randint(2, 40), rng.randint(2, 40), rng.randint(2, 9)
+    s, r = a + b, (a + b) * c3
+    flow = [{"role": "user", "content": f"Compute ({a} + {b}) * {c3} with the calculator."},
+            call_msg("calculator", {"a": a, "b": b, "op": "add"}), {"role": "tool", "content": str(s)},
+            call_msg("calculator", {"a": s, "b": c3, "op": "multiply"}), {"role": "tool", "content": str(r)}]
+    return flow, (f"({a} + {b}) * {c3} = {r}", f"{s} times {c3} is {r}."), [
+        (f"({a} + {b}) * {c3} = {s}", f"The sum is {s}."),
+        (f"({a} + {b}) * {c3} = {a + b * c3}", f"{b} times {c3} is {b * c3}, plus {a} is {a + b * c3}."),
+        (f"{r + c3}", f"{s} times {c3} is {r + c3}."),
+        (f"First {a} + {b} = {s}, then {s} * {c3} = {r - c3}, so the answer is {r - c3}.",
+         f"{s} times {c3} is {r - c3}.")]
+
+
+def answer_after_word_count(rng, c, reasoning):
+    s = rng.choice(c.sentences)
+    n = len(s.split())
+    flow = [{"role": "user", "content": f"Count the words in this sentence with the word_count tool: {s}"},
+            call_msg("word_count", {"text": s}), {"role": "tool", "content": str(n)}]
+    return flow, (f"The sentence has {n} words.", f"The tool says {n}."), [
+        (f"The sentence has {n + 1} words.", f"The tool says {n + 1}."),
+        (f"{n - 1}", f"The tool says {n - 1}."),
+        (f"The tool counted {n}, but the sentence really has {n + 2} words.",
+         f"The tool says {n}, but I count {n + 2} myself.")]
+
+
+def pref_tool_answer(rng, c, reasoning=False):
+    """A tool-call flow in the prompt (calls and results); the pair is the final answer."""
+    kind = rng.random()
+    if kind < 0.45:
+        flow, (answer, why), candidates = answer_after_calculator(rng, reasoning)
+    elif kind < 0.7:
+        flow, (answer, why), candidates = answer_after_two_steps(rng, reasoning)
+    else:
+        flow, (answer, why), candidates = answer_after_word_count(rng, c, reasoning)
+    wrong, wrong_why = pick_wrong(rng, answer, candidates)
+    msgs = maybe_system(rng, 0.4)
+    if rng.random() < 0.3:  # a plain turn first, then the tool flow
+        prompt, first, _ = rng.choice(SIMPLE_TASKS)(rng, c)
+        msgs += [{"role": "user", "content": prompt}, assistant(first)]
+    msgs += flow
+    return pair(msgs, assistant(answer, why if reasoning else None),
+                assistant(wrong, wrong_why if reasoning else None), tools_for(rng, msgs))
+
+
+def swap_digits(x):
+    """47 -> 74, 5 -> 6: a misread number that differs from x."""
+    t = str(x)[::-1]
+    return int(t) if t != str(x) else x + 1
+
+
+def call_calculator(rng, c):
+    a, b, op, r = arithmetic(rng)
+    word = OPS[op][1]
+    q = rng.choice(["Use the calculator: what is {a} {w} {b}?",
+                    "Please work out {a} {w} {b} with the calculator tool."]).format(a=a, w=word, b=b)
+    other = rng.choice([o for o in sorted(OPS) if o != op])
+    why = f"I will call the calculator with a={a}, b={b}, op={op}."
+    candidates = [(call_msg("calculator", {"a": a, "b": b, "op": other}),
+                   f"I will call the calculator with a={a}, b={b}, op={other}."),
+                  (call_msg("calculator", {"a": a, "b": swap_digits(b), "op": op}),
+                   f"I will call the calculator with a={a}, b={swap_digits(b)}, op={op}."),
+                  (assistant(f"{a} {word} {b} is {r + rng.choice([1, -1, 10])}."),
+                   "This is easy enough to do without the tool.")]
+    if op == "subtract" and a != b:
+        candidates.append((call_msg("calculator", {"a": b, "b": a, "op": op}),
+                           f"I will call the calculator with a={b}, b={a}, op={op}."))
+    return [{"role": "user", "content": q}], call_msg("calculator", {"a": a, "b": b, "op": op}), why, candidates
+
+
+def call_two_steps(rng, c):
+    a, b, c3 = rng.randint(2, 40), rng.randint(2, 40), rng.randint(2, 9)
+    s = a + b
+    msgs = [{"role": "user", "content": f"Compute ({a} + {b}) * {c3} with the calculator."}]
+    if rng.random() < 0.5:  # the first call
+        return msgs, call_msg("calculator", {"a": a, "b": b, "op": "add"}), "First add the two numbers.", [
+            (call_msg("calculator", {"a": b, "b": c3, "op": "multiply"}), "Multiplication comes first."),
+            (call_msg("calculator", {"a": a, "b": c3, "op": "add"}), "First add the two numbers."),
+            (call_msg("calculator", {"a": a, "b": b, "op": "multiply"}), "First combine the two numbers.")]
+    msgs += [call_msg("calculator", {"a": a, "b": b, "op": "add"}), {"role": "tool", "content": str(s)}]
+    why = f"The sum is {s}; now multiply it by {c3}."
+    return msgs, call_msg("calculator", {"a": s, "b": c3, "op": "multiply"}), why, [
+        (call_msg("calculator", {"a": a, "b": c3, "op": "multiply"}), f"Now multiply {a} by {c3}."),
+        (call_msg("calculator", {"a": s, "b": c3, "op": "add"}), f"The sum is {s}; now add {c3}."),
+        (assistant(f"({a} + {b}) * {c3} = {s}"), f"The calculator returned {s}, which is the answer."),
+        (call_msg("calculator", {"a": swap_digits(s), "b": c3, "op": "multiply"}),
+         f"The sum is {swap_digits(s)}; now multiply it by {c3}.")]
+
+
+def call_word_count(rng, c):
+    s = rng.choice(c.sentences)
+    other = rng.choice([x for x in c.sentences if x != s])
+    n = len(s.split())
+    why = "The word_count tool can count them."
+    return ([{"role": "user", "content": f"Count the words in this sentence with the word_count tool: {s}"}],
+            call_msg("word_count", {"text": s}), why, [
+                (call_msg("word_count", {"text": cut_words(s)}), why),
+                (call_msg("word_count", {"text": s, "unique": True}), "Count each word once."),
+                (call_msg("word_count", {"text": other}), why),
+                (assistant(f"The sentence has {n + 1} words."), "I can count these myself.")])
+
+
+def pref_tool_call(rng, c, reasoning=False):
+    """The pair is a tool call: the right call against one with a wrong argument (or a guess)."""
+    kind = rng.random()
+    if kind < 0.4:
+        flow, chosen, why, candidates = call_calculator(rng, c)
+    elif kind < 0.7:
+        flow, chosen, why, candidates = call_two_steps(rng, c)
+    else:
+        flow, chosen, why, candidates = call_word_count(rng, c)
+    rejected, wrong_why = rng.choice([w for w in candidates if w[0] != chosen])
+    if reasoning:
+        chosen = dict(chosen, reasoning_content=why, thinking=why)
+        rejected = dict(rejected, reasoning_content=wrong_why, thinking=wrong_why)
+    msgs = maybe_system(rng, 0.4)
+    if rng.random() < 0.3:
+        prompt, first, _ = rng.choice(SIMPLE_TASKS)(rng, c)
+        msgs += [{"role": "user", "content": prompt}, assistant(first)]
+    msgs += flow
+    return pair(msgs, chosen, rejected, tools_for(rng, msgs + [chosen, rejected]))
+
+
+def pref_long(rng, c, reasoning=False):
+    """A whole document or two in the prompt (the conv_long style): a few hundred to ~1,500 tokens."""
+    ndocs = rng.choice([1, 1, 2])
+    while True:
+        picks = rng.sample(c.titled, ndocs)
+        size = sum(len(t) + sum(len(p) for p in body) for t, body in picks)
+        if 800 <= size <= 2800 and len(picks[-1][1]) >= 2:
+            break
+    text = "\n\n".join("\n\n".join([t] + body) for t, body in picks)
+    title, body = picks[-1]
+    msgs = maybe_system(rng) + [{"role": "user", "content": f"{text}\n\nWhat is the title of the last text above?"}]
+    if rng.random() < 0.4:
+        other = picks[0][0] if ndocs == 2 else rng.choice([t for t, _ in c.titled if t != title])
+        first = sentences(body[0])[0]
+        answer, why = title, f"The last text starts with the line \"{title}\"."
+        candidates = [(other, f"The text starts with the line \"{other}\"."),
+                      (first, f"The last text starts with \"{first}\"."),
+                      (cut_words(title, 1 / 2), f"The last text starts with \"{cut_words(title, 1 / 2)}\".")]
+    else:
+        msgs += [assistant(title), {"role": "user", "content": "Repeat the first sentence of its last paragraph."}]
+        last = sentences(body[-1])
+        answer, why = last[0], "The last paragraph is the one just before my question."
+        candidates = [(sentences(body[0])[0], "The first paragraph comes right after the title."),
+                      (sentences(body[-2])[0], "The last paragraph is the one just before my question."),
+                      (cut_words(last[0]), "The last paragraph is the one just before my question."),
+                      (" ".join(last[:2]), "The last paragraph is the one just before my question.")]
+        if len(last) > 1:
+            candidates.append((last[1], "The last paragraph is the one just before my question."))
+    wrong, wrong_why = pick_wrong(rng, answer, candidates)
+    return pair(msgs, assistant(answer, why if reasoning else None),
+                assistant(wrong, wrong_why if reasoning else None))
+
+
+PREFERENCE_PLAN = [  # (builder, count, with reasoning in the responses)
+    (pref_single, 100, False),
+    (pref_single, 30, True),
+    (pref_passage_turns, 25, False),
+    (pref_passage_turns, 5, True),
+    (pref_mixed_turns, 20, False),
+    (pref_mixed_turns, 5, True),
+    (pref_tool_answer, 35, False),
+    (pref_tool_answer, 10, True),
+    (pref_tool_call, 30, False),
+    (pref_tool_call, 10, True),
+    (pref_long, 25, False),
+    (pref_long, 5, True),
+]
+
+
+def build_preferences(corpus):
+    """The preference pairs, TRL's explicit conversational form: prompt, chosen, rejected, tools?.
+
+    Prompts hold no reasoning (gpt-oss's template drops earlier reasoning, so a prompt with it
+    would not render as a prefix of prompt + response); the responses may carry it.
+    """
+    rng = random.Random(PREFERENCE_SEED)
+    rows = []
+    for builder, count, reasoning in PREFERENCE_PLAN:
+        for _ in range(count):
+            row = builder(rng, corpus, reasoning)
+            assert row["prompt"][-1]["role"] in ("user", "tool"), row
+            assert row["chosen"] != row["rejected"], row
+            assert not any("reasoning_content" in m for m in row["prompt"]), row
+            rows.append(row)
+    rng.shuffle(rows)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
 # Tokenizers
 # ---------------------------------------------------------------------------------------------
 
@@ -502,7 +936,8 @@ def dump_json(obj):
 def build_files(qwen3_template, gpt_oss_template):
     corpus = Corpus(CORPUS)
     rows = build_conversations(corpus)
-    files = {CONVERSATIONS: "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)}
+    files = {CONVERSATIONS: "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows),
+             PREFERENCES: "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in build_preferences(corpus))}
 
     base = train_bpe(rows, [qwen3_template, gpt_oss_template]).to_str()
 

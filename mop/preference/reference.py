@@ -1,0 +1,150 @@
+"""The reference log-probs of a DPO run without a base to switch to: computed once, before the first
+step, from the starting weights, in the run's own layout, and stored beside the run.
+
+What (`compute`): every packed sequence of the data once, in global batches of `train.global_batch`
+split over the ranks as a training step splits them (`TrainingRun.rank_batches`), a forward under
+no_grad in the run's compute dtype (LoRA: with its adapters off); each response's summed target
+log-probs (`MoETransformer.preference_terms`). The first rank of each sequence group writes its
+sequences' pairs into a `[pairs, 2]` float64 table by corpus item (`PreferenceDataset.pairs_of`)
+and one all-reduce over the world gives every rank the whole table. A last, partial batch is
+filled with repeats whose results are dropped.
+
+Where: `dpo.reference_dir` (default `<run directory>/reference`) holds `logps.npy` and
+`manifest.json`, its identity: the starting weights (the run's seed and init_std, the Hugging Face
+import or checkpoint it starts from, or a LoRA run's base), the packed data's fingerprint, the
+model's shape and the compute dtype. Rank 0 writes both under a temporary name and renames them.
+
+Checks (one line each, `ConfigError` naming dpo.reference_dir): a fresh start reuses a stored table
+of its own identity and refuses another's; a resume reads the table its checkpoint recorded
+(`dpo_reference` in its meta) and refuses a missing or different one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from contextlib import nullcontext
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from mop.config import ConfigError
+from mop.data import group_slice, micro_batches, to_device
+from mop.models.lora import adapters_disabled
+from mop.preference.step import PreferenceObjective
+
+LOGPS, MANIFEST = "logps.npy", "manifest.json"
+
+
+def folder_of(run, run_dir: Path) -> Path:
+    return Path(run.config.dpo.reference_dir or run_dir / "reference")
+
+
+def starting_weights(run, meta: dict | None) -> dict:
+    """What the run's weights are before its first step: a LoRA run's base (adapters off), a step-0
+    checkpoint it starts from (a Hugging Face import: its directory and fingerprint), or its
+    initial values."""
+    if run.base is not None:
+        return {"kind": "lora_base", **run.base}
+    if meta is not None:
+        if "hf_weights" in meta:
+            return {"kind": "hf", "path": meta["hf_weights"], "fingerprint": meta["hf_fingerprint"]}
+        return {"kind": "checkpoint", "config": _digest(meta["config"]["model"]), "step": meta["step"]}
+    return {"kind": "initial", "seed": run.config.train.seed, "init_std": run.config.model.init_std}
+
+
+def identity(run, meta: dict | None) -> dict:
+    config = run.config
+    return {"weights": starting_weights(run, meta), "data": run.data.dataset.fingerprint,
+            "model": _digest(dataclasses.asdict(config.model)), "dtype": config.train.dtype}
+
+
+def _digest(value) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def attach(run, run_dir: Path, meta: dict | None) -> dict:
+    """Give the run's data its reference log-probs (module docstring); returns their identity, which
+    checkpoints record. `meta`: the checkpoint the run resumed from (None: a fresh start)."""
+    folder = folder_of(run, run_dir)
+    resumed = meta is not None and meta["step"] > 0
+    if resumed and "dpo_reference" not in meta:
+        raise ConfigError("dpo.reference", f"the checkpoint at step {meta['step']} records no precomputed reference "
+                          "log-probs; resume it with the dpo.reference it was trained with")
+    wanted = meta["dpo_reference"] if resumed else identity(run, meta)
+    stored = read_manifest(folder)
+    if stored is not None and stored != wanted:
+        raise ConfigError("dpo.reference_dir", f"{folder} holds reference log-probs of {describe(stored)}; this run "
+                          f"needs those of {describe(wanted)}: move the folder away or set another dpo.reference_dir")
+    if stored is None and resumed:
+        raise ConfigError("dpo.reference_dir", f"{folder} lacks the reference log-probs this run was trained with "
+                          f"({describe(wanted)}); restore them there or set dpo.reference_dir to where they are")
+    if stored is None:
+        table = compute(run)
+        if run.runtime.is_main:
+            write(folder, table, wanted)
+        if run.runtime.layout is not None:
+            dist.barrier(run.runtime.layout.world_group)
+    run.data.dataset.reference = np.load(folder / LOGPS, mmap_mode="r")
+    return wanted
+
+
+def describe(identity: dict) -> str:
+    weights = identity["weights"]
+    what = {"initial": lambda: f"the initial weights of seed {weights.get('seed')}",
+            "hf": lambda: f"the Hugging Face weights {weights.get('path')}",
+            "lora_base": lambda: f"the LoRA base {weights.get('path', 'of the initial weights')}",
+            "checkpoint": lambda: f"a step-{weights.get('step')} checkpoint"}[weights["kind"]]()
+    return f"{what} on data {identity['data']} in {identity['dtype']}"
+
+
+def read_manifest(folder: Path) -> dict | None:
+    path = folder / MANIFEST
+    if not path.is_file() or not (folder / LOGPS).is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except ValueError as err:
+        raise ConfigError("dpo.reference_dir", f"{path} is damaged ({err}); move the folder away to recompute it")
+
+
+def write(folder: Path, table: np.ndarray, wanted: dict) -> None:
+    """`logps.npy` and `manifest.json` under temporary names, then renamed (the manifest last)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    partial = folder / f"{LOGPS}.partial.npy"
+    np.save(partial, table)
+    os.replace(partial, folder / LOGPS)
+    partial = folder / f"{MANIFEST}.partial"
+    partial.write_text(json.dumps(wanted, indent=1))
+    os.replace(partial, folder / MANIFEST)
+
+
+@torch.no_grad()
+def compute(run) -> np.ndarray:
+    """The `[pairs, 2]` float64 table of the starting weights' summed log-probs (module docstring)."""
+    config, runtime, dataset = run.config, run.runtime, run.data.dataset
+    count, d = len(dataset), config.parallel.sequence
+    table = torch.zeros(dataset.corpus_pairs, 2, dtype=torch.float64)
+    objective = PreferenceObjective(run.model, config.dpo, None, dataset.pairs_max)
+    leader = runtime.rank % d == 0  # the D ranks of a sequence group hold the same sums
+    adapters_off = adapters_disabled(run.model) if config.adapters is not None else nullcontext()
+    with adapters_off, run.autocast():
+        for start in range(0, count, config.train.global_batch):
+            positions = list(range(start, start + config.train.global_batch))
+            batches = run.rank_batches([p % count for p in positions], dataset)
+            group = group_slice(positions, runtime.rank // d, runtime.world // d)
+            mine = micro_batches(group, config.train.micro_batch)
+            for batch, rows in zip(batches, mine):
+                logps = objective.terms(to_device(batch, runtime.device)).logps.double().cpu()
+                for row, position in enumerate(rows):
+                    if leader and position < count:  # not a repeat filling the last batch
+                        items = torch.as_tensor(dataset.pairs_of(position))
+                        table[items] = logps.view(len(rows), dataset.pairs_max, 2)[row, :len(items)]
+    if runtime.layout is not None:
+        table = table.to(runtime.device)
+        dist.all_reduce(table, group=runtime.layout.world_group)
+    return table.cpu().numpy()

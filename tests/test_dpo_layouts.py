@@ -1,0 +1,130 @@
+"""DPO exact in every layout (issue 39): the same preference pairs packed with their prompt once
+(`data.shared_prompt`) or as prompt+chosen and prompt+rejected give the same step loss, records and
+every parameter gradient, in one process and in the mop layout (Ulysses with head chunks, LLEP
+forced to spill in chunks, the vocabulary ring, checkpointing with offload), fp32; and `mop train`'s
+DPO runs, LoRA with the base as reference and full fine-tuning with a precomputed one, give the
+reference's losses in every layout.
+
+One step covers every pair: the shipped pairs picked (short ones, a multi-turn prompt, one with
+tools) fit one sequence either way, which one data group of D ranks holds.
+"""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_chat import full_gradient
+from test_train import read_metrics
+from torch.testing import assert_close
+
+from mop.build import build_run
+from mop.cli import main
+from mop.config import load_config
+from mop.parallel import DistLayout, Layout
+from mop.parallel.checkpointing import canonical_name
+from mop.preference import reference
+from mop.resolve import resolve
+from mop.runtime import Runtime
+from mop.testing import run_distributed
+from mop.train import train_step
+
+ROOT = Path(__file__).resolve().parents[1]
+QWEN3 = ROOT / "mop" / "data" / "assets" / "qwen3"
+PICKED = (24, 93, 279, 219)  # two short prompts, a multi-turn one, one with tools
+MODEL = ["--model.vocab_size=584", "--model.hidden=32", "--model.layers=2", "--model.heads=4", "--model.kv_heads=2",
+         "--model.head_dim=8", "--model.experts=4", "--model.top_k=2", "--model.expert_intermediate=16",
+         "--model.dense_layers=1", "--model.dense_intermediate=24"]
+DPO = [*MODEL, "--data.format=preference", f"--data.tokenizer={QWEN3}", "--data.seq_len=1536",
+       "--train.global_batch=1", "--train.micro_batch=1", "--optim.offload=false", "--dpo.nll_alpha=0.5",
+       "--dpo.beta=0.2", "--model.aux_loss_coef=0"]
+EVERY_TECHNIQUE = ["--parallel.strategy=mop", "--parallel.expert=2", "--parallel.vocab=2",
+                   "--parallel.attention_head_chunks=2", "--parallel.expert_balance=llep", "--parallel.llep_gate=1.0",
+                   "--parallel.llep_alpha=0.5", "--parallel.llep_min_chunk=4", "--parallel.llep_chunks=2",
+                   "--train.activation_checkpointing=full", "--train.offload_activations=true"]
+
+
+def pairs_source(tmp_path) -> str:
+    rows = (ROOT / "mop" / "data" / "corpus" / "preferences.jsonl").read_text().splitlines()
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("\n".join(rows[i] for i in PICKED) + "\n")
+    return str(path)
+
+
+def first_step(rank: int, world: int, overrides: list[str]) -> tuple[dict, dict]:
+    """The step over every pair in a layout: its record and every parameter's full gradient. The
+    reference log-probs are the starting weights' (computed in the layout) moved by a per-pair
+    offset, so the pairs' rewards differ."""
+    config = resolve(load_config(None, overrides), world)
+    p = config.parallel
+    layout = DistLayout(Layout(world, p.sequence, p.expert, p.vocab), torch.device("cpu")) if world > 1 else None
+    run = build_run(config, Runtime(rank, world, torch.device("cpu"), layout))
+    dataset = run.data.dataset
+    assert len(dataset) == 1 and dataset.pairs_max == len(PICKED)
+    table = reference.compute(run)
+    dataset.reference = table + (np.arange(len(table))[:, None] - 1.5) * np.array([[0.7, -0.4]])
+    record = train_step(run, run.rank_batches([0], dataset))
+    grads = {canonical_name(n): full_gradient(run.views, q) if layout else q.grad.clone()
+             for n, q in run.model.named_parameters() if q.requires_grad}
+    return record, grads
+
+
+def equal_steps(one: tuple[dict, dict], other: tuple[dict, dict]) -> None:
+    (record, grads), (other_record, other_grads) = one, other
+    for key in ("loss", "dpo_loss", "nll_loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies",
+                "rewards/margins", "logps/chosen", "logps/rejected", "pairs"):
+        assert record[key] == pytest.approx(other_record[key], rel=1e-5, abs=1e-6), key
+    assert grads.keys() == other_grads.keys()
+    for name in grads:
+        assert_close(grads[name], other_grads[name], atol=1e-6, rtol=1e-4, msg=name)
+
+
+@pytest.fixture(scope="module")
+def reference_steps(tmp_path_factory):
+    source = pairs_source(tmp_path_factory.mktemp("pairs"))
+    base = [*DPO, f"--data.source={source}", "--parallel.strategy=reference"]
+    return source, {shared: first_step(0, 1, [*base, f"--data.shared_prompt={str(shared).lower()}"]) for shared in (True, False)}
+
+
+def test_the_prompt_once_gives_the_loss_and_gradients_of_the_pairs_run_unshared(reference_steps):
+    _, steps = reference_steps
+    equal_steps(steps[True], steps[False])
+    record = steps[True][0]
+    assert record["pairs"] == len(PICKED) and 0 < record["rewards/accuracies"] < 1  # the offsets move the rewards
+    assert record["loss"] == pytest.approx(record["dpo_loss"] + 0.5 * record["nll_loss"])
+
+
+@pytest.mark.parametrize("world, sequence", [(2, 2), pytest.param(4, 4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("shared", [True, False])
+def test_every_layout_gives_the_single_process_step(reference_steps, world, sequence, shared):
+    source, steps = reference_steps
+    overrides = [*DPO, *EVERY_TECHNIQUE, f"--data.source={source}", f"--parallel.nproc={world}",
+                 f"--parallel.sequence={sequence}", f"--data.shared_prompt={str(shared).lower()}"]
+    ranks = run_distributed(first_step, world, overrides)
+    for rank in ranks:
+        equal_steps(rank, steps[True])
+
+
+TRAIN = ["--train.steps=3", "--log.progress=false", "--log.tensorboard=false", "--log.plot=false",
+         "--checkpoint.every=0", "--checkpoint.final=false", "--optim.lr=0.01", "--model.aux_loss_coef=0.01"]
+
+
+@pytest.mark.parametrize("finetune", ["lora", pytest.param("full", marks=pytest.mark.slow)])
+def test_every_layout_trains_dpo_as_the_reference(tmp_path, finetune):
+    source = pairs_source(tmp_path)
+    common = [*DPO[:-1], *TRAIN, f"--data.source={source}", f"--train.finetune={finetune}", "--lora.rank=4"]
+    reference_run = tmp_path / "reference"
+    assert main(["train", *common, "--parallel.strategy=reference", f"--log.run_dir={reference_run}"]) == 0
+    mop_run = tmp_path / "mop"
+    assert main(["train", *common, *EVERY_TECHNIQUE, "--parallel.nproc=2", "--parallel.sequence=2",
+                 f"--log.run_dir={mop_run}"]) == 0
+    expected, got = read_metrics(reference_run / "metrics.jsonl"), read_metrics(mop_run / "metrics.jsonl")
+    assert expected[0]["dpo_loss"] == pytest.approx(np.log(2), rel=1e-6)  # the policy starts as its reference
+    assert expected[-1]["rewards/margins"] != 0
+    for want, have in zip(expected, got, strict=True):
+        for key in ("loss", "dpo_loss", "aux_loss", "rewards/margins", "logps/chosen", "logps/rejected"):
+            assert have[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), (want["step"], key)
+    if finetune == "full":
+        stored = json.loads((mop_run / "reference" / "manifest.json").read_text())
+        assert stored["weights"]["kind"] == "initial"
