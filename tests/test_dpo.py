@@ -95,9 +95,9 @@ def test_reference_sums_ride_along_with_the_policy_sums():
     reference = torch.zeros(48, dtype=torch.float64)
     starts = [int((batch["response_ids"] == k).nonzero()[0]) for k in range(4)]
     reference[starts] = torch.tensor([-3.5, -7.25, -1.0, -2.0], dtype=torch.float64)
-    terms = net.preference_terms(*(batch[k][None] for k in ("input_ids", "labels", "response_ids")), 2,
-                                 *(batch[k][None] for k in ("position_ids", "document_ids", "padding", "prefix_lengths")),
-                                 reference_logps=reference[None])
+    rows = {key: value[None] for key, value in batch.items()}
+    terms = net.preference_terms(rows["input_ids"], rows["labels"], rows["response_ids"], 2, rows["position_ids"],
+                                 rows["document_ids"], rows["padding"], rows["prefix_lengths"], reference[None])
     assert torch.equal(terms.reference, torch.tensor([[-3.5, -7.25], [-1.0, -2.0]], dtype=torch.float64))
 
 

@@ -33,8 +33,8 @@ from mop.train import train_step
 ROOT = Path(__file__).resolve().parents[1]
 QWEN3 = ROOT / "mop" / "data" / "assets" / "qwen3"
 PICKED = (24, 93, 279, 219)  # two short prompts, a multi-turn one, one with tools
-MODEL = ["--model.vocab_size=584", "--model.hidden=32", "--model.layers=2", "--model.heads=4", "--model.kv_heads=2",
-         "--model.head_dim=8", "--model.experts=4", "--model.top_k=2", "--model.expert_intermediate=16",
+MODEL = ["--model.vocab_size=584", "--model.hidden=32", "--model.layers=2", "--model.heads=8", "--model.kv_heads=2",
+         "--model.head_dim=4", "--model.experts=4", "--model.top_k=2", "--model.expert_intermediate=16",
          "--model.dense_layers=1", "--model.dense_intermediate=24"]
 DPO = [*MODEL, "--data.format=preference", f"--data.tokenizer={QWEN3}", "--data.seq_len=1536",
        "--train.global_batch=1", "--train.micro_batch=1", "--optim.offload=false", "--dpo.nll_alpha=0.5",
