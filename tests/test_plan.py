@@ -15,6 +15,7 @@ capacity (the model's assumption for LLEP: a rank computes at most llep_alpha x 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -261,3 +262,27 @@ def test_lora_keeps_the_published_base_and_fits_deepseek_v3_at_128k_on_one_h200_
     resolved = resolve(config, world=cluster.world, local_world=cluster.gpus_per_node)
     assert resolved.lora == chosen.config.lora and resolved.parallel == chosen.config.parallel
     assert estimate(resolved, cluster.world, 8).peak_device_bytes == chosen.memory.peak_device_bytes
+
+
+@pytest.mark.parametrize("model_name, base", [("qwen3-235b-a22b", "none"), ("gpt-oss-120b", "mxfp4")])
+def test_dpo_plans_lora_with_the_bases_reference_forward_in_every_step(model_name, base):
+    """`--dpo`: a sequence of pairs costs the memory of any sequence of its tokens (the response sums
+    are a few numbers per pair); with LoRA the base's reference forward adds one forward's FLOPs and
+    traffic to every step; full fine-tuning's reference is precomputed once, so its steps cost what
+    supervised steps do. Qwen3-235B-A22B and gpt-oss-120b with LoRA fit 128K on one H200 node."""
+    from mop.models.lora import LoraConfig
+    from mop.plan.search import evaluate
+
+    cluster, model = make_cluster("h200", 1, 8), load_model(model_name)
+    lora = LoraConfig(base_format=base)
+    dpo = plan(model, cluster, 131072, lora=lora, preference=True)["mop"].best
+    assert dpo is not None and dpo.memory.peak_device_bytes <= cluster.budget_bytes
+    assert dpo.config.dpo.reference == "base" and dpo.config.data.format == "preference"
+    config = dpo.config
+    supervised = evaluate(dataclasses.replace(config, data=dataclasses.replace(config.data, format="text")), cluster)
+    assert supervised.memory.peak_device_bytes == dpo.memory.peak_device_bytes
+    forward = dpo.time.forward
+    assert dpo.time.compute == pytest.approx(supervised.time.compute + forward, rel=1e-9)
+    assert dpo.time.seconds > supervised.time.seconds
+    full = plan(model, make_cluster("h200", 2, 8), 65536, preference=True)["mop"]
+    assert full.best is None or full.best.config.dpo.reference == "precomputed"

@@ -14,6 +14,7 @@ BENCHMARKS = {
     "build": "the resident memory of building a real preset's model: shards only against the full model first",
     "context": "`mop train` at long packed-document context, and plain FSDP2 on Hugging Face's model",
     "data": "chat data: mop data prepare on a generated conversation file (tokens/s, memory) and a run's start-up on it",
+    "dpo": "DPO at long context: per-rank memory and step time with the prompt computed once against repeated",
     "e2e": "training throughput and per-rank memory of mop and of the best fsdp2 setup, against context",
     "gpu": "acceptance test of 1-8 GPUs: the CUDA tier and bf16 trainings sized to the GPUs and host (--dry-run: the plan)",
     "lora": "per-rank device memory and step time of LoRA over an fp8 base against full fine-tuning",

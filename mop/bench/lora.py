@@ -24,26 +24,21 @@ to full. Times on this machine are noisy: compare the ratio, not the seconds.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from pathlib import Path
 
-import torch
-
 from mop.bench.report import MIB, table, write_json
-from mop.bench.shape import add_shape_arguments
+from mop.bench.shape import ANCHOR, add_shape_arguments, shape_overrides
 from mop.config import load_config
 from mop.plan.memory import estimate
 from mop.resolve import resolve
 from mop.testing import run_distributed
-from mop.testing.step import Trainer, step_memory
+from mop.testing.step import timed_steps
 
 WORLD = 2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_shape_arguments(parser, vocab=32000, hidden=256, layers=4, heads=8, kv_heads=2, head_dim=32, experts=16,
-                        top_k=2, intermediate=256)
+    add_shape_arguments(parser, **ANCHOR)
     parser.add_argument("--context", type=int, default=32768, help="tokens per sequence (one sequence per step)")
     parser.add_argument("--rank", type=int, default=16, help="LoRA rank")
     parser.add_argument("--targets", default="attention,routed_experts", help="lora.targets")
@@ -54,10 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def settings(args, finetune: str) -> list[str]:
     """The `mop train` overrides of one run: the shape, the layout, and LoRA's own settings."""
-    shape = [f"--model.vocab_size={args.vocab}", f"--model.hidden={args.hidden}", f"--model.layers={args.layers}",
-             f"--model.heads={args.heads}", f"--model.kv_heads={args.kv_heads}", f"--model.head_dim={args.head_dim}",
-             f"--model.experts={args.experts}", f"--model.top_k={args.top_k}",
-             f"--model.expert_intermediate={args.intermediate}"]
+    shape = shape_overrides(args)
     run = ["--parallel.strategy=mop", f"--parallel.nproc={WORLD}", "--train.dtype=float32", "--train.device=cpu",
            f"--data.seq_len={args.context}", "--train.global_batch=1", "--train.micro_batch=1",
            "--train.activation_checkpointing=full", "--train.seed=0", f"--train.finetune={finetune}"]
@@ -69,21 +61,9 @@ def _config(overrides: list[str]):
     return resolve(load_config(None, overrides), WORLD)
 
 
-def _rank(rank: int, world: int, overrides: list[str], steps: int) -> dict:
-    torch.set_num_threads(1)
-    trainer = Trainer(_config(overrides), rank, "packed")
-    memory = step_memory(trainer)  # a warm-up step, then the memory step
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        trainer.step()
-        times.append(time.perf_counter() - start)
-    return {**memory, "step_s": statistics.median(times)}
-
-
 def measure(args, finetune: str) -> dict:
     overrides = settings(args, finetune)
-    ranks = run_distributed(_rank, WORLD, overrides, args.steps, timeout=3600)
+    ranks = run_distributed(timed_steps, WORLD, overrides, args.steps, timeout=3600)
     config = _config(overrides)
     worst = max(ranks, key=lambda r: r["device"])
     return {"finetune": finetune, "settings": overrides, "device_bytes": worst["device"],

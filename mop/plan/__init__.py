@@ -4,6 +4,11 @@ Will a model fit on a cluster at a context, with which MoP layout, and how fast;
 the best FSDP2 configuration (the paper's FSDP-best). MODEL is a preset name (`configs/<name>.toml`),
 a TOML config (its `[model]` section) or a Hugging Face config.json (or its directory).
 
+`--dpo` plans DPO: each sequence holds preference pairs packed with their prompt once (a 128K
+context is a 128K-token sequence, e.g. one pair of a 126K prompt and two 1K responses); with LoRA
+the step also runs the base's forward for the reference, full fine-tuning precomputes it once
+(`mop.plan.speed`).
+
 `--finetune lora` plans LoRA over the frozen base (`--lora-rank`, `--lora-targets`, `--base-format`):
 the base kept as MODEL is published (`--base-format auto`: a config.json's `quantization_config`,
 a preset's `[lora] base_format`), gradients and optimizer state for the adapters alone.
@@ -115,6 +120,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora-targets", default=LoraConfig.targets, help="modules with adapters (lora.targets)")
     parser.add_argument("--base-format", default="auto",
                         help="LoRA's frozen base: auto (as MODEL is published), none, fp8, fp8:RxC, mxfp4")
+    parser.add_argument("--dpo", action="store_true", help="DPO on preference pairs (the prompt once per pair); the "
+                        "reference: LoRA's base in every step, else precomputed")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
@@ -137,10 +144,10 @@ def run(args) -> dict:
                            reserve_gib=args.reserve_gib, host_gib=args.host_gib, nvlink_gbps=args.nvlink_gbps,
                            network_gbps=args.network_gbps, host_link_gbps=args.host_link_gbps,
                            peak_tflops=args.peak_tflops, mfu=args.mfu)
-    plans = [plan_json(context, plan(model, cluster, context, args.global_batch, args.routing_skew, documents, lora))
-             for context in contexts]
+    plans = [plan_json(context, plan(model, cluster, context, args.global_batch, args.routing_skew, documents, lora,
+                                     args.dpo)) for context in contexts]
     return {"model": {"name": args.model, **vars(model)}, "cluster": vars(cluster) | {"world": cluster.world},
-            "finetune": "full" if lora is None else vars(lora),
+            "finetune": "full" if lora is None else vars(lora), "dpo": args.dpo,
             "assumptions": {"routing_skew": args.routing_skew, "document_tokens": documents or "context",
                             "global_batch": args.global_batch or "one sequence per data group"},
             "plans": plans}

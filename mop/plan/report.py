@@ -106,9 +106,12 @@ def detail(results: dict, plan: dict) -> str:
 
 def _finetune(results: dict) -> str:
     lora = results.get("finetune", "full")
-    if lora == "full":
-        return "full fine-tuning"
-    return f"LoRA rank {lora['rank']} on {lora['targets']} over a {lora['base_format']} base"
+    what = "full fine-tuning" if lora == "full" else (
+        f"LoRA rank {lora['rank']} on {lora['targets']} over a {lora['base_format']} base")
+    if results.get("dpo"):
+        reference = "the base's forward in every step" if lora != "full" else "precomputed once"
+        what = f"DPO ({what}; sequences of preference pairs, the prompt once; reference {reference})"
+    return what
 
 
 def table1(results: dict) -> str:

@@ -36,6 +36,12 @@ of three (the attention core keeps its three); FSDP2 gathers the units as stored
 reduce-scatters the adapters' gradients alone; the ring sends no gradient for the frozen head; the
 host link and the host optimizer carry the adapters. Not modelled: the adapters' own FLOPs
 (r / hidden of the frozen GEMM's) and the dequantization (elementwise, one pass over each weight).
+
+DPO (`data.format = "preference"`): a sequence is packed pairs, its tokens counted as any others
+(the prompt once). With LoRA the reference is the base's forward in every step (adapters off, no
+gradient): one more forward's FLOPs, all-to-alls and gathers. Full fine-tuning precomputes the
+reference before the first step, one forward of every sequence (`StepTime.forward` per step's
+sequences); its steps cost what supervised steps do. The response sums are a few numbers per pair.
 """
 
 from __future__ import annotations
@@ -69,10 +75,11 @@ class StepTime:
     exposed: dict[str, float]  # on the critical path, per step
     seconds: float
     tokens: int  # the rank's tokens per step (its share of the global batch)
+    forward: float  # one forward of the step's sequences: what DPO's precomputed reference costs them, once
 
     def as_dict(self) -> dict:
         return {"seconds": self.seconds, "tokens_per_rank": self.tokens, "compute_s": self.compute,
-                "overlapped_s": self.links, "exposed_s": self.exposed}
+                "overlapped_s": self.links, "exposed_s": self.exposed, "forward_s": self.forward}
 
 
 def _link(cluster: Cluster, span: int, strided: bool = False) -> str:
@@ -117,6 +124,9 @@ def step_time(config: Config, cluster: Cluster, s: Shapes, counts: ParameterCoun
     attention_share = spec.attention_core_flops(keys) * tokens / forward
     expert_share = spec.routed_expert_flops() * tokens / forward
     extra = forward if checkpointed else 0.0
+    # DPO with LoRA: the base's forward (adapters off, no grad) gives the reference in every step
+    reference_pass = config.data.format == "preference" and config.dpo.reference == "base"
+    extra += forward * reference_pass
     if p.attention_head_chunks > 1 and not checkpointed:
         extra += forward * attention_share
     if p.llep_chunks > 1:
@@ -134,8 +144,9 @@ def step_time(config: Config, cluster: Cluster, s: Shapes, counts: ParameterCoun
         dense_units = counts.total // tp - expert_units * p.expert - (m.vocab_size * m.hidden if p.vocab > 1 else 0)
         dense_traffic, expert_traffic = dense_units * (2 * s.act + FP32), expert_units * (2 * s.act + FP32)
     else:  # gathered as stored; only the adapters' gradients are reduced
-        dense_traffic = 2 * adapters.dense_gathered + adapters.dense_trained * FP32
-        expert_traffic = m.moe_layers * (2 * adapters.partition_bytes + adapters.partition_trained * FP32)
+        gathers = 2 + reference_pass
+        dense_traffic = gathers * adapters.dense_gathered + adapters.dense_trained * FP32
+        expert_traffic = m.moe_layers * (gathers * adapters.partition_bytes + adapters.partition_trained * FP32)
     links[_link(cluster, dense_world, strided=tp > 1)] += _share(dense_world) * dense_traffic
     links[_link(cluster, replicas, strided=True)] += _share(replicas) * expert_traffic
     # the vocabulary ring (a frozen head sends no gradient)
@@ -144,13 +155,13 @@ def step_time(config: Config, cluster: Cluster, s: Shapes, counts: ParameterCoun
         gradient = p.vocab * shard * FP32 if adapters is None else 0
         links[_link(cluster, p.vocab)] += (p.vocab - 1) * shard * 2 * s.act + gradient
     # all-to-alls: passes = forward + backward (+ recomputations)
-    passes = 2 + checkpointed
+    passes = 2 + checkpointed + reference_pass
     ulysses = _share(p.sequence) * m.layers * s.T * spec.attention.exchanged_width * s.act
     ulysses_passes = passes + (p.attention_head_chunks > 1 and not checkpointed)
     dispatch = _share(p.expert) * m.moe_layers * 2 * s.A * s.H * s.act
     # chunked: rows out and back in forward, then [rows | gradients] out and [row gradients] back:
     # 2.5 passes' bytes, checkpointed or not (a checkpointed block's recomputation keeps its output)
-    dispatch_passes = 2.5 if p.llep_chunks > 1 else passes
+    dispatch_passes = (2.5 + reference_pass) if p.llep_chunks > 1 else passes
     tensor = 4 * _share(tp) * m.layers * s.T * tp * s.H * s.act  # TP+SP: gather/scatter around attention and MLP
     # under TP a sequence (or expert) group's members are tp ranks apart: the group spans cp x tp ranks
     a2a = ulysses * ulysses_passes / _bandwidth(cluster, _link(cluster, p.sequence * tp))
@@ -182,4 +193,4 @@ def step_time(config: Config, cluster: Cluster, s: Shapes, counts: ParameterCoun
     seconds = step + exposed["host_optimizer"] + exposed["cpu_adamw"]
     overlapped = {k: mbs * links[k] / _bandwidth(cluster, k) for k in links}
     return StepTime(mbs * compute, overlapped, {k: v * (mbs if k == "all_to_all" else 1) for k, v in exposed.items()},
-                    seconds, mbs * s.T)
+                    seconds, mbs * s.T, mbs * forward / (cluster.peak_flops * cluster.mfu))

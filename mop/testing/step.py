@@ -9,13 +9,19 @@ a GPU machine keeps in host memory (offloaded block inputs, offloaded or handed-
 
 from __future__ import annotations
 
+import statistics
+import time
 import weakref
+from pathlib import Path
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from mop.build import TrainingRun, build_run
+from mop.config import load_config
 from mop.parallel import DistLayout, Layout
+from mop.preference import reference
+from mop.resolve import resolve
 from mop.runtime import Runtime
 from mop.testing.memory import PeakMemory
 from mop.train import train_step, update
@@ -77,6 +83,10 @@ class Trainer:
         self.offload_store = self.run.offload_store
         self.host_gradients = HostGradients(self.run.model) if p.fsdp_cpu_offload else None
         self.optimizer_on_device = not (config.optim.offload or p.fsdp_cpu_offload)
+        if config.data.format == "preference" and config.dpo.reference == "precomputed":
+            # the starting weights' reference log-probs, computed once before the steps (not timed), in
+            # dpo.reference_dir (the ranks' shared folder; the caller sets it)
+            reference.attach(self.run, Path(config.dpo.reference_dir), None)
         self.batches = rank_batches(self.run, documents)
 
     def backward(self) -> None:
@@ -129,3 +139,17 @@ def step_memory(trainer: Trainer) -> dict:
     return {**state, "step_peak": peak, "gradients": gradients,
             "device": state["parameters"] + state["optimizer_state"] + peak,
             "host_activations": store.peak_bytes if store else 0}
+
+
+def timed_steps(rank: int, world: int, overrides: list[str], steps: int) -> dict:
+    """A benchmark's rank (one intra-op thread): the run `mop train` would build from `overrides` on
+    `world` ranks, its memory (`step_memory`) and the median time of `steps` more steps."""
+    torch.set_num_threads(1)
+    trainer = Trainer(resolve(load_config(None, overrides), world), rank, "packed")
+    memory = step_memory(trainer)  # a warm-up step, then the memory step
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        trainer.step()
+        times.append(time.perf_counter() - start)
+    return {**memory, "step_s": statistics.median(times)}
