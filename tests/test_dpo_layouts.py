@@ -84,7 +84,8 @@ def equal_steps(one: tuple[dict, dict], other: tuple[dict, dict]) -> None:
 def reference_steps(tmp_path_factory):
     source = pairs_source(tmp_path_factory.mktemp("pairs"))
     base = [*DPO, f"--data.source={source}", "--parallel.strategy=reference"]
-    return source, {shared: first_step(0, 1, [*base, f"--data.shared_prompt={str(shared).lower()}"]) for shared in (True, False)}
+    return source, {shared: first_step(0, 1, [*base, f"--data.shared_prompt={str(shared).lower()}"])
+                    for shared in (True, False)}
 
 
 def test_the_prompt_once_gives_the_loss_and_gradients_of_the_pairs_run_unshared(reference_steps):
@@ -128,3 +129,21 @@ def test_every_layout_trains_dpo_as_the_reference(tmp_path, finetune):
     if finetune == "full":
         stored = json.loads((mop_run / "reference" / "manifest.json").read_text())
         assert stored["weights"]["kind"] == "initial"
+
+
+def test_a_stored_reference_serves_only_the_weights_data_and_dtype_it_was_computed_from(tmp_path, capsys):
+    """A precomputed reference is refused by a start from other weights (a LoRA base stored as fp8 is
+    not the same seed's full weights) and by a resume with other settings; its own resume reuses it."""
+    source = pairs_source(tmp_path)
+    common = [*DPO, *TRAIN[1:], f"--data.source={source}", "--parallel.strategy=reference", "--train.steps=1",
+              "--checkpoint.every=1"]
+    first = tmp_path / "first"
+    assert main(["train", *common, f"--log.run_dir={first}"]) == 0
+    stored = first / "reference"
+    assert main(["train", *common, f"--log.run_dir={tmp_path / 'lora'}", "--train.finetune=lora",
+                 "--lora.base_format=fp8:8x8", "--dpo.reference=precomputed", f"--dpo.reference_dir={stored}"]) != 0
+    assert "dpo.reference_dir" in capsys.readouterr().err
+    resumed = [*common, f"--log.run_dir={first}", "--checkpoint.resume=latest", "--train.steps=2"]
+    assert main(["train", *resumed, "--dpo.beta=0.3"]) == 0  # the table serves another beta
+    assert main(["train", *resumed, "--train.steps=3", "--train.dtype=bfloat16"]) != 0
+    assert "dpo.reference: the checkpoint's reference log-probs" in capsys.readouterr().err

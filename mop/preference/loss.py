@@ -66,8 +66,9 @@ def record_sums(policy: torch.Tensor, reference: torch.Tensor, targets: torch.Te
                 scale: float) -> torch.Tensor:
     """`RECORDS`' sums over this forward's filled slots times `scale` (float64 `[6]`): summed over the
     step's forwards and ranks with scale = 1 / (pairs x copies), they are the step's means."""
-    filled = (targets > 0).all(-1)
-    policy, reference = policy[filled].double(), reference[filled].double()
+    filled = (targets > 0).all(-1, keepdim=True)  # masked, not indexed: no host sync
+    policy, reference = policy.double() * filled, reference.double() * filled
     rewards = beta * (policy - reference)
-    return torch.stack([rewards[:, 0].sum(), rewards[:, 1].sum(), (rewards[:, 0] > rewards[:, 1]).double().sum(),
+    wins = (rewards[:, 0] > rewards[:, 1]) & filled[:, 0]
+    return torch.stack([rewards[:, 0].sum(), rewards[:, 1].sum(), wins.double().sum(),
                         (rewards[:, 0] - rewards[:, 1]).sum(), policy[:, 0].sum(), policy[:, 1].sum()]) * scale

@@ -14,9 +14,9 @@ Where: `dpo.reference_dir` (default `<run directory>/reference`) holds `logps.np
 import or checkpoint it starts from, or a LoRA run's base), the packed data's fingerprint, the
 model's shape and the compute dtype. Rank 0 writes both under a temporary name and renames them.
 
-Checks (one line each, `ConfigError` naming dpo.reference_dir): a fresh start reuses a stored table
-of its own identity and refuses another's; a resume reads the table its checkpoint recorded
-(`dpo_reference` in its meta) and refuses a missing or different one.
+Checks (one line each, `ConfigError`): a fresh start reuses a stored table of its own identity and
+refuses another's; a resume reads the table its checkpoint recorded (`dpo_reference` in its meta),
+refuses a missing or different one, and refuses data, a model or a dtype other than the table's.
 """
 
 from __future__ import annotations
@@ -48,8 +48,9 @@ def starting_weights(run, meta: dict | None) -> dict:
     """What the run's weights are before its first step: a LoRA run's base (adapters off), a step-0
     checkpoint it starts from (a Hugging Face import: its directory and fingerprint), or its
     initial values."""
-    if run.base is not None:
-        return {"kind": "lora_base", **run.base}
+    if run.base is not None:  # the base as the run stores it (its format quantizes it)
+        return {**run.base, "base": run.base["kind"], "kind": "lora_base",
+                "base_format": run.config.lora.base_format}
     if meta is not None:
         if "hf_weights" in meta:
             return {"kind": "hf", "path": meta["hf_weights"], "fingerprint": meta["hf_fingerprint"]}
@@ -76,6 +77,12 @@ def attach(run, run_dir: Path, meta: dict | None) -> dict:
         raise ConfigError("dpo.reference", f"the checkpoint at step {meta['step']} records no precomputed reference "
                           "log-probs; resume it with the dpo.reference it was trained with")
     wanted = meta["dpo_reference"] if resumed else identity(run, meta)
+    now = identity(run, None)
+    changed = [key for key in ("data", "model", "dtype") if wanted[key] != now[key]]
+    if changed:
+        raise ConfigError("dpo.reference", f"the checkpoint's reference log-probs are of {describe(wanted)}; this run "
+                          f"has another {', '.join(changed)} ({describe(now)}): resume with the settings it was "
+                          "trained with")
     stored = read_manifest(folder)
     if stored is not None and stored != wanted:
         raise ConfigError("dpo.reference_dir", f"{folder} holds reference log-probs of {describe(stored)}; this run "
@@ -97,7 +104,8 @@ def describe(identity: dict) -> str:
     weights = identity["weights"]
     what = {"initial": lambda: f"the initial weights of seed {weights.get('seed')}",
             "hf": lambda: f"the Hugging Face weights {weights.get('path')}",
-            "lora_base": lambda: f"the LoRA base {weights.get('path', 'of the initial weights')}",
+            "lora_base": lambda: (f"the LoRA base {weights.get('path', 'of the initial weights')} stored as "
+                                  f"{weights.get('base_format')}"),
             "checkpoint": lambda: f"a step-{weights.get('step')} checkpoint"}[weights["kind"]]()
     return f"{what} on data {identity['data']} in {identity['dtype']}"
 
