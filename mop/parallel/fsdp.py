@@ -32,14 +32,14 @@ from torch.distributed.fsdp import (
 )
 
 from mop.models.moe import RouterStats
-from mop.models.transformer import LossTerms, MoETransformer
+from mop.models.transformer import LossTerms, MoETransformer, PreferenceTerms
 from mop.parallel.mesh import DistLayout
 
 # FSDP2 gathers a unit's weights again for its backward from hooks on the tensors the unit returns.
 # torch 2.11's FSDP2 finds them with pytree, which does not look inside a dataclass unless it is
-# registered (2.13's looks inside dataclasses itself): without this, the root's `LossTerms` and a
+# registered (2.13's looks inside dataclasses itself): without this, the root's `LossTerms` (`PreferenceTerms`) and a
 # block's `RouterStats` carry no hook, and their backward reads weights already freed.
-for _output in (LossTerms, RouterStats):
+for _output in (LossTerms, PreferenceTerms, RouterStats):
     torch.export.register_dataclass(_output)
 
 
