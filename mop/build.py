@@ -205,13 +205,17 @@ class TrainingRun:
         return self.rank_batches(self.data.stream.next_batch(self.config.train.global_batch), self.data.dataset)
 
     def rank_batches(self, indices: list[int], dataset) -> list[dict]:
-        """This rank's micro-batches of the sequences `indices` of `dataset`: its data group's
-        contiguous share, in micro-batches of `train.micro_batch`, its slice of each sequence."""
-        config, runtime = self.config, self.runtime
-        d = config.parallel.sequence
-        mine = group_slice(indices, runtime.rank // d, runtime.world // d)
-        batches = [load_batch(dataset, part) for part in micro_batches(mine, config.train.micro_batch)]
-        return [sequence_shard(batch, runtime.rank % d, d) for batch in batches]
+        """This rank's micro-batches of the sequences `indices` of `dataset` (`rank_indices`), its slice
+        of each sequence."""
+        d = self.config.parallel.sequence
+        return [sequence_shard(load_batch(dataset, part), self.runtime.rank % d, d)
+                for part in self.rank_indices(indices)]
+
+    def rank_indices(self, indices: list) -> list[list]:
+        """The entries of `indices` in this rank's micro-batches: its data group's contiguous share, in
+        micro-batches of `train.micro_batch`."""
+        d, runtime = self.config.parallel.sequence, self.runtime
+        return micro_batches(group_slice(indices, runtime.rank // d, runtime.world // d), self.config.train.micro_batch)
 
     def state_bytes(self) -> dict:
         """This rank's persistent training state by category and place, in bytes, and the device

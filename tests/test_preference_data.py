@@ -17,18 +17,31 @@ import re
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
+from test_chat_sources import write_jsonl, write_parquet
 
 import mop
 from mop.cli import main
 from mop.config import DataConfig
-from mop.data import ByteTokenizer, DataError, PreferenceDataset, build_data, load_dataset, load_tokenizer
+from mop.data import (
+    ByteTokenizer,
+    DataError,
+    PreferenceDataset,
+    build_data,
+    load_dataset,
+    load_tokenizer,
+)
 from mop.data.loader import source_options
 from mop.data.preferences import extract_prompt
-from mop.data.prepared import MANIFEST, ChatSettings, PreferenceCorpus, encode_source, open_prepared, prepare
+from mop.data.prepared import (
+    MANIFEST,
+    ChatSettings,
+    PreferenceCorpus,
+    encode_source,
+    open_prepared,
+    prepare,
+)
 from mop.data.templates import Conversation
 
 ASSETS = Path(mop.__file__).parent / "data" / "assets"
@@ -77,18 +90,6 @@ PLAIN = [{"prompt": "The sky is", "chosen": " blue.", "rejected": " green."},
 def implicit(row: dict) -> dict:
     return {**{k: v for k, v in row.items() if k != "prompt"},
             "chosen": row["prompt"] + row["chosen"], "rejected": row["prompt"] + row["rejected"]}
-
-
-def write_jsonl(path: Path, table: list) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(row) + "\n" for row in table), encoding="utf-8")
-    return path
-
-
-def write_parquet(path: Path, table: list[dict]) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(table), path, row_group_size=2)
-    return path
 
 
 def pairs_of(corpus: PreferenceCorpus) -> list[tuple[list[int], list[int], list[int]]]:

@@ -162,10 +162,8 @@ class PreferenceDataset(Dataset):
 
     def _unit(self, row: _Row, j: int, item: int, kept: int) -> tuple[int, int]:
         """Write pair `item` as the row's pair j, its prompt cut to its last `kept` tokens."""
-        start = int(self.corpus.offsets[item])
-        p, c, r = (int(n) for n in self.corpus.parts[item])
-        tokens = np.asarray(self.corpus.tokens[start:start + p + c + r], dtype=np.int64)
-        trained = trained_response(self.corpus.targets[start:start + p + c + r], self.loss_on)
+        tokens, targets, (p, c, r) = self.corpus.item(item)
+        tokens, trained = tokens.astype(np.int64), trained_response(targets, self.loss_on)
         prompt, chosen, rejected = tokens[p - kept:p], slice(p, p + c), slice(p + c, p + c + r)
         first = row.document(prompt, tokens[chosen], trained[chosen], 0, 0, 2 * j)
         if self.shared:  # the branch: the prompt's last token again, over the prompt's first kept - 1

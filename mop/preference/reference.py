@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from mop.config import ConfigError
-from mop.data import group_slice, micro_batches, to_device
+from mop.data import to_device
 from mop.models.lora import adapters_disabled
 from mop.preference.step import PreferenceObjective
 
@@ -144,9 +144,7 @@ def compute(run) -> np.ndarray:
         for start in range(0, count, config.train.global_batch):
             positions = list(range(start, start + config.train.global_batch))
             batches = run.rank_batches([p % count for p in positions], dataset)
-            group = group_slice(positions, runtime.rank // d, runtime.world // d)
-            mine = micro_batches(group, config.train.micro_batch)
-            for batch, rows in zip(batches, mine):
+            for batch, rows in zip(batches, run.rank_indices(positions)):
                 logps = objective.terms(to_device(batch, runtime.device)).logps.double().cpu()
                 for row, position in enumerate(rows):
                     if leader and position < count:  # not a repeat filling the last batch

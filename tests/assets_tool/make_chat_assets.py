@@ -426,11 +426,18 @@ PLAN = [  # (builder, count, with reasoning)
 
 
 def build_conversations(corpus):
-    rng = random.Random(SEED)
+    return from_plan(PLAN, SEED, corpus)
+
+
+def from_plan(plan, seed, corpus, check=lambda row: None):
+    """The rows a plan of (builder, count, reasoning) makes, each checked, in an order drawn from `seed`."""
+    rng = random.Random(seed)
     rows = []
-    for builder, count, reasoning in PLAN:
+    for builder, count, reasoning in plan:
         for _ in range(count):
-            rows.append(builder(rng, corpus, reasoning))
+            row = builder(rng, corpus, reasoning)
+            check(row)
+            rows.append(row)
     rng.shuffle(rows)
     return rows
 
@@ -845,17 +852,13 @@ def build_preferences(corpus):
     Prompts hold no reasoning (gpt-oss's template drops earlier reasoning, so a prompt with it
     would not render as a prefix of prompt + response); the responses may carry it.
     """
-    rng = random.Random(PREFERENCE_SEED)
-    rows = []
-    for builder, count, reasoning in PREFERENCE_PLAN:
-        for _ in range(count):
-            row = builder(rng, corpus, reasoning)
-            assert row["prompt"][-1]["role"] in ("user", "tool"), row
-            assert row["chosen"] != row["rejected"], row
-            assert not any("reasoning_content" in m for m in row["prompt"]), row
-            rows.append(row)
-    rng.shuffle(rows)
-    return rows
+    return from_plan(PREFERENCE_PLAN, PREFERENCE_SEED, corpus, check_pair)
+
+
+def check_pair(row):
+    assert row["prompt"][-1]["role"] in ("user", "tool"), row
+    assert row["chosen"] != row["rejected"], row
+    assert not any("reasoning_content" in m for m in row["prompt"]), row
 
 
 # ---------------------------------------------------------------------------------------------
