@@ -17,7 +17,7 @@ from mop.bench import BENCHMARKS
 from mop.bench import load as load_benchmark
 from mop.config import Config, DataConfig, field_docs, hints, load_config, sections
 from mop.launch import RUN_ENDED, USER_ERRORS, failed_launch, launch, say_run_ended
-from mop.resolve import resolve
+from mop.plan.fit import fitted
 from mop.runtime import under_torchrun
 from mop.train import train
 
@@ -112,7 +112,7 @@ def run_train(config_path: str | None, overrides: list[str]) -> None:
     if under_torchrun():  # resolved for the world torchrun started, once the ranks have joined
         train(config)
         return
-    config = resolve(config)
+    config = fitted(config)
     if config.parallel.strategy == "reference":
         train(config)
     else:

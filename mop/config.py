@@ -78,13 +78,15 @@ class ParallelConfig:
     vocab_token_block: int = 0
     """Tokens per logit tile of the vocabulary-parallel loss (parallel.vocab > 1); 0 picks the size that
     makes one fp32 [tokens, vocab / parallel.vocab] tile about 64 MiB."""
-    llep_chunks: int = 1
+    llep_chunks: int = 0
     """> 1: route each MoE layer's tokens in this many pipelined chunks and recompute the experts' gate
     and up projections in backward (memory-efficient EP/LLEP: about one chunk's buffers live at a
-    time; with full activation checkpointing no more expert FLOPs than unchunked)."""
-    attention_head_chunks: int = 1
+    time; with full activation checkpointing no more expert FLOPs than unchunked). 0: automatic, 1
+    unless the run's layout is fitted to train.memory_budget."""
+    attention_head_chunks: int = 0
     """With parallel.sequence > 1: exchange and attend the heads of a rank in this many chunks, so that
-    only one chunk's head-sharded Q/K/V/output is live at a time (recomputed per chunk in backward)."""
+    only one chunk's head-sharded Q/K/V/output is live at a time (recomputed per chunk in backward).
+    0: automatic, 1 unless the run's layout is fitted to train.memory_budget."""
     fsdp_cpu_offload: bool = False
     """With parallel.strategy=fsdp2: FSDP2's CPUOffloadPolicy keeps the parameter and gradient shards in host
     memory and torch.optim.AdamW steps there (mop's own offload is optim.offload)."""
@@ -152,8 +154,10 @@ class TrainConfig:
     """Seeds the initialisation and the data order; no other randomness is used."""
     global_batch: int = 8
     """Sequences per optimizer step, the same for every layout."""
-    micro_batch: int = 4
-    """Sequences per forward pass of one data-parallel group; gradients accumulate to global_batch."""
+    micro_batch: int = 0
+    """Sequences per forward pass of one data-parallel group; gradients accumulate to global_batch.
+    0: automatic, the largest divisor of a group's share of the global batch up to 4 (or less, when
+    the run's layout is fitted to train.memory_budget)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype: "bfloat16" runs forward/backward in bf16 (autocast) with fp32 gradient reductions.
     With the host optimizer (optim.offload) the device then holds bf16 working weights (2 bytes per
@@ -165,10 +169,22 @@ class TrainConfig:
     consecutive skipped steps the run stops with an error, keeping its last good checkpoint."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """"auto" picks CUDA when available (one GPU per local rank), else the CPU."""
-    activation_checkpointing: Literal["none", "full"] = "none"
-    """"full": keep only each block's input for the backward and recompute the block's activations there."""
-    offload_activations: bool = False
-    """With full activation checkpointing: keep the saved block inputs in host memory until the backward."""
+    activation_checkpointing: Literal["auto", "none", "full"] = "auto"
+    """"full": keep only each block's input for the backward and recompute the block's activations there.
+    "auto": "none" unless the run's layout is fitted to train.memory_budget."""
+    offload_activations: Literal["auto", True, False] = "auto"
+    """With full activation checkpointing: keep the saved block inputs in host memory until the backward.
+    "auto": false unless the run's layout is fitted to train.memory_budget (never on the CPU, where host
+    and device are one memory)."""
+    memory_budget: str = "auto"
+    """Memory one rank may use, which the settings left automatic are fitted to (under parallel.strategy
+    = "mop"): the degrees, head and LLEP chunks, activation checkpointing and offload, the micro-batch.
+    A size ("70GiB", "9.5GB", "12e9" bytes); "auto": on CUDA the smallest visible GPU's memory, on the
+    CPU the host's memory shared by the node's ranks, each x 0.95 less 1 GiB (the CUDA context, NCCL,
+    the interpreter and allocator slack); "off": no fit, every automatic setting takes its plain rule.
+    Today's layout (the largest degrees, no chunks, no checkpointing, 4 sequences per micro-batch) is
+    kept while `mop plan`'s memory model says it fits; else the fastest layout the model says fits is
+    run (`mop.plan.fit`), printed at the start and recorded in the run's config.json."""
     finetune: Literal["full", "lora"] = "full"
     """"full": every parameter trains. "lora": low-rank adapters train over a frozen base kept at its
     published precision (the [lora] settings; `mop.models.lora`)."""

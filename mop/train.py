@@ -49,18 +49,22 @@ from mop.models.transformer import MoETransformer
 from mop.optim.optimizer import Optimizer
 from mop.optim.schedule import learning_rate
 from mop.parallel.mesh import TorchrunEnv
+from mop.plan.fit import fitted
+from mop.plan.fit import summary as fit_summary
 from mop.preference import reference
 from mop.preference.loss import StepTotals
 from mop.preference.step import PreferenceObjective, local_counts, step_record
 from mop.progress import StepProgress
-from mop.resolve import ResolvedConfig, resolve
+from mop.resolve import ResolvedConfig
 from mop.run_dir import shared_run_dir
 from mop.runtime import (
     Runtime,
     join,
     joined,
+    memory_budget,
     per_rank,
     pick_device,
+    smallest_budget,
     smallest_node,
     sum_over_ranks,
     sum_tensor_over_ranks,
@@ -190,6 +194,8 @@ def announce(config: Config, runtime: Runtime, run_dir: Path, data: Data, model:
           f"{'host' if config.optim.offload else 'torch'} AdamW, {config.train.steps} steps of "
           f"{config.train.global_batch} x {config.data.seq_len} tokens of {describe_data(config, data)}; "
           f"resolved settings in {run_dir / 'config.json'}")
+    if config.fit is not None:
+        print(f"mop: {fit_summary(config.fit)}")
     if config.adapters is not None:
         print(f"mop: {adapters_summary(model, config)}")
 
@@ -245,12 +251,15 @@ def setup_runtime(config: Config) -> tuple[ResolvedConfig, Runtime]:
     (`mop.resolve`: a config resolved for it already, as mop's launcher passes its ranks, is used as
     it is) and build the layout; returns the resolved config and where this process sits."""
     if not under_torchrun():
-        config = config if isinstance(config, ResolvedConfig) and config.world == 1 else resolve(config, world=1)
+        config = config if isinstance(config, ResolvedConfig) and config.world == 1 else fitted(config, world=1)
         return config, Runtime(0, 1, pick_device(config, 0), None)
     env = TorchrunEnv.from_environ()
     device = join(config, env)
     if not (isinstance(config, ResolvedConfig) and config.world == env.world_size):
-        config = resolve(config, world=env.world_size, local_world=smallest_node(env.local_world_size, device))
+        node = smallest_node(env.local_world_size, device)
+        budget = memory_budget(config.train.memory_budget, config.train.device, node)
+        config = fitted(config, world=env.world_size, local_world=node,
+                        budget_bytes=smallest_budget(budget and budget[0], device))
     return config, joined(config, env, device)
 
 
@@ -285,14 +294,17 @@ def _train(config: Config, runtime: Runtime, stop: StopRequest | None = None) ->
     request it honours after each step (None: signals are not caught)."""
     stop = stop or StopRequest()
     run_dir = shared_run_dir(config, runtime)
+    # On the CPU what the process holds before the run exists (interpreter, libraries, process
+    # groups): the part of `peak_mem_bytes` no memory model of the run accounts for.
+    before = peak_memory_bytes(runtime.device)
     with closing(build_run(config, runtime)) as run:  # its worker threads end on every way out
-        return _steps(run, run_dir, stop)
+        return _steps(run, run_dir, stop, before)
 
 
-def _steps(run: TrainingRun, run_dir: Path, stop: StopRequest) -> list[dict]:
+def _steps(run: TrainingRun, run_dir: Path, stop: StopRequest, before: int = 0) -> list[dict]:
     """The steps of `_train`'s run: resume, train, evaluate, log, save; the final summary."""
     config, runtime = run.config, run.runtime
-    state_memory = worst_rank_state(run)
+    state_memory = {**worst_rank_state(run), "mem_before_run_bytes": int(max(per_rank([before], runtime))[0])}
     first_step = resume(run, run_dir)
     if first_step >= config.train.steps:
         raise NothingToTrain(f"the checkpoint resumed is at step {first_step} and train.steps is {config.train.steps}: "

@@ -5,6 +5,7 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -64,7 +65,7 @@ def test_int_is_accepted_for_a_float():
      "data.seq_len", "not divisible"),
     (["--parallel.strategy=mop", "--parallel.nproc=4", "--parallel.expert=4", "--model.experts=6", "--model.top_k=2"],
      "parallel.expert", "model.experts"),
-    (["--train.global_batch=6"], "train.global_batch", "multiple"),
+    (["--train.global_batch=6", "--train.micro_batch=4"], "train.global_batch", "multiple"),
     (["--model.tie_embeddings=true", "--parallel.strategy=mop", "--parallel.nproc=2", "--parallel.vocab=2"],
      "model.tie_embeddings", "parallel.vocab=1"),
     (["train.steps=3"], "train.steps=3", "--section.key=value"),
@@ -72,7 +73,7 @@ def test_int_is_accepted_for_a_float():
      "parallel.sequence", "model.heads=6"),
     (["--parallel.strategy=mop", "--parallel.nproc=2", "--parallel.sequence=2", "--parallel.attention_head_chunks=4"],
      "parallel.attention_head_chunks", "heads per rank"),
-    (["--parallel.attention_head_chunks=0"], "parallel.attention_head_chunks", ">= 1"),
+    (["--parallel.attention_head_chunks=-1"], "parallel.attention_head_chunks", ">= 1"),
     (["--train.offload_activations=true"], "train.offload_activations", "activation_checkpointing=full"),
 ])
 def test_bad_settings_name_the_key_and_the_fix(args, key, hint):
@@ -152,9 +153,11 @@ def test_automatic_settings_follow_the_strategy_and_the_world_size():
 
 
 def pretend_gpus(monkeypatch, count: int) -> None:
-    """This CPU machine seen as one with `count` visible GPUs (only what `visible_gpus` reads)."""
+    """This CPU machine seen as one with `count` visible GPUs of 80 GiB (only what `visible_gpus` and
+    `memory_budget` read)."""
     monkeypatch.setattr("torch.cuda.is_available", lambda: count > 0)
     monkeypatch.setattr("torch.cuda.device_count", lambda: count)
+    monkeypatch.setattr("torch.cuda.get_device_properties", lambda index: SimpleNamespace(total_memory=80 * 2**30))
 
 
 @pytest.mark.parametrize("gpus", [1, 2, 4, 8])

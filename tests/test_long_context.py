@@ -128,10 +128,11 @@ def test_checkpointed_blocks_do_not_run_chunked_parts_a_third_time(checkpointing
         assert counts == {"attention": 2 * layers * chunks, "expert chunks": 2 * layers * chunks}
         assert counts_ac == counts
         if offloaded is not None:
-            # Each block's input [1, 32, 32] plus its kept attention and expert outputs ([1, 32, 32]
-            # each) were in host memory at once, and all of it was released by the backward.
+            # Each block's input [1, 32, 32] plus its kept attention output ([1, 32, 32]) were in
+            # host memory at once (chunked LLEP keeps no output: its recomputation returns a
+            # placeholder), and all of it was released by the backward.
             peak, live = offloaded
-            assert peak >= layers * 3 * 32 * 32 * 4 and live == 0
+            assert layers * 2 * 32 * 32 * 4 <= peak < layers * 3 * 32 * 32 * 4 and live == 0
         for name, grad in grads.items():
             assert_close(grads_ac[name], grad, atol=1e-6, rtol=1e-6, msg=name)
 

@@ -271,7 +271,7 @@ def test_dpo_plans_lora_with_the_bases_reference_forward_in_every_step(model_nam
     traffic to every step; full fine-tuning's reference is precomputed once, so its steps cost what
     supervised steps do. Qwen3-235B-A22B and gpt-oss-120b with LoRA fit 128K on one H200 node."""
     from mop.models.lora import LoraConfig
-    from mop.plan.search import evaluate
+    from mop.plan.candidates import evaluate
 
     cluster, model = make_cluster("h200", 1, 8), load_model(model_name)
     lora = LoraConfig(base_format=base)

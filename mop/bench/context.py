@@ -1,16 +1,29 @@
-"""`mop bench context`: `mop train` at long packed-document context, and plain FSDP2 on Hugging Face's model.
+"""`mop bench context`: `mop train` fitting itself to this machine's memory at 128K-1M tokens, and
+plain FSDP2 on Hugging Face's model at 16K.
 
 What runs (each a fresh set of the config's local CPU ranks, 2 in the preset, one intra-op thread each):
 - mop, per context in `--contexts`: the user's command, `mop train configs/long-context.toml
-  --data.seq_len=S` (every mop technique: Ulysses over both ranks, LLEP, the vocabulary ring, the
-  host optimizer, activation checkpointing with host offload; the shipped corpus packed with
-  document boundaries; one step is 2 sequences). Reported: each rank's peak resident memory
-  (`metrics.jsonl`'s `peak_mem_bytes_per_rank`, the process's lifetime peak RSS on CPU) and the
-  median step time after the first step. A run killed by the kernel (out of memory) is reported
-  as such, and longer contexts are not tried.
+  --data.seq_len=S` on the anchor-shaped model (`mop.bench.shape.ANCHOR`: hidden 256, 4 blocks, 8
+  heads / 2 kv heads of 32, 16 experts of 256 with 2 per token, vocabulary 32000), fp32, with its
+  memory settings left automatic: the run fits them to `train.memory_budget` ("auto": the host's
+  memory shared by the ranks, `mop.plan.fit`). Every mop technique: Ulysses over both ranks, LLEP,
+  the vocabulary ring, the host optimizer, packed documents attended within themselves. Unlike the
+  preset's 2 sequences per step, a step here is `--global-batch` (1) sequence, and `--steps` (1)
+  steps run: a 1M-token step takes about a quarter of an hour on this machine. The data is the
+  shipped corpus's documents repeated (each copy numbered, so no two are alike) until every step
+  has its tokens (`--source` to give another), written next to `--out`.
+  Reported per context: the settings the run chose, the memory model's prediction (device peak +
+  host bytes per rank, the two being one memory on the CPU; config.json's `fit`), the measured
+  peak resident memory per rank (`metrics.jsonl`'s `peak_mem_bytes_per_rank`, the process's
+  lifetime peak RSS) and that peak less what the process held before the run was built (the
+  interpreter, torch, gloo: `mem_before_run_bytes`), which is what the model predicts; and tokens/s.
+  A run killed by the kernel (out of memory) is reported as such, and longer contexts are not tried.
+- At `--plain-context` (512K), the preset's settings before the fit (activation checkpointing with
+  host offload, no head or LLEP chunks, `--train.memory_budget=off`) on the same data: the tokens/s
+  the fitted settings must at least match.
 - At `--compare-context` (16K), the same work per rank three ways (one S-token sequence per rank
-  per step, 2 ranks, same model shape, fp32):
-  * mop (the preset above);
+  per step, 2 ranks, same model shape, fp32, `--compare-steps` steps, the first not timed):
+  * mop (the preset, fitted);
   * `mop train ... --parallel.strategy=fsdp2` with every memory option off: plain FSDP2 on mop's
     model, the packed documents attended within documents by mop's kernel;
   * hf-fsdp2: transformers' `Qwen3MoeForCausalLM` of the same shape (`mop.models.hf.config_to_hf`),
@@ -21,7 +34,7 @@ What runs (each a fresh set of the config's local CPU ranks, 2 in the preset, on
   Reported: seconds per step and tokens/s per rank, and each one's ratio to hf-fsdp2.
 
 Memory on CPU is resident memory, so it includes what a GPU machine would keep in host memory
-(the offloaded block inputs, the host optimizer's state); `mop bench e2e` splits device and host.
+(the host optimizer's state); `mop bench e2e` splits device and host.
 """
 
 from __future__ import annotations
@@ -32,11 +45,13 @@ import statistics
 import subprocess
 import sys
 import time
+from importlib import resources
 from pathlib import Path
 
 import torch
 
 from mop.bench.report import table, write_json
+from mop.bench.shape import ANCHOR, add_shape_arguments, shape_overrides
 from mop.config import ConfigError, load_config
 from mop.resolve import resolve
 
@@ -44,23 +59,54 @@ PRESET = Path(__file__).resolve().parents[2] / "configs" / "long-context.toml"
 GB = 1e9
 PLAIN_FSDP2 = ["--parallel.strategy=fsdp2", "--parallel.sequence=1", "--parallel.expert=1", "--parallel.vocab=1",
                "--train.activation_checkpointing=none", "--train.offload_activations=false"]
+# The long-context preset's memory settings before runs fitted themselves to their memory
+PLAIN_PRESET = ["--train.memory_budget=off", "--train.activation_checkpointing=full",
+                "--train.offload_activations=true", "--train.micro_batch=1"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, default=PRESET, help="the mop train config (the long-context preset)")
-    parser.add_argument("--contexts", default="16384,32768,65536,131072", help="tokens per sequence, comma-separated")
+    parser.add_argument("--contexts", default="131072,262144,524288,1048576",
+                        help="tokens per sequence, comma-separated")
+    parser.add_argument("--plain-context", type=int, default=524288,
+                        help="context of the preset's settings before the fit, against the fitted ones (0: none)")
     parser.add_argument("--compare-context", type=int, default=16384,
                         help="context of the comparison with plain FSDP2 (0: none)")
-    parser.add_argument("--steps", type=int, default=3, help="optimizer steps per run; the first is not timed")
+    parser.add_argument("--steps", type=int, default=1, help="optimizer steps per long-context run")
+    parser.add_argument("--global-batch", type=int, default=1, help="sequences per step of the long-context runs")
+    parser.add_argument("--compare-steps", type=int, default=3,
+                        help="steps of each comparison run at --compare-context; the first is not timed")
+    parser.add_argument("--source", default="", help="the training data (default: the shipped corpus repeated)")
     parser.add_argument("--timeout", type=int, default=7200, help="seconds one run may take")
     parser.add_argument("--out", type=Path, default=Path("runs/bench/context.json"))
+    add_shape_arguments(parser, **ANCHOR)
 
 
-def mop_train(args, name: str, context: int, extra: list[str]) -> dict:
+def long_corpus(path: Path, tokens: int) -> str:
+    """A jsonl of the shipped corpus's documents repeated, each copy numbered, with at least `tokens`
+    byte tokens (kept when it already has them)."""
+    if path.exists() and path.stat().st_size >= tokens:
+        return str(path)
+    shipped = (resources.files("mop.data") / "corpus" / "corpus.jsonl").read_text().splitlines()
+    texts = [json.loads(line)["text"] for line in shipped]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    written, copy = 0, 0
+    with path.open("w") as out:
+        while written < tokens:
+            for text in texts:
+                line = json.dumps({"text": f"[{copy}] {text}"})
+                out.write(line + "\n")
+                written += len(line)
+            copy += 1
+    return str(path)
+
+
+def mop_train(args, name: str, context: int, extra: list[str], steps: int | None = None) -> dict:
     """`mop train` in a subprocess; its metrics, or how it failed."""
+    steps = steps or args.steps
     run_dir = args.out.with_name(f"{args.out.stem}-runs") / f"{name}-{context}"
     command = [sys.executable, "-m", "mop.cli", "train", str(args.config), f"--data.seq_len={context}",
-               f"--train.steps={args.steps}", f"--log.run_dir={run_dir}", "--log.overwrite=true",
+               f"--train.steps={steps}", f"--log.run_dir={run_dir}", "--log.overwrite=true",
                "--log.progress=false", "--log.plot=false", "--log.tensorboard=false", *extra]
     start = time.perf_counter()
     result = {"system": name, "context": context, "command": " ".join(command[2:])}
@@ -75,15 +121,17 @@ def mop_train(args, name: str, context: int, extra: list[str]) -> dict:
         result["out_of_memory"] = "out-of-memory" in result["error"]
         return result
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    seconds = statistics.median(r["step_time_s"] for r in records[1:]) if len(records) > 1 else records[0]["step_time_s"]
-    config = resolve(load_config(str(args.config), [f"--data.seq_len={context}", *extra]))
-    tokens_per_rank = config.train.global_batch * context / config.parallel.nproc
+    timed = records[1:] or records  # one step: its own time, the first step's costs included
+    seconds = statistics.median(r["step_time_s"] for r in timed)
+    resolved = json.loads((run_dir / "config.json").read_text())
+    tokens_per_rank = resolved["train"]["global_batch"] * context / resolved["world"]
     return {**result, "peak_bytes_per_rank": records[-1]["peak_mem_bytes_per_rank"], "seconds_per_step": seconds,
+            "before_run_bytes": records[-1].get("mem_before_run_bytes", 0), "fit": resolved.get("fit"),
             "tokens_per_s_per_rank": tokens_per_rank / seconds, "losses": [r["loss"] for r in records],
             "last_record": records[-1]}
 
 
-def hf_rank(rank: int, world: int, config_path: str, context: int, steps: int) -> dict:
+def hf_rank(rank: int, world: int, config_path: str, overrides: list[str], steps: int) -> dict:
     """One rank of plain FSDP2 on transformers' Qwen3-MoE: its sequence of each step, forward, backward, AdamW."""
     import resource
 
@@ -94,7 +142,7 @@ def hf_rank(rank: int, world: int, config_path: str, context: int, steps: int) -
     from mop.data import build_data
     from mop.models.hf import config_to_hf
 
-    config = load_config(config_path, [f"--data.seq_len={context}"])
+    config = load_config(config_path, overrides)
     model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**config_to_hf(config.model, "qwen3_moe")))
     mesh = init_device_mesh("cpu", (world,))
     for layer in model.model.layers:
@@ -119,7 +167,7 @@ def hf_rank(rank: int, world: int, config_path: str, context: int, steps: int) -
     return {"times": times, "peak_bytes": peak, "loss": loss.item()}
 
 
-def hf_fsdp2(args, context: int) -> dict:
+def hf_fsdp2(args, context: int, common: list[str]) -> dict:
     from mop.testing import run_distributed
 
     try:
@@ -129,30 +177,40 @@ def hf_fsdp2(args, context: int) -> dict:
                           "extras (./mop.sh test does) or skip it with --compare-context=0") from None
     start = time.perf_counter()
     world = resolve(load_config(str(args.config), [])).parallel.nproc  # the ranks mop's runs use
-    per_rank = run_distributed(hf_rank, world, str(args.config), context, args.steps, timeout=args.timeout)
-    seconds = statistics.median(max(r["times"][i] for r in per_rank) for i in range(1, args.steps))
+    steps = args.compare_steps
+    per_rank = run_distributed(hf_rank, world, str(args.config), [*common, f"--data.seq_len={context}"], steps,
+                               timeout=args.timeout)
+    seconds = statistics.median(max(r["times"][i] for r in per_rank) for i in range(1, steps))
     return {"system": "hf-fsdp2", "context": context, "wall_s": time.perf_counter() - start, "returncode": 0,
             "peak_bytes_per_rank": [r["peak_bytes"] for r in per_rank], "seconds_per_step": seconds,
             "tokens_per_s_per_rank": context / seconds, "losses": [per_rank[0]["loss"]]}
 
 
 def run(args) -> dict:
-    if args.steps < 2:
-        raise ConfigError("--steps", "must be at least 2 (the first step is not timed)")
+    if args.steps < 1 or args.compare_steps < 2:
+        raise ConfigError("--steps" if args.steps < 1 else "--compare-steps",
+                          "must be at least 1 (--compare-steps 2: its first step is not timed)")
     contexts = [int(c) for c in args.contexts.split(",")]
+    needed = max([*contexts, args.plain_context]) * args.global_batch * args.steps
+    needed = int(1.1 * max(needed, 2 * args.compare_context * args.compare_steps)) + 1
+    source = args.source or long_corpus(args.out.with_name(f"{args.out.stem}-data.jsonl"), needed)
+    common = [*shape_overrides(args), f"--data.source={source}"]
+    long_runs = [*common, f"--train.global_batch={args.global_batch}"]
     runs = []
     for context in contexts:
-        runs.append(mop_train(args, "mop", context, []))
+        runs.append(mop_train(args, "mop", context, long_runs))
         print(_line(runs[-1]), flush=True)
         if runs[-1]["returncode"] != 0:
             break
+    if args.plain_context:
+        runs.append(mop_train(args, "mop-plain-preset", args.plain_context, [*long_runs, *PLAIN_PRESET]))
+        print(_line(runs[-1]), flush=True)
     comparison = []
     if args.compare_context:
-        same = [r for r in runs if r["context"] == args.compare_context]
-        comparison = same or [mop_train(args, "mop", args.compare_context, [])]
-        comparison.append(mop_train(args, "mop-fsdp2", args.compare_context, PLAIN_FSDP2))
-        comparison.append(hf_fsdp2(args, args.compare_context))
-        for row in comparison[len(same):]:
+        for name, extra in (("mop", []), ("mop-fsdp2", PLAIN_FSDP2)):
+            comparison.append(mop_train(args, name, args.compare_context, [*common, *extra], args.compare_steps))
+        comparison.append(hf_fsdp2(args, args.compare_context, common))
+        for row in comparison:
             print(_line(row), flush=True)
     return {"runs": runs, "comparison": comparison}
 
@@ -161,15 +219,36 @@ def _line(row: dict) -> str:
     if row["returncode"] != 0:
         return f"  {row['system']} S={row['context']}: failed: {row['error']}"
     peaks = ", ".join(f"{p / GB:.2f}" for p in row["peak_bytes_per_rank"])
-    return f"  {row['system']} S={row['context']}: {row['seconds_per_step']:.1f} s/step, peak GB per rank [{peaks}]"
+    fit = row.get("fit") or {}
+    return (f"  {row['system']} S={row['context']}: {row['seconds_per_step']:.1f} s/step, peak GB per rank [{peaks}]"
+            f"{'; ' + fit['layout'] if fit else ''}")
+
+
+def _settings(row: dict) -> str:
+    """The memory settings the run ran with: the fit's choice, or the plain preset's."""
+    if row.get("fit"):
+        return row["fit"]["layout"].replace(" host-optimizer", "")
+    return "plain preset: " + " ".join(a.split(".")[-1] for a in PLAIN_PRESET[1:])
 
 
 def report(args, results: dict) -> None:
-    rows = [[r["context"], max(r["peak_bytes_per_rank"]) / GB if r["returncode"] == 0 else "OOM" if
-             r.get("out_of_memory") else "failed", r.get("seconds_per_step", "-"), r.get("tokens_per_s_per_rank", "-")]
-            for r in results["runs"]]
-    print(table(f"mop train {args.config.name}, 2 ranks, packed documents: per-rank peak resident memory and step time",
-                ["context", "peak GB/rank", "s/step", "tok/s/rank"], rows))
+    rows = []
+    for r in results["runs"]:
+        if r["returncode"] != 0:
+            rows.append([r["system"], r["context"], "OOM" if r.get("out_of_memory") else "failed", "-", "-", "-", "-",
+                         "-"])
+            continue
+        peak, fit = max(r["peak_bytes_per_rank"]), r.get("fit")
+        predicted = (fit["predicted_peak_bytes"] + fit["predicted_host_bytes"]) if fit else None
+        measured = peak - r["before_run_bytes"]
+        rows.append([r["system"], r["context"], _settings(r), predicted / GB if predicted else "-", measured / GB,
+                     predicted / measured if predicted else "-", peak / GB, r["tokens_per_s_per_rank"]])
+    print(table(f"mop train {args.config.name} on the anchor-shaped model, 2 ranks, packed documents, "
+                f"{args.global_batch} sequence(s) per step, memory budget automatic: per rank, the settings the run "
+                "chose, the memory model's prediction (device + host) and the measured peak RSS less the process's "
+                "memory before the run was built, the peak RSS itself, tokens/s",
+                ["system", "context", "settings", "predicted GB", "measured GB", "pred/meas", "peak RSS GB",
+                 "tok/s/rank"], rows))
     if results["comparison"]:
         hf = results["comparison"][-1]
         rows = [[r["system"], r.get("seconds_per_step", "-"), r.get("tokens_per_s_per_rank", "-"),

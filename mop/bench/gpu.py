@@ -50,9 +50,10 @@ from mop.bench.context import mop_train
 from mop.bench.report import table, write_json
 from mop.config import ConfigError, load_config, load_model_config
 from mop.plan import parse_tokens
+from mop.plan.candidates import Candidate, describe, evaluate
 from mop.plan.cluster import GIB, Cluster, make_cluster
-from mop.plan.search import Candidate, describe, evaluate
 from mop.resolve import resolve
+from mop.runtime import host_memory_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 HOST_SHARE = 0.8  # of the host memory, for the plan
@@ -95,18 +96,9 @@ def machine(args) -> tuple[Cluster, str | None]:
             device_gib = torch.cuda.get_device_properties(0).total_memory / GIB
     if gpus is None or gpus < 1:
         raise ConfigError("--gpus", "a dry run needs --gpus N" if gpus is None else f"must be >= 1, got {gpus}")
-    host_gib = host_memory() / GIB if args.host_gib is None else args.host_gib
+    host_gib = host_memory_bytes() / GIB if args.host_gib is None else args.host_gib
     cluster = make_cluster("h100", 1, gpus, device_gib=device_gib, reserve_gib=args.reserve_gib, host_gib=host_gib)
     return dataclasses.replace(cluster, host_bytes=int(HOST_SHARE * cluster.host_bytes)), name
-
-
-def host_memory() -> int:
-    """This machine's memory, or its container's limit where lower (cgroup v2, v1)."""
-    sizes = [os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")]
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        with contextlib.suppress(OSError, ValueError):  # absent, or "max"
-            sizes.append(int(Path(path).read_text()))
-    return min(sizes)
 
 
 def settings(args, world: int, layers: int, offload: str) -> list[str]:
@@ -114,7 +106,8 @@ def settings(args, world: int, layers: int, offload: str) -> list[str]:
     dense = min(load_model_config(args.config).dense_layers, layers - 1)
     return [f"--model.layers={layers}", f"--model.dense_layers={dense}", "--train.device=cuda",
             "--train.dtype=bfloat16", f"--parallel.nproc={world}", "--parallel.sequence=0", "--parallel.expert=0",
-            "--parallel.vocab=0", f"--optim.offload={offload}", "--checkpoint.every=0"]
+            "--parallel.vocab=0", f"--optim.offload={offload}", "--checkpoint.every=0",
+            "--train.memory_budget=off"]  # the plain memory settings: the bench sizes the model to the GPU itself
 
 
 def candidate(args, cluster: Cluster, context: int, layers: int, offload: str) -> Candidate:

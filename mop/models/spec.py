@@ -32,10 +32,11 @@ FP32 = 4
 
 
 def norm_saved_bytes(width: int, act: int) -> int:
-    """What one RMSNorm over `width` saves per normalised row: the fp32 normalised product and inverse
-    rms (and the fp32 copy of a low-precision input), plus its output, which the next matmul saves."""
-    upcast = width * FP32 if act < FP32 else 0
-    return width * (FP32 + act) + FP32 + upcast
+    """What one RMSNorm over `width` adds per normalised row (`mop.models.layers.RMSNorm` saves its
+    input and the fp32 inverse rms): the inverse rms, and a row of `width` activations, its output
+    where the next matmul saves that (a block's norms, whose input the caller counts as the residual
+    stream) or its input where nothing else keeps it (q/k norms, whose output RoPE does not save)."""
+    return width * act + FP32
 
 
 def core_saved_bytes(attention: "AttentionSpec", act: int, head_chunks: int) -> int:

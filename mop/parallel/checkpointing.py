@@ -9,10 +9,11 @@ Parts that recompute themselves. Head-chunked Ulysses attention (`parallel.atten
 > 1`) and chunked LLEP (`parallel.llep_chunks > 1`) already recompute their internals chunk by
 chunk in their own backward, saving only their inputs (and LLEP the experts it was shipped).
 Re-running them in the block's recomputation too would make three runs. So they are
-`KeepsForwardOutputs` parts: in the block's forward each keeps its output (and LLEP its count
-matrix) in the call's `ForwardOutputs`, and in the block's recomputation returns it without
-exchanging or computing anything (chunked LLEP only ships its helpers' expert weights again,
-which its backward needs). What runs, per block and micro-batch:
+`KeepsForwardOutputs` parts: in the block's forward each keeps what its recomputation needs in
+the call's `ForwardOutputs` (attention its output, which o_proj saves as its input; LLEP its
+route), and in the block's recomputation returns it without exchanging or computing anything
+(chunked LLEP returns a zero-stride placeholder, since only additions read it there, and ships its
+helpers' expert weights again, which its backward needs). What runs, per block and micro-batch:
 
 | options                    | attention exchange + kernel    | expert dispatch + GEMMs        | rest of block |
 |----------------------------|--------------------------------|--------------------------------|---------------|
@@ -24,9 +25,9 @@ which its backward needs). What runs, per block and micro-batch:
 ("both": forward, block recompute.)
 
 (C: `attention_head_chunks` for the attention column, `llep_chunks` for the experts column; each
-column follows its own option.) Nothing runs a third time. The price under checkpointing: besides the block input, a chunked part's output stays
-alive until the backward (`[B, N, heads * head_dim]` for attention, `[B * N, H]` for the
-experts), offloaded with the input when offload is on. The LLEP count exchange is not repeated in
+column follows its own option.) Nothing runs a third time. The price under checkpointing: besides
+the block input, head-chunked attention's output stays alive until the backward (`[B, N, heads *
+head_dim]`), offloaded with the input when offload is on. The LLEP count exchange is not repeated in
 any block recomputation (the counts are kept), and only the forward records routing metrics.
 
 Offload: the checkpoint saves its inputs as autograd saved tensors, outside the region whose own

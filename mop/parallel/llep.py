@@ -152,26 +152,23 @@ class ExpertParallel(KeepsForwardOutputs, nn.Module):
         top_k = expert_ids.shape[-1]
         order, counts = expert_order(expert_ids, self.num_experts)
         # In a checkpointed block's recomputation the route (count matrix, plan, row permutations,
-        # transfers) and the chunked path's output are the forward's: no count exchange, no host
-        # work, no second record, no third expert computation.
-        kept = self.kept_output()
-        if kept is None:
+        # transfers) is the forward's: no count exchange, no host work, no second record; the chunked
+        # path computes nothing there (`ChunkedExperts`: its backward recomputes what it needs).
+        route = self.kept_output()
+        replaying = route is not None
+        if not replaying:
             # The layer pass's one device-to-host synchronisation: the [Ep, E] count matrix.
             route = self._route(all_gather_rows(counts.unsqueeze(0), self.group).tolist(), order, top_k, x.device)
             self._record(route.plan, route.loads, x)
-            kept_out = None
         else:
-            route, kept_out = kept
             # The recomputed routing must be the forward's (checked on the device, no host sync).
             forward_counts = device_ints(route.count_matrix[self.rank], counts.device, counts.dtype)
             torch._assert_async((counts == forward_counts).all(),
                                 "the recomputed routing differs from the forward's")
         owned = self.kind.stacked(self)
+        self.keep_output(route)
         if route.job is not None:
-            out = ChunkedExperts.apply(x, weights.reshape(-1), owned, self.kind.compute, route.job, kept_out)
-            self.keep_output((route, out))
-            return out
-        self.keep_output((route, None))
+            return ChunkedExperts.apply(x, weights.reshape(-1), owned, self.kind.compute, route.job, replaying)
         routing, exchange = route.routing, route.exchange
         assignment = order[routing.send_rows]
         received, *foreign = _Dispatch.apply(x[assignment // top_k], owned, exchange)

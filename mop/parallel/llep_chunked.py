@@ -25,10 +25,13 @@ thirds of the expert forward's FLOPs (the gate and up GEMM), not all of it. It r
 gradients | routing-weight gradients] in one all-to-all. The foreign experts' gradients (every
 stacked tensor's) accumulate over the chunks and return to their owners once, at the end, as in
 the unchunked path.
-In a checkpointed block's recomputation the node is given the forward's output (`kept`): it only
-ships the foreign weights again (its backward needs them) and returns it, so the expert forward
-runs once and its gate and up projections once more in the backward, checkpointed or not
-(`mop.parallel.checkpointing`).
+In a checkpointed block's recomputation (`replaying`) the node only ships the foreign weights again
+(its backward needs them) and returns a zero-stride placeholder of the output's shape, so the
+expert forward runs once and its gate and up projections once more in the backward, checkpointed
+or not (`mop.parallel.checkpointing`). The placeholder is exact because in the recomputation the
+output only feeds additions (the shared expert's, the residual), which save nothing: keeping the
+real output until the backward would cost [tokens, H] per block (4 KB per token of an fp32
+anchor-sized model's 4 blocks), the largest thing a checkpointed block keeps after its input.
 
 Invariant: the same rows meet the same weights as in `ExpertParallel`, only in C groups, so the
 result matches it (and the single-device layer) up to summation order.
@@ -106,15 +109,15 @@ class ChunkedExperts(torch.autograd.Function):
     partition's stacked tensors; `compute`: their kind's function (`ExpertKind`)."""
 
     @staticmethod
-    def forward(ctx, x, weights_flat, owned: tuple[torch.Tensor, ...], compute, job: ChunkJob, kept):
+    def forward(ctx, x, weights_flat, owned: tuple[torch.Tensor, ...], compute, job: ChunkJob, replaying: bool):
         ex = job.exchange
         ctx.job, ctx.owned, ctx.compute, ctx.autocast = job, owned, compute, forward_autocast(x.device)
         foreign, weight_works = start_weight_shipping(owned, ex)
-        if kept is not None:  # a checkpointed block's recomputation: the backward needs the shipped weights only
+        if replaying:  # a checkpointed block's recomputation: the backward needs the shipped weights only
             for work in weight_works:
                 work.wait()
             ctx.save_for_backward(x, weights_flat, *foreign)
-            return kept
+            return x.new_zeros(()).expand_as(x)
         out = torch.zeros_like(x)
         pending = _dispatch(x, job, 0)
         for work in weight_works:

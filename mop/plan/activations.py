@@ -144,14 +144,14 @@ def _frozen_moe_input(config: Config, s: Shapes) -> bool:
 
 
 def block_kept(s: Shapes, config: Config) -> dict[str, int]:
-    """What full activation checkpointing keeps of one block until its backward: its input, and the
-    outputs of the chunked parts (`mop.parallel.checkpointing`); on the host with offload."""
+    """What full activation checkpointing keeps of one block until its backward: its input, and
+    head-chunked attention's output (`mop.parallel.checkpointing`; chunked LLEP keeps none); on the
+    host with offload."""
     out = rows()
     p = config.parallel
     out["residual_and_norms"] = s.T * s.H * s.act
     out_width = model_spec(config.model).attention.out_width
     out["attention_activations"] = s.T * out_width * s.act if p.attention_head_chunks > 1 else 0
-    out["moe_activations"] = s.T * s.H * s.act if p.llep_chunks > 1 else 0
     return out
 
 

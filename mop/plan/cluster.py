@@ -51,6 +51,8 @@ class Cluster:
     """The share of the peak the model's FLOPs are assumed to run at."""
     reserve_bytes: int = 6 * GIB
     """Device memory held back from the plan (CUDA context, NCCL buffers, fragmentation)."""
+    unified_memory: bool = False
+    """Host and device are one memory (a CPU run): a rank's host bytes count against its device budget."""
 
     @property
     def world(self) -> int:
@@ -99,3 +101,17 @@ def make_cluster(gpu: str, nodes: int, gpus_per_node: int, **overrides: float | 
         raise ConfigError("--reserve-gib", f"{cluster.reserve_bytes / GIB:g} GiB leaves nothing of the GPU's "
                           f"{cluster.device_bytes / GIB:g} GiB; lower it")
     return cluster
+
+
+# A CPU rank as `mop train` runs it (`local_cluster`): one intra-op thread's fp32 GEMM speed, gloo
+# over loopback, memcpy to "host" memory. Nominal: the fit compares layouts on one machine, where
+# only the ratios between compute, exchanges and copies decide.
+CPU = Cluster(1, 1, "cpu", 0, 0, 5e9, 5e9, 10e9, 5e10, mfu=1.0, reserve_bytes=0, unified_memory=True)
+
+
+def local_cluster(device: str, world: int, node: int, budget_bytes: int, host_bytes: int) -> Cluster:
+    """The machine a `mop train` run is fitted to (`mop.plan.fit`): `world` ranks in nodes of `node`,
+    `budget_bytes` per rank; CUDA GPUs priced as the H200 preset, except their memory."""
+    kind = CPU if device == "cpu" else PRESETS["h200"]
+    return dataclasses.replace(kind, nodes=world // node, gpus_per_node=node, device_bytes=budget_bytes,
+                               reserve_bytes=0, host_bytes=host_bytes)

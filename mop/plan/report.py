@@ -6,7 +6,7 @@ import json
 
 from mop.plan.activations import ROWS
 from mop.plan.cluster import GIB
-from mop.plan.search import Candidate, Choice, describe
+from mop.plan.candidates import Candidate, Choice, describe
 
 
 def layout(c: Candidate) -> dict:

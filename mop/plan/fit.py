@@ -1,0 +1,165 @@
+"""`mop train` fits the settings left automatic to the memory a rank has (`train.memory_budget`).
+
+Searched axes, each only where the user left it automatic (a value written in the config or on the
+command line is kept, and the rest are searched around it): the degrees D, Ep and P, attention head
+chunks, LLEP chunks, activation checkpointing and its offload, and the micro-batch (up to 4
+sequences; the global batch is the user's). `fitted` decides them, from `mop.resolve`'s config:
+1. today's layout (each automatic setting's plain rule: the largest degrees, no chunks, no
+   checkpointing, 4 sequences per micro-batch) is kept when `mop plan`'s memory model says it fits
+   the budget: nothing changes for a run that fits;
+2. otherwise every combination of the automatic axes is built as a real config, validated as
+   `mop train` validates it, and scored by the planner (`mop.plan.search.evaluate`: the memory
+   model and the roofline, on `mop.plan.cluster.local_cluster`); the fastest that fits runs (of
+   those within the roofline's resolution, the one needing the least memory);
+3. nothing fits: one line naming the budget, the closest layout's need and what to change.
+On the CPU host and device are one memory: a rank's host bytes (the host optimizer's state) count
+against the budget, and activation offload, which only moves bytes within it, is not searched.
+
+The choice is recorded (`mop.resolve.FitRecord`) in the resolved config, so the start line prints it
+and the run's config.json keeps it. `mop train` resolves with `fitted` (the launcher, torchrun's
+ranks); `mop.resolve.resolve` alone keeps the plain rules (benchmarks and tests that pin a layout).
+Every rank resolves the same settings: the budget is the smallest rank's
+(`mop.runtime.smallest_budget`) and the search is deterministic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+
+from mop.config import Config, ConfigError
+from mop.parallel.mesh import LayoutError
+from mop.plan.candidates import Candidate, choose, describe, evaluate, over
+from mop.plan.cluster import GIB, local_cluster
+from mop.resolve import (
+    MOST_SEQUENCES_PER_MICRO_BATCH,
+    FitRecord,
+    ResolvedConfig,
+    check_resolved,
+    resolve,
+)
+from mop.runtime import host_memory_bytes, memory_budget, visible_gpus
+
+# axis -> (section, field) of the setting it decides
+AXES = {"sequence": ("parallel", "sequence"), "expert": ("parallel", "expert"), "vocab": ("parallel", "vocab"),
+        "head_chunks": ("parallel", "attention_head_chunks"), "llep_chunks": ("parallel", "llep_chunks"),
+        "checkpointing": ("train", "activation_checkpointing"), "offload": ("train", "offload_activations"),
+        "micro_batch": ("train", "micro_batch")}
+CHUNKS = (1, 2, 4, 8, 16)  # `mop plan`'s, and 16: long contexts on few ranks want fine LLEP chunks
+
+
+def automatic_axes(config: Config) -> tuple[str, ...]:
+    """The searched axes the raw `config` leaves automatic (0 or "auto")."""
+    def automatic(value) -> bool:
+        return value == "auto" or (type(value) is int and value == 0)  # not False, which equals 0
+
+    return tuple(axis for axis, (section, name) in AXES.items() if automatic(getattr(getattr(config, section), name)))
+
+
+def fitted(config: Config, world: int | None = None, local_world: int | None = None,
+           budget_bytes: int | None = None) -> ResolvedConfig:
+    """`config` resolved (`mop.resolve.resolve`) and, under "mop" with settings left automatic and a
+    memory budget, fitted to it (module docstring); `budget_bytes`: every rank's smallest (None:
+    this machine's `train.memory_budget`)."""
+    decided = resolve(config, world, local_world)
+    t = config.train
+    budget = memory_budget(t.memory_budget, t.device, decided.local_world)
+    axes = automatic_axes(config)
+    if decided.parallel.strategy != "mop" or not axes or budget is None:
+        return decided
+    if budget_bytes is not None:
+        budget = (budget_bytes, f"{budget[1]}; the smallest of every rank's")
+    chosen, record = _fit(decided, axes, budget)
+    return dataclasses.replace(chosen, fit=record)
+
+
+@functools.lru_cache(maxsize=64)
+def _fit(default: ResolvedConfig, axes: tuple[str, ...], budget: tuple[int, str]) -> tuple[ResolvedConfig, FitRecord]:
+    """`default` (every setting decided by its plain rule) or, when the memory model says it does not
+    fit `budget` (bytes, source), the fastest layout over `axes` that does."""
+    world, node = default.world, default.local_world
+    cluster = local_cluster("cpu" if _on_cpu(default) else "cuda", world, node, budget[0], host_memory_bytes())
+    plain = evaluate(default, cluster)
+    if plain.fits:
+        return default, _record(plain, budget, axes, True, 1, "today's layout fits")
+    candidates = [evaluate(c, cluster) for c in _candidates(default, axes, world, node)]
+    choice = choose(candidates)
+    if choice.best is None:
+        closest = choice.closest or plain
+        raise ConfigError("train.memory_budget", f"nothing fits {budget[0] / GIB:.1f} GiB per rank ({budget[1]}) at "
+                          f"data.seq_len={default.data.seq_len}: the closest layout ({describe(closest)}) needs "
+                          f"{over(closest)}; raise train.memory_budget, lower data.seq_len, add ranks or leave "
+                          f"more of {', '.join(_settings(a for a in AXES if a not in axes))} automatic")
+    return choice.best.config, _record(choice.best, budget, axes, False, choice.considered, choice.binding)
+
+
+def _candidates(default: ResolvedConfig, axes: tuple[str, ...], world: int, node: int):
+    """Every combination of the automatic axes' values (the others as `default` has them), validated."""
+    m, t = default.model, default.train
+    values = {
+        "sequence": [d for d in _divisors(world) if m.heads % d == 0 and default.data.seq_len % d == 0],
+        "expert": [e for e in _divisors(node) if m.experts % e == 0],
+        "vocab": [1] if m.tie_embeddings else _divisors(node),
+        "head_chunks": CHUNKS, "llep_chunks": CHUNKS, "checkpointing": ["none", "full"],
+        "offload": [False] if _on_cpu(default) else [False, True],
+        "micro_batch": _divisors(MOST_SEQUENCES_PER_MICRO_BATCH)}
+    grid = [values[a] if a in axes else [None] for a in AXES]
+    for combination in itertools.product(*grid):
+        chosen = dict(zip(AXES, combination))
+        settings = {a: v for a, v in chosen.items() if v is not None}
+        if settings.get("offload") and (chosen["checkpointing"] or t.activation_checkpointing) == "none":
+            continue
+        config = _with(default, settings)
+        if (config.parallel.sequence == 1 and config.parallel.attention_head_chunks > 1) or \
+                (config.parallel.expert == 1 and config.parallel.llep_chunks > 1):
+            continue  # the same run as one chunk
+        if "micro_batch" in axes:
+            groups = world // config.parallel.sequence
+            if config.train.global_batch % (groups * config.train.micro_batch):
+                continue
+        try:
+            check_resolved(config, launched=False)
+        except (ConfigError, LayoutError):
+            continue
+        yield config
+
+
+def _on_cpu(config: Config) -> bool:
+    return visible_gpus(config.train.device) == 0
+
+
+def _with(config: Config, settings: dict) -> Config:
+    sections = {}
+    for axis, value in settings.items():
+        section, name = AXES[axis]
+        sections.setdefault(section, {})[name] = value
+    return dataclasses.replace(config, **{s: dataclasses.replace(getattr(config, s), **v) for s, v in sections.items()})
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _settings(axes) -> list[str]:
+    return [".".join(AXES[a]) for a in axes]
+
+
+def _record(c: Candidate, budget: tuple[int, str], axes, kept: bool, considered: int, binding: str) -> FitRecord:
+    return FitRecord(budget[0], budget[1], tuple(_settings(axes)), describe(c), kept, c.memory.peak_device_bytes,
+                     sum(c.memory.host_bytes_per_rank.values()), c.memory.peak.name.split(":")[0],
+                     c.tokens_per_s_per_gpu, considered, binding)
+
+
+def summary(record: FitRecord) -> str:
+    """The start line's account of the fit."""
+    need = (record.predicted_peak_bytes + record.predicted_host_bytes) / GIB
+    head = f"memory budget {record.budget_bytes / GIB:.1f} GiB per rank ({record.budget_source})"
+    if record.kept_default:
+        return (f"{head}: the plain layout fits ({record.layout}; predicted {need:.1f} GiB per rank, "
+                f"{need * GIB / record.budget_bytes:.0%})")
+    searched = ", ".join(name.split(".")[1] for name in record.searched)
+    return (f"{head}: fitted {searched} over {record.considered} layouts: {record.layout}; "
+            f"predicted peak {record.predicted_peak_bytes / GIB:.2f} GiB at the {record.predicted_moment} + "
+            f"{record.predicted_host_bytes / GIB:.2f} GiB host ({need * GIB / record.budget_bytes:.0%}); "
+            f"{record.binding}")
