@@ -279,6 +279,10 @@ class LogConfig:
     """Show progress on rank 0: a bar on a terminal, else a plain line every log.progress_every steps."""
     progress_every: int = 10
     """Steps between the plain progress lines written when stderr is not a terminal."""
+    profile_step: int = -1
+    """Record this step (0-based) with torch.profiler and split its time into attention, experts, the
+    vocabulary projection and the rest, each with its collectives' part (`mop.profiling`; the step's
+    record gets `time_<phase>_s`, worst rank); -1: none. The profiler slows the step it records."""
 
 
 @dataclass(frozen=True)

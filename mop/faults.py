@@ -132,9 +132,9 @@ def _group_name(group: dist.ProcessGroup) -> str:
 
 # The likely cause of a rank killed by a signal, and what to do about it.
 _SIGNAL_CAUSES = {
-    signal.SIGKILL: "usually the out-of-memory killer (host memory): lower data.seq_len or train.micro_batch, or set "
-                    "train.activation_checkpointing=full, train.offload_activations=true and raise parallel.sequence "
-                    "/ parallel.attention_head_chunks / parallel.llep_chunks",
+    signal.SIGKILL: "usually the out-of-memory killer (host memory): lower train.memory_budget (the layout is "
+                    "fitted to it) or data.seq_len, or set train.activation_checkpointing=full and raise "
+                    "parallel.sequence / parallel.attention_head_chunks / parallel.llep_chunks",
     signal.SIGABRT: "an abort in native code; on GPUs usually NCCL's watchdog after a collective outlived "
                     "parallel.timeout_s (its log line above names the operation and group): raise the timeout if a "
                     "step legitimately takes longer",

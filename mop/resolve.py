@@ -56,7 +56,9 @@ class FitRecord:
     predicted_peak_bytes: int
     """The memory model's device peak for one rank."""
     predicted_host_bytes: int
-    """Its host bytes for one rank (counted against the budget on the CPU)."""
+    """Its host bytes for one rank."""
+    predicted_need_bytes: int
+    """What counts against the budget: the device peak (plus the host bytes on the CPU, one memory)."""
     predicted_moment: str
     predicted_tokens_per_s: float
     """The roofline's tokens/s per rank (nominal on the CPU: for comparing layouts)."""
@@ -136,7 +138,8 @@ def _decide(config: Config, world: int | None, local_world: int | None) -> Resol
     train = dataclasses.replace(
         t, micro_batch=t.micro_batch or plain_micro_batch(t.global_batch // groups if t.global_batch % groups == 0
                                                           else t.global_batch),
-        activation_checkpointing="none" if t.activation_checkpointing == "auto" else t.activation_checkpointing,
+        activation_checkpointing=(("full" if t.offload_activations is True else "none")  # offload needs it
+                                  if t.activation_checkpointing == "auto" else t.activation_checkpointing),
         offload_activations=False if t.offload_activations == "auto" else t.offload_activations)
     sections = {f.name: getattr(config, f.name) for f in dataclasses.fields(Config)}
     return ResolvedConfig(**{**sections, "parallel": parallel, "optim": optim, "train": train}, world=world,

@@ -118,13 +118,12 @@ def _parse_size(text: str) -> int:
     return int(value)
 
 
-def smallest_budget(budget: int | None, device: torch.device) -> int | None:
-    """The smallest budget of any rank (every rank must fit its layout to the same one)."""
-    if budget is None:
-        return None
-    value = torch.tensor([budget], dtype=torch.int64, device=device)
+def smallest_limits(budget: int | None, host: int, device: torch.device) -> tuple[int | None, int]:
+    """The smallest memory budget and host memory of any rank (one all-reduce): every rank must fit
+    its layout to the same ones. `budget` is None ("off") on every rank alike."""
+    value = torch.tensor([budget or 0, host], dtype=torch.int64, device=device)
     dist.all_reduce(value, op=dist.ReduceOp.MIN)
-    return int(value.item())
+    return (None if budget is None else int(value[0])), int(value[1])
 
 
 def check_ranks_fit_gpus(ranks: int, device: str, setting: str) -> None:

@@ -54,17 +54,19 @@ from mop.plan.fit import summary as fit_summary
 from mop.preference import reference
 from mop.preference.loss import StepTotals
 from mop.preference.step import PreferenceObjective, local_counts, step_record
+from mop.profiling import step_profile
 from mop.progress import StepProgress
 from mop.resolve import ResolvedConfig
 from mop.run_dir import shared_run_dir
 from mop.runtime import (
     Runtime,
+    host_memory_bytes,
     join,
     joined,
     memory_budget,
     per_rank,
     pick_device,
-    smallest_budget,
+    smallest_limits,
     smallest_node,
     sum_over_ranks,
     sum_tensor_over_ranks,
@@ -84,12 +86,17 @@ def step_memory(runtime: Runtime, offload_store) -> dict:
     return record
 
 
+def worst_rank(values: dict[str, float], runtime: Runtime) -> dict[str, float]:
+    """Each value's largest over the ranks (every rank holds the same keys)."""
+    keys = sorted(values)
+    return dict(zip(keys, sum_over_ranks([values[k] for k in keys], runtime, op=dist.ReduceOp.MAX))) if keys else {}
+
+
 def worst_rank_state(run: TrainingRun) -> dict:
     """`TrainingRun.state_bytes` of the rank that holds the most of each category."""
     state = run.state_bytes()
-    keys = [k for k, v in state.items() if not isinstance(v, bool)]
-    worst = sum_over_ranks([state[k] for k in keys], run.runtime, op=dist.ReduceOp.MAX)
-    return {**state, **{k: v if k.startswith("device_bytes_per_param") else int(v) for k, v in zip(keys, worst)}}
+    worst = worst_rank({k: v for k, v in state.items() if not isinstance(v, bool)}, run.runtime)
+    return {**state, **{k: v if k.startswith("device_bytes_per_param") else int(v) for k, v in worst.items()}}
 
 
 class SupervisedObjective:
@@ -256,10 +263,10 @@ def setup_runtime(config: Config) -> tuple[ResolvedConfig, Runtime]:
     env = TorchrunEnv.from_environ()
     device = join(config, env)
     if not (isinstance(config, ResolvedConfig) and config.world == env.world_size):
-        node = smallest_node(env.local_world_size, device)
-        budget = memory_budget(config.train.memory_budget, config.train.device, node)
-        config = fitted(config, world=env.world_size, local_world=node,
-                        budget_bytes=smallest_budget(budget and budget[0], device))
+        budget = memory_budget(config.train.memory_budget, config.train.device, env.local_world_size)
+        budget_bytes, host_bytes = smallest_limits(budget and budget[0], host_memory_bytes(), device)
+        config = fitted(config, world=env.world_size, local_world=smallest_node(env.local_world_size, device),
+                        budget_bytes=budget_bytes, host_bytes=host_bytes)
     return config, joined(config, env, device)
 
 
@@ -345,14 +352,16 @@ def _loop(run: TrainingRun, run_dir: Path, stop: StopRequest, steps: range, reco
         start = time.perf_counter()
         lr = learning_rate(config, step)
         run.optimizer.begin_step(lr)
-        losses = train_step(run, run.next_batches())
-        outcome = update(run)
+        with step_profile(run.model, step == config.log.profile_step) as profiled:
+            losses = train_step(run, run.next_batches())
+            outcome = update(run)
         elapsed = time.perf_counter() - start
         record = {"step": step, **losses, "lr": lr, **outcome,
                   "tokens_per_s": losses["tokens"] / elapsed, "step_time_s": elapsed,
                   **utilisation(losses["model_flops"], elapsed, runtime),
                   **step_memory(runtime, run.offload_store), **state_memory, **run.data.dataset.stats,
-                  **technique_metrics(run.model, runtime.world_group, runtime.device)}
+                  **technique_metrics(run.model, runtime.world_group, runtime.device),
+                  **worst_rank(profiled.record(elapsed), runtime)}
         record.update(skips.count(step, outcome["skipped"]))
         done = step + 1
         if run.held_out is not None and (done % config.eval.every == 0 or done == config.train.steps):

@@ -56,9 +56,15 @@ def test_a_run_that_fits_keeps_the_plain_layout():
     assert (p.sequence, p.expert, p.vocab, p.attention_head_chunks, p.llep_chunks) == (2, 2, 2, 1, 1)
     assert (t.activation_checkpointing, t.offload_activations, t.micro_batch) == ("none", False, 1)
     assert config.fit.kept_default and config.fit.considered == 1
-    assert config.fit.predicted_peak_bytes + config.fit.predicted_host_bytes == _need(config)
+    assert config.fit.predicted_peak_bytes + config.fit.predicted_host_bytes == config.fit.predicted_need_bytes \
+        == _need(config)  # on the CPU host bytes count against the budget
     off = _resolve("--data.seq_len=2048", "--train.memory_budget=off")
     assert off.fit is None and off.parallel == p and off.train.micro_batch == 1
+
+
+def test_offload_asked_for_turns_automatic_checkpointing_on():
+    config = _resolve("--data.seq_len=2048", "--train.offload_activations=true")
+    assert config.train.activation_checkpointing == "full" and config.train.offload_activations is True
 
 
 def test_the_plain_micro_batch_is_the_largest_divisor_up_to_four():
@@ -75,7 +81,7 @@ def test_a_long_context_is_fitted_to_the_budget_and_the_fit_is_recorded():
     config = _resolve("--data.seq_len=524288", f"--train.memory_budget={budget}")
     fit = config.fit
     assert not fit.kept_default and fit.considered > 10
-    assert _need(config) == fit.predicted_peak_bytes + fit.predicted_host_bytes <= budget
+    assert _need(config) == fit.predicted_need_bytes <= budget
     assert config.train.activation_checkpointing == "full" or config.parallel.llep_chunks > 1
     assert not config.train.offload_activations  # on the CPU it moves nothing out of the same memory
     assert fit.budget_bytes == budget and "parallel.llep_chunks" in fit.searched

@@ -51,9 +51,12 @@ def reference(tmp_path_factory):
 
 
 def test_reference_writes_metrics_tensorboard_and_plot(tmp_path):
-    records = run(tmp_path, "full", "--log.tensorboard=true", "--log.plot=true")
+    records = run(tmp_path, "full", "--log.tensorboard=true", "--log.plot=true", "--log.profile_step=0")
     assert [r["step"] for r in records] == list(range(5))
     assert all(REQUIRED <= r.keys() for r in records)
+    # one process: every phase computes, none communicates
+    assert all(records[0][f"time_{p}_s"] > 0 and records[0][f"time_{p}_comm_s"] == 0
+               for p in ("attention", "experts", "vocabulary", "other"))
     # torch AdamW: fp32 weights, gradients until the update and two fp32 moments on the device.
     assert [records[0][f"device_bytes_per_param_{k}"] for k in ("weights", "gradients", "optimizer")] == [4, 4, 8]
     assert list((tmp_path / "full/tensorboard").glob("events.out.tfevents.*"))
@@ -140,8 +143,15 @@ def test_every_technique_at_once_matches_the_reference(tmp_path, reference):
                   "--parallel.expert=2", "--parallel.vocab=2", "--parallel.expert_balance=llep",
                   "--parallel.llep_min_chunk=4", "--parallel.llep_gate=1.0", "--parallel.llep_chunks=2",
                   "--train.activation_checkpointing=full",
-                  "--train.offload_activations=true")
-    assert losses(records) == pytest.approx(losses(reference), rel=1e-5)
+                  "--train.offload_activations=true", "--log.profile_step=1")
+    assert losses(records) == pytest.approx(losses(reference), rel=1e-5)  # the profiled step too
+    # The profiled step's time split: every phase ran, and each with its collectives (Ulysses'
+    # all-to-alls, the expert dispatch and LLEP's transfers, the ring's shard hops, FSDP2's gathers).
+    profiled = records[1]
+    for phase in ("attention", "experts", "vocabulary", "other"):
+        assert 0 < profiled[f"time_{phase}_comm_s"] < profiled[f"time_{phase}_s"] < profiled["step_time_s"], phase
+    assert 0 <= profiled["time_untracked_s"] < profiled["step_time_s"]
+    assert not any(key.startswith("time_") for r in records if r["step"] != 1 for key in r)
     # Each rank's micro-batch is 2 sequences of 16 of its 32 tokens: both blocks' fp32 inputs
     # ([2, 16, 32]) are in host memory at the peak, between the forward and the backward.
     assert all(r["mem_offloaded_activations_bytes"] >= 2 * (2 * 16 * 32 * 4) for r in records)

@@ -31,7 +31,10 @@ What runs (each a fresh set of the config's local CPU ranks, 2 in the preset, on
     causally over the whole row (no document mask: transformers' packed-document path needs
     flash attention, which has no CPU kernel), builds the full logits, and has no load-balancing
     loss: strictly less work than the two mop runs. Its peak is the process's peak RSS too.
-  Reported: seconds per step and tokens/s per rank, and each one's ratio to hf-fsdp2.
+  Reported: seconds per step and tokens/s per rank, and each one's ratio to hf-fsdp2; for the two
+  mop runs, one more step recorded by torch.profiler (`log.profile_step`, `mop.profiling`, not in
+  the timing): its seconds in attention, the experts, the vocabulary projection and the rest, each
+  with its collectives' part, and what no op covers.
 
 Memory on CPU is resident memory, so it includes what a GPU machine would keep in host memory
 (the host optimizer's state); `mop bench e2e` splits device and host.
@@ -101,9 +104,14 @@ def long_corpus(path: Path, tokens: int) -> str:
     return str(path)
 
 
-def mop_train(args, name: str, context: int, extra: list[str], steps: int | None = None) -> dict:
-    """`mop train` in a subprocess; its metrics, or how it failed."""
+def mop_train(args, name: str, context: int, extra: list[str], steps: int | None = None,
+              profile: bool = False) -> dict:
+    """`mop train` in a subprocess; its metrics, or how it failed. `profile`: one more step, recorded
+    with torch.profiler (`log.profile_step`) and left out of the timing."""
     steps = steps or args.steps
+    if profile:
+        extra = [*extra, f"--log.profile_step={steps}"]
+        steps += 1
     run_dir = args.out.with_name(f"{args.out.stem}-runs") / f"{name}-{context}"
     command = [sys.executable, "-m", "mop.cli", "train", str(args.config), f"--data.seq_len={context}",
                f"--train.steps={steps}", f"--log.run_dir={run_dir}", "--log.overwrite=true",
@@ -121,6 +129,9 @@ def mop_train(args, name: str, context: int, extra: list[str], steps: int | None
         result["out_of_memory"] = "out-of-memory" in result["error"]
         return result
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    phases = {k: v for k, v in records[-1].items() if k.startswith("time_")} if profile else {}
+    if profile:
+        records = records[:-1]
     timed = records[1:] or records  # one step: its own time, the first step's costs included
     seconds = statistics.median(r["step_time_s"] for r in timed)
     resolved = json.loads((run_dir / "config.json").read_text())
@@ -128,7 +139,7 @@ def mop_train(args, name: str, context: int, extra: list[str], steps: int | None
     return {**result, "peak_bytes_per_rank": records[-1]["peak_mem_bytes_per_rank"], "seconds_per_step": seconds,
             "before_run_bytes": records[-1].get("mem_before_run_bytes", 0), "fit": resolved.get("fit"),
             "tokens_per_s_per_rank": tokens_per_rank / seconds, "losses": [r["loss"] for r in records],
-            "last_record": records[-1]}
+            "phases": phases, "last_record": records[-1]}
 
 
 def hf_rank(rank: int, world: int, config_path: str, overrides: list[str], steps: int) -> dict:
@@ -208,7 +219,8 @@ def run(args) -> dict:
     comparison = []
     if args.compare_context:
         for name, extra in (("mop", []), ("mop-fsdp2", PLAIN_FSDP2)):
-            comparison.append(mop_train(args, name, args.compare_context, [*common, *extra], args.compare_steps))
+            comparison.append(mop_train(args, name, args.compare_context, [*common, *extra], args.compare_steps,
+                                        profile=True))
         comparison.append(hf_fsdp2(args, args.compare_context, common))
         for row in comparison:
             print(_line(row), flush=True)
@@ -257,5 +269,13 @@ def report(args, results: dict) -> None:
         print()
         print(table(f"same work per rank at {args.compare_context} tokens (one sequence per rank per step)",
                     ["system", "s/step", "tok/s/rank", "vs hf-fsdp2", "peak GB/rank"], rows))
+        phases = ("attention", "experts", "vocabulary", "other")
+        rows = [[r["system"], *[f"{r['phases'][f'time_{p}_s']:.1f} ({r['phases'][f'time_{p}_comm_s']:.1f})"
+                                for p in phases], r["phases"]["time_untracked_s"]]
+                for r in results["comparison"] if r.get("phases")]
+        print()
+        print(table("where a step's time goes (one more step, recorded by torch.profiler, worst rank): seconds per "
+                    "phase, of it in collectives in parentheses; untracked: Python between ops and waits for the "
+                    "host optimizer", ["system", *phases, "untracked"], rows))
     path = write_json(args.out, "context", {k: str(v) for k, v in vars(args).items() if k != "func"}, results)
     print(f"\nresults written to {path}")

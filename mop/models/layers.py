@@ -36,6 +36,8 @@ class _RMSNorm(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             normed = (x32 * rstd).to(x.dtype)
             grad_weight = (grad * normed).reshape(-1, weight.shape[-1]).sum(0).to(weight.dtype)
+        if not ctx.needs_input_grad[0]:
+            return None, grad_weight, None
         grad_normed = (grad * weight).to(x.dtype).float()
         dot = (grad_normed * x32).sum(-1, keepdim=True)
         grad_x = grad_normed * rstd - x32 * (rstd.pow(3) * dot / x.shape[-1])

@@ -36,8 +36,15 @@ from mop.models.config import ModelConfig
 from mop.models.documents import DocumentBoundaries, Documents
 from mop.models.families import family_of
 from mop.models.layers import RMSNorm, SwiGLU
-from mop.models.lora import LoraConfig, adapter_init_bound, add_adapters, stored_rows, stored_tensors
+from mop.models.lora import (
+    LoraConfig,
+    adapter_init_bound,
+    add_adapters,
+    stored_rows,
+    stored_tensors,
+)
 from mop.models.moe import MoE, RouterStats, load_balancing_loss
+from mop.profiling import vocabulary_scope
 
 IGNORE_INDEX = -100
 
@@ -226,7 +233,8 @@ class MoETransformer(nn.Module):
         """Summed losses; `labels [B, S]` are the already-shifted next-token targets (IGNORE_INDEX skips);
         `padding [B, S]` flags tokens that are no data, `prefix_lengths` branches (`hidden_states`)."""
         h, router, counts = self.hidden_states(input_ids, position_ids, document_ids, padding, prefix_lengths)
-        ce_sum = self.lm_head.loss_sum(h, labels)
+        with vocabulary_scope():  # a profiled step's phase (`mop.profiling`)
+            ce_sum = self.lm_head.loss_sum(h, labels)
         router = self.router_sums(router) if router is not None else None
         targets = int((labels != IGNORE_INDEX).sum())
         return LossTerms(ce_sum, targets, router, input_ids.shape[0], counts)
@@ -238,7 +246,8 @@ class MoETransformer(nn.Module):
         elsewhere); `pairs_max`: the slots per row; `reference_logps [B, S]` (None: none): each
         response's reference sum on one of its tokens, summed into the slots alongside."""
         h, router, counts = self.hidden_states(input_ids, position_ids, document_ids, padding, prefix_lengths)
-        logp = self.lm_head.token_logprobs(h, labels)
+        with vocabulary_scope():
+            logp = self.lm_head.token_logprobs(h, labels)
         rows, slots = input_ids.shape[0], 2 * pairs_max
         in_response = response_ids >= 0
         trained = in_response & (labels != IGNORE_INDEX)

@@ -19,7 +19,7 @@ The choice is recorded (`mop.resolve.FitRecord`) in the resolved config, so the 
 and the run's config.json keeps it. `mop train` resolves with `fitted` (the launcher, torchrun's
 ranks); `mop.resolve.resolve` alone keeps the plain rules (benchmarks and tests that pin a layout).
 Every rank resolves the same settings: the budget is the smallest rank's
-(`mop.runtime.smallest_budget`) and the search is deterministic.
+(`mop.runtime.smallest_limits`, with the host memory) and the search is deterministic.
 """
 
 from __future__ import annotations
@@ -58,10 +58,10 @@ def automatic_axes(config: Config) -> tuple[str, ...]:
 
 
 def fitted(config: Config, world: int | None = None, local_world: int | None = None,
-           budget_bytes: int | None = None) -> ResolvedConfig:
+           budget_bytes: int | None = None, host_bytes: int | None = None) -> ResolvedConfig:
     """`config` resolved (`mop.resolve.resolve`) and, under "mop" with settings left automatic and a
-    memory budget, fitted to it (module docstring); `budget_bytes`: every rank's smallest (None:
-    this machine's `train.memory_budget`)."""
+    memory budget, fitted to it (module docstring); `budget_bytes` and `host_bytes` (a node's): every
+    rank's smallest (None: this machine's `train.memory_budget` and host memory)."""
     decided = resolve(config, world, local_world)
     t = config.train
     budget = memory_budget(t.memory_budget, t.device, decided.local_world)
@@ -70,16 +70,17 @@ def fitted(config: Config, world: int | None = None, local_world: int | None = N
         return decided
     if budget_bytes is not None:
         budget = (budget_bytes, f"{budget[1]}; the smallest of every rank's")
-    chosen, record = _fit(decided, axes, budget)
+    chosen, record = _fit(decided, axes, budget, host_bytes or host_memory_bytes())
     return dataclasses.replace(chosen, fit=record)
 
 
 @functools.lru_cache(maxsize=64)
-def _fit(default: ResolvedConfig, axes: tuple[str, ...], budget: tuple[int, str]) -> tuple[ResolvedConfig, FitRecord]:
+def _fit(default: ResolvedConfig, axes: tuple[str, ...], budget: tuple[int, str],
+         host_bytes: int) -> tuple[ResolvedConfig, FitRecord]:
     """`default` (every setting decided by its plain rule) or, when the memory model says it does not
     fit `budget` (bytes, source), the fastest layout over `axes` that does."""
     world, node = default.world, default.local_world
-    cluster = local_cluster("cpu" if _on_cpu(default) else "cuda", world, node, budget[0], host_memory_bytes())
+    cluster = local_cluster("cpu" if _on_cpu(default) else "cuda", world, node, budget[0], host_bytes)
     plain = evaluate(default, cluster)
     if plain.fits:
         return default, _record(plain, budget, axes, True, 1, "today's layout fits")
@@ -147,19 +148,17 @@ def _settings(axes) -> list[str]:
 
 def _record(c: Candidate, budget: tuple[int, str], axes, kept: bool, considered: int, binding: str) -> FitRecord:
     return FitRecord(budget[0], budget[1], tuple(_settings(axes)), describe(c), kept, c.memory.peak_device_bytes,
-                     sum(c.memory.host_bytes_per_rank.values()), c.memory.peak.name.split(":")[0],
+                     sum(c.memory.host_bytes_per_rank.values()), c.need_bytes, c.memory.peak.name.split(":")[0],
                      c.tokens_per_s_per_gpu, considered, binding)
 
 
 def summary(record: FitRecord) -> str:
     """The start line's account of the fit."""
-    need = (record.predicted_peak_bytes + record.predicted_host_bytes) / GIB
+    share = f"{record.predicted_need_bytes / record.budget_bytes:.0%} of it"
     head = f"memory budget {record.budget_bytes / GIB:.1f} GiB per rank ({record.budget_source})"
     if record.kept_default:
-        return (f"{head}: the plain layout fits ({record.layout}; predicted {need:.1f} GiB per rank, "
-                f"{need * GIB / record.budget_bytes:.0%})")
+        return f"{head}: the plain layout fits ({record.layout}; predicted {share})"
     searched = ", ".join(name.split(".")[1] for name in record.searched)
     return (f"{head}: fitted {searched} over {record.considered} layouts: {record.layout}; "
             f"predicted peak {record.predicted_peak_bytes / GIB:.2f} GiB at the {record.predicted_moment} + "
-            f"{record.predicted_host_bytes / GIB:.2f} GiB host ({need * GIB / record.budget_bytes:.0%}); "
-            f"{record.binding}")
+            f"{record.predicted_host_bytes / GIB:.2f} GiB host ({share}); {record.binding}")
