@@ -74,7 +74,8 @@ def test_int_is_accepted_for_a_float():
     (["--parallel.strategy=mop", "--parallel.nproc=2", "--parallel.sequence=2", "--parallel.attention_head_chunks=4"],
      "parallel.attention_head_chunks", "heads per rank"),
     (["--parallel.attention_head_chunks=-1"], "parallel.attention_head_chunks", ">= 1"),
-    (["--train.offload_activations=true"], "train.offload_activations", "activation_checkpointing=full"),
+    (["--train.offload_activations=true", "--train.activation_checkpointing=none"], "train.offload_activations",
+     "activation_checkpointing=full"),
 ])
 def test_bad_settings_name_the_key_and_the_fix(args, key, hint):
     with pytest.raises(ConfigError) as err:

@@ -70,7 +70,7 @@ PLAIN_PRESET = ["--train.memory_budget=off", "--train.activation_checkpointing=f
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, default=PRESET, help="the mop train config (the long-context preset)")
     parser.add_argument("--contexts", default="131072,262144,524288,1048576",
-                        help="tokens per sequence, comma-separated")
+                        help="tokens per sequence, comma-separated (empty: the comparisons only)")
     parser.add_argument("--plain-context", type=int, default=524288,
                         help="context of the preset's settings before the fit, against the fitted ones (0: none)")
     parser.add_argument("--compare-context", type=int, default=16384,
@@ -201,7 +201,7 @@ def run(args) -> dict:
     if args.steps < 1 or args.compare_steps < 2:
         raise ConfigError("--steps" if args.steps < 1 else "--compare-steps",
                           "must be at least 1 (--compare-steps 2: its first step is not timed)")
-    contexts = [int(c) for c in args.contexts.split(",")]
+    contexts = [int(c) for c in args.contexts.split(",") if c]
     needed = max([*contexts, args.plain_context]) * args.global_batch * args.steps
     needed = int(1.1 * max(needed, 2 * args.compare_context * args.compare_steps)) + 1
     source = args.source or long_corpus(args.out.with_name(f"{args.out.stem}-data.jsonl"), needed)
@@ -255,12 +255,13 @@ def report(args, results: dict) -> None:
         measured = peak - r["before_run_bytes"]
         rows.append([r["system"], r["context"], _settings(r), predicted / GB if predicted else "-", measured / GB,
                      predicted / measured if predicted else "-", peak / GB, r["tokens_per_s_per_rank"]])
-    print(table(f"mop train {args.config.name} on the anchor-shaped model, 2 ranks, packed documents, "
-                f"{args.global_batch} sequence(s) per step, memory budget automatic: per rank, the settings the run "
-                "chose, the memory model's prediction (device + host) and the measured peak RSS less the process's "
-                "memory before the run was built, the peak RSS itself, tokens/s",
-                ["system", "context", "settings", "predicted GB", "measured GB", "pred/meas", "peak RSS GB",
-                 "tok/s/rank"], rows))
+    if rows:
+        print(table(f"mop train {args.config.name} on the anchor-shaped model, 2 ranks, packed documents, "
+                    f"{args.global_batch} sequence(s) per step, memory budget automatic: per rank, the settings the "
+                    "run chose, the memory model's prediction (device + host) and the measured peak RSS less the "
+                    "process's memory before the run was built, the peak RSS itself, tokens/s",
+                    ["system", "context", "settings", "predicted GB", "measured GB", "pred/meas", "peak RSS GB",
+                     "tok/s/rank"], rows))
     if results["comparison"]:
         hf = results["comparison"][-1]
         rows = [[r["system"], r.get("seconds_per_step", "-"), r.get("tokens_per_s_per_rank", "-"),

@@ -56,7 +56,10 @@ from functools import partial
 import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX, checkpoint_wrapper
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    _CHECKPOINT_PREFIX,
+    checkpoint_wrapper,
+)
 from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import checkpoint
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 
 class _AllToAll(torch.autograd.Function):
@@ -31,6 +32,14 @@ class _AllToAll(torch.autograd.Function):
         back = grad.new_empty((sum(ctx.in_splits), *grad.shape[1:]))
         dist.all_to_all_single(back, grad.contiguous(), ctx.in_splits, ctx.out_splits, group=ctx.group)
         return back, None, None, None
+
+
+def wait_for(works) -> None:
+    """Wait for asynchronous collectives, in a profiler scope named as one (`mop.profiling` counts the
+    wait as communication, not as the computation around it)."""
+    with record_function("c10d::wait"):
+        for work in works:
+            work.wait()
 
 
 def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:

@@ -49,7 +49,7 @@ from mop.config import Config, ConfigError
 from mop.models.moe import expert_order
 from mop.models.projections import device_ints
 from mop.parallel.checkpointing import KeepsForwardOutputs
-from mop.parallel.comms import all_gather_rows, all_to_all
+from mop.parallel.comms import all_gather_rows, all_to_all, wait_for
 from mop.parallel.llep_chunked import ChunkedExperts, ChunkJob, chunk_job
 from mop.parallel.llep_plan import Plan, imbalance, plan_ep, plan_llep
 from mop.parallel.llep_routing import (
@@ -111,8 +111,7 @@ class _Dispatch(torch.autograd.Function):
         received = x_send.new_empty((sum(exchange.recv_splits), x_send.shape[1]))
         dist.all_to_all_single(received, x_send.contiguous(), exchange.recv_splits, exchange.send_splits,
                                group=exchange.group)
-        for work in works:
-            work.wait()
+        wait_for(works)
         # a frozen expert tensor's shipped copy needs no gradient, and none goes back for it
         ctx.mark_non_differentiable(*(w for w, own in zip(foreign, owned) if not own.requires_grad))
         return received, *foreign

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from mop.parallel.checkpointing import forward_autocast
+from mop.parallel.comms import wait_for
 from mop.parallel.llep_plan import Plan
 from mop.parallel.llep_routing import (
     Exchange,
@@ -114,19 +115,17 @@ class ChunkedExperts(torch.autograd.Function):
         ctx.job, ctx.owned, ctx.compute, ctx.autocast = job, owned, compute, forward_autocast(x.device)
         foreign, weight_works = start_weight_shipping(owned, ex)
         if replaying:  # a checkpointed block's recomputation: the backward needs the shipped weights only
-            for work in weight_works:
-                work.wait()
+            wait_for(weight_works)
             ctx.save_for_backward(x, weights_flat, *foreign)
             return x.new_zeros(()).expand_as(x)
         out = torch.zeros_like(x)
         pending = _dispatch(x, job, 0)
-        for work in weight_works:
-            work.wait()
+        wait_for(weight_works)
         detached = tuple(w.detach() for w in owned)
         combining = None  # chunk c-1's combine, in flight while chunk c computes
         for c, routing in enumerate(job.routings):
             received, work = pending
-            work.wait()
+            wait_for([work])
             # they hold chunk c's sent rows: gone before chunk c+1's are gathered
             pending = work = None
             if c + 1 < len(job.routings):
@@ -170,7 +169,7 @@ class ChunkedExperts(torch.autograd.Function):
                                   routing.send_splits, ex.group, async_op=True)
 
         def take_back(c: int, sent: torch.Tensor, back: torch.Tensor, work) -> None:
-            work.wait()
+            wait_for([work])
             tokens = job.assignments[c] // job.top_k
             grad_x.index_add_(0, tokens, back[:, :hidden])
             grad_weights[job.assignments[c]] = back[:, hidden].to(grad_weights.dtype)
@@ -180,7 +179,7 @@ class ChunkedExperts(torch.autograd.Function):
         incoming, returning = send_rows(0), None
         for c, routing in enumerate(job.routings):
             received, work = incoming
-            work.wait()
+            wait_for([work])
             incoming = work = None  # as in the forward
             if c + 1 < len(job.routings):
                 incoming = send_rows(c + 1)
@@ -216,7 +215,7 @@ class ChunkedExperts(torch.autograd.Function):
 def _add_combined(out: torch.Tensor, weights_flat: torch.Tensor, job: ChunkJob, c: int, sent: torch.Tensor,
                   back: torch.Tensor, work) -> None:
     """Wait for chunk c's combine (`sent` stays referenced until then) and add its weighted rows."""
-    work.wait()
+    wait_for([work])
     assignment = job.assignments[c]
     out.index_add_(0, assignment // job.top_k, back * weights_flat[assignment].unsqueeze(-1).to(back.dtype))
 

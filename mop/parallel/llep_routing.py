@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from mop.models.projections import device_ints, row_ranges
+from mop.parallel.comms import wait_for
 from mop.parallel.llep_plan import Plan
 
 
@@ -181,8 +182,7 @@ def start_gradient_return(foreign_grads: list[torch.Tensor], owned: tuple[torch.
 
 def finish_gradient_return(owned: tuple[torch.Tensor, ...], exchange: Exchange, returned, works) -> None:
     """Wait for the returned gradients and add them to the gradients of the owned tensors that train."""
-    for work in works:
-        work.wait()
+    wait_for(works)
     if exchange.ship and returned:
         local = device_ints([index for index, _ in exchange.ship], returned[0].device)
         for param, grad in zip([w for w in owned if w.requires_grad], returned):

@@ -39,11 +39,12 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
 # Subgroups (new_group, DeviceMesh) get the backend's default timeout, not the default group's;
 # this sets it on the groups DeviceMesh has already created. torch 2.14 made the setter public
 # (dist.set_timeout) and deprecated the private one, whose warning would be a second error line.
 from torch.distributed.distributed_c10d import _set_pg_timeout
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 set_group_timeout = getattr(dist, "set_timeout", _set_pg_timeout)
 

@@ -57,8 +57,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mop.models.attention import AttentionCore
 from mop.config import Config, ConfigError
+from mop.models.attention import AttentionCore
 from mop.models.documents import Documents
 from mop.models.families import model_spec
 from mop.models.moe import RouterStats

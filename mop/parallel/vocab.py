@@ -38,6 +38,7 @@ from torch import nn
 from mop.config import Config, ConfigError
 from mop.models.layers import compute_dtype_of
 from mop.models.transformer import IGNORE_INDEX, LMHead
+from mop.parallel.comms import wait_for
 from mop.parallel.mesh import DistLayout
 from mop.parallel.placement import rows_in_part
 
@@ -76,11 +77,6 @@ def _logits(hidden_block: torch.Tensor, shard: torch.Tensor, valid: int) -> torc
 
 def _blocks(tokens: int, block: int):
     return [slice(start, min(start + block, tokens)) for start in range(0, tokens, block)]
-
-
-def _wait(works) -> None:
-    for work in works:
-        work.wait()
 
 
 @dataclass
@@ -133,7 +129,7 @@ def _forward_pass(hidden, weight, labels, ring: Ring) -> tuple[torch.Tensor, tor
             running_sum[block] = running_sum[block] * torch.exp(running_max[block] - new_max) + tile_sum
             running_max[block] = new_max
             del logits
-        _wait(now.works)
+        wait_for(now.works)
         if now.incoming is not None:
             shard = now.incoming[0]
     return running_max + torch.log(running_sum), target, dtype
@@ -170,7 +166,7 @@ def _backward_pass(hidden, weight, labels, lse, ring: Ring, dtype: torch.dtype, 
         del shard
         # The gradient buffer follows its shard; the last hop brings it home to its owner.
         (shard_grad,), grad_works = ring.shift([shard_grad]) if trains else ((None,), [])
-        _wait(now.works + grad_works)
+        wait_for(now.works + grad_works)
         shard = now.incoming[0] if now.incoming is not None else None
     if trains and ring.replica_group is not None:
         dist.all_reduce(shard_grad, group=ring.replica_group)
