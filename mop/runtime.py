@@ -79,9 +79,9 @@ def memory_budget(setting: str, device: str, local_ranks: int) -> tuple[int, str
         total = min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
         where = f"{total / GIB:.1f} GiB GPU memory"
     else:
-        total = host_memory_bytes()
-        total //= max(local_ranks, 1)
-        where = f"{total * max(local_ranks, 1) / GIB:.1f} GiB host memory / {local_ranks} ranks"
+        host = host_memory_bytes()
+        total = host // max(local_ranks, 1)
+        where = f"{host / GIB:.1f} GiB host memory / {local_ranks} ranks"
     return int(total * BUDGET_SHARE - BUDGET_RESERVE), f"auto: {where} x {BUDGET_SHARE:g} less 1 GiB"
 
 

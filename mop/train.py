@@ -92,9 +92,10 @@ def worst_rank(values: dict[str, float], runtime: Runtime) -> dict[str, float]:
     return dict(zip(keys, sum_over_ranks([values[k] for k in keys], runtime, op=dist.ReduceOp.MAX))) if keys else {}
 
 
-def worst_rank_state(run: TrainingRun) -> dict:
-    """`TrainingRun.state_bytes` of the rank that holds the most of each category."""
-    state = run.state_bytes()
+def worst_rank_state(run: TrainingRun, before_run: int) -> dict:
+    """`TrainingRun.state_bytes` of the rank that holds the most of each category, and the most a
+    rank held before the run was built (`mem_before_run_bytes`)."""
+    state = {**run.state_bytes(), "mem_before_run_bytes": before_run}
     worst = worst_rank({k: v for k, v in state.items() if not isinstance(v, bool)}, run.runtime)
     return {**state, **{k: v if k.startswith("device_bytes_per_param") else int(v) for k, v in worst.items()}}
 
@@ -308,10 +309,10 @@ def _train(config: Config, runtime: Runtime, stop: StopRequest | None = None) ->
         return _steps(run, run_dir, stop, before)
 
 
-def _steps(run: TrainingRun, run_dir: Path, stop: StopRequest, before: int = 0) -> list[dict]:
+def _steps(run: TrainingRun, run_dir: Path, stop: StopRequest, before: int) -> list[dict]:
     """The steps of `_train`'s run: resume, train, evaluate, log, save; the final summary."""
     config, runtime = run.config, run.runtime
-    state_memory = {**worst_rank_state(run), "mem_before_run_bytes": int(max(per_rank([before], runtime))[0])}
+    state_memory = worst_rank_state(run, before)
     first_step = resume(run, run_dir)
     if first_step >= config.train.steps:
         raise NothingToTrain(f"the checkpoint resumed is at step {first_step} and train.steps is {config.train.steps}: "

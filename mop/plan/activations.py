@@ -24,7 +24,6 @@ from mop.models.spec import FP32, norm_saved_bytes
 from mop.parallel.parallelize import compute_dtype
 from mop.parallel.vocab import default_token_block
 
-
 # The paper's Table 3 rows (plus the residual stream and norms, which the paper folds into attention).
 ROWS = ("dense_weights", "attention_activations", "residual_and_norms", "expert_weights", "moe_activations",
         "vocab_weights", "vocab_tile", "gradients", "optimizer_state")

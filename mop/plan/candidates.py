@@ -14,6 +14,11 @@ from mop.plan.memory import MemoryEstimate, estimate
 from mop.plan.speed import StepTime, step_time
 
 SPEED_RESOLUTION = 0.02
+
+
+def divisors(n: int) -> list[int]:
+    """1..n's divisors of n: the degrees (and micro-batches) a layout may take."""
+    return [d for d in range(1, n + 1) if n % d == 0]
 # (optim.offload, optim.speculative): the host optimizer with and without rollback copies, torch AdamW.
 OPTIMIZERS = {"host-optimizer": (True, True), "host-optimizer (no rollback copies)": (True, False),
               "device-adamw": (False, True)}

@@ -30,7 +30,7 @@ import itertools
 
 from mop.config import Config, ConfigError
 from mop.parallel.mesh import LayoutError
-from mop.plan.candidates import Candidate, choose, describe, evaluate, over
+from mop.plan.candidates import Candidate, choose, describe, divisors, evaluate, over
 from mop.plan.cluster import GIB, local_cluster
 from mop.resolve import (
     MOST_SEQUENCES_PER_MICRO_BATCH,
@@ -99,12 +99,12 @@ def _candidates(default: ResolvedConfig, axes: tuple[str, ...], world: int, node
     """Every combination of the automatic axes' values (the others as `default` has them), validated."""
     m, t = default.model, default.train
     values = {
-        "sequence": [d for d in _divisors(world) if m.heads % d == 0 and default.data.seq_len % d == 0],
-        "expert": [e for e in _divisors(node) if m.experts % e == 0],
-        "vocab": [1] if m.tie_embeddings else _divisors(node),
+        "sequence": [d for d in divisors(world) if m.heads % d == 0 and default.data.seq_len % d == 0],
+        "expert": [e for e in divisors(node) if m.experts % e == 0],
+        "vocab": [1] if m.tie_embeddings else divisors(node),
         "head_chunks": CHUNKS, "llep_chunks": CHUNKS, "checkpointing": ["none", "full"],
         "offload": [False] if _on_cpu(default) else [False, True],
-        "micro_batch": _divisors(MOST_SEQUENCES_PER_MICRO_BATCH)}
+        "micro_batch": divisors(MOST_SEQUENCES_PER_MICRO_BATCH)}
     grid = [values[a] if a in axes else [None] for a in AXES]
     for combination in itertools.product(*grid):
         chosen = dict(zip(AXES, combination))
@@ -136,10 +136,6 @@ def _with(config: Config, settings: dict) -> Config:
         section, name = AXES[axis]
         sections.setdefault(section, {})[name] = value
     return dataclasses.replace(config, **{s: dataclasses.replace(getattr(config, s), **v) for s, v in sections.items()})
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _settings(axes) -> list[str]:

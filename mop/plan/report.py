@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 from mop.plan.activations import ROWS
-from mop.plan.cluster import GIB
 from mop.plan.candidates import Candidate, Choice, describe
+from mop.plan.cluster import GIB
 
 
 def layout(c: Candidate) -> dict:

@@ -30,7 +30,7 @@ from mop.config import Config, ConfigError, apply
 from mop.models.config import ModelConfig
 from mop.models.lora import LoraConfig
 from mop.parallel.mesh import LayoutError
-from mop.plan.candidates import OPTIMIZERS, Choice, choose, evaluate
+from mop.plan.candidates import OPTIMIZERS, Choice, choose, divisors, evaluate
 from mop.plan.cluster import Cluster
 from mop.resolve import resolve
 
@@ -38,10 +38,6 @@ CHUNKS = (1, 2, 4, 8)
 MEMORY_OPTIONS = {"none": ("none", False), "ac": ("full", False), "ac+offload": ("full", True)}
 # The paper's FSDP-best sweeps activation checkpointing but not activation offload (TorchTitan has none).
 BASELINE_MEMORY_OPTIONS = {"none": ("none", False), "ac": ("full", False)}
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def base_config(model: ModelConfig, context: int, lora: LoraConfig | None = None, preference: bool = False) -> Config:
@@ -73,11 +69,11 @@ def _settle(config: Config, cluster: Cluster, global_batch: int, micro_batch: in
 def mop_configs(model: ModelConfig, cluster: Cluster, context: int, global_batch: int = 0,
                 lora: LoraConfig | None = None, preference: bool = False):
     world, node = cluster.world, cluster.gpus_per_node
-    for d in (d for d in _divisors(world) if model.heads % d == 0 and context % d == 0):
-        batches = [1] if not global_batch else [b for b in _divisors(max(1, global_batch * d // world)) if b <= 8]
+    for d in (d for d in divisors(world) if model.heads % d == 0 and context % d == 0):
+        batches = [1] if not global_batch else [b for b in divisors(max(1, global_batch * d // world)) if b <= 8]
         for ep, vocab, head_chunks, llep_chunks, memory, optimizer, micro in itertools.product(
-                [e for e in _divisors(node) if model.experts % e == 0],
-                [1] if model.tie_embeddings else _divisors(node),
+                [e for e in divisors(node) if model.experts % e == 0],
+                [1] if model.tie_embeddings else divisors(node),
                 [c for c in CHUNKS if (model.heads // d) % c == 0 and (d > 1 or c == 1)],
                 CHUNKS, MEMORY_OPTIONS.values(), OPTIMIZERS.values(), batches):
             if ep == 1 and llep_chunks > 1:
@@ -96,9 +92,9 @@ def fsdp2_configs(model: ModelConfig, cluster: Cluster, context: int, global_bat
                   lora: LoraConfig | None = None, preference: bool = False):
     world, node = cluster.world, cluster.gpus_per_node
     for cp, ep, tp, offload, memory in itertools.product(
-            [d for d in _divisors(world) if model.heads % d == 0 and context % d == 0],
-            [e for e in _divisors(world) if model.experts % e == 0],
-            [t for t in _divisors(node) if model.heads % t == 0 and model.kv_heads % t == 0],
+            [d for d in divisors(world) if model.heads % d == 0 and context % d == 0],
+            [e for e in divisors(world) if model.experts % e == 0],
+            [t for t in divisors(node) if model.heads % t == 0 and model.kv_heads % t == 0],
             (False, True), BASELINE_MEMORY_OPTIONS.values()):
         if world % (cp * tp) or world % (ep * tp) or (model.heads // tp) % cp:
             continue

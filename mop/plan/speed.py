@@ -52,8 +52,8 @@ from mop.build import step_micro_batches, storage_dtype
 from mop.config import Config
 from mop.flops import mean_attended_keys
 from mop.models.families import model_spec
-from mop.plan.cluster import Cluster
 from mop.plan.activations import FP32, Shapes
+from mop.plan.cluster import Cluster
 from mop.plan.memory import AdapterCounts, ParameterCounts, offloaded_activations
 
 HOST_MEMORY_BYTES_PER_S = 400e9  # sustained memory bandwidth of a 2-socket DDR5 node (16 channels)
