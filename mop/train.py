@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import time
 from contextlib import closing, nullcontext
 from pathlib import Path
@@ -204,6 +205,12 @@ def announce(config: Config, runtime: Runtime, run_dir: Path, data: Data, model:
           f"resolved settings in {run_dir / 'config.json'}")
     if config.fit is not None:
         print(f"mop: {fit_summary(config.fit)}")
+    degenerate = data.dataset.stats.get("data_degenerate_pairs", 0)
+    if degenerate:
+        where = ", ".join(data.dataset.corpus.degenerate_examples[:3])
+        print(f"mop: warning: {degenerate} preference pair(s) have the same chosen and rejected tokens"
+              f"{f' (e.g. {where})' if where else ''}: each adds a constant to the loss, no gradient and a miss to "
+              "rewards/accuracies; set data.skip_invalid = true to drop them", file=sys.stderr)
     if config.adapters is not None:
         print(f"mop: {adapters_summary(model, config)}")
 
@@ -219,7 +226,7 @@ def describe_data(config: Config, data: Data) -> str:
                 f"{'shared' if d.shared_prompt else 'repeated'}, loss on {d.loss_on} ({stats['data_pairs']} pairs in "
                 f"{data.stream.num_sequences} sequences, {stats['data_padding_share']:.1%} padding; overlong: "
                 f"{stats['data_overlong_dropped']} dropped, {stats['data_overlong_truncated']} truncated; "
-                f"{stats['data_skipped_invalid']} invalid skipped)")
+                f"{stats['data_skipped_invalid']} invalid skipped; {stats['data_degenerate_pairs']} degenerate)")
     return (f"chat, loss on {d.loss_on} ({stats['data_conversations']} conversations in {data.stream.num_sequences} "
             f"sequences, {stats['data_padding_share']:.1%} padding; overlong: {stats['data_overlong_dropped']} dropped, "
             f"{stats['data_overlong_truncated']} truncated; {stats['data_skipped_invalid']} invalid skipped)")

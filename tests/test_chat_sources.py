@@ -271,10 +271,10 @@ def write_with_bad(directory: Path, form: str, bad: dict) -> tuple[Path, str]:
     """A source of [GOOD, bad, LAST] and where its bad row is said to be."""
     if form == "jsonl":
         path = write_jsonl(directory / "bad.jsonl", [GOOD, bad, LAST])
-        return path, f"{path}:2"
+        return path, f"{path} row 2"
     keys = {**GOOD, **bad, **LAST}  # the first row has every column (see `rows`)
     path = write_parquet(directory / "bad.parquet", [{k: GOOD.get(k) for k in keys}, bad, LAST])
-    return path, f"{path} row 1"
+    return path, f"{path} row 2"
 
 
 @pytest.fixture(scope="module")
@@ -303,7 +303,7 @@ def test_every_bad_kind_in_one_file_is_counted(tmp_path, good_only):
 def test_a_sharegpt_from_that_is_no_string(tmp_path):
     source = write_jsonl(tmp_path / "bad.jsonl", [GOOD, {"conversations": [{"from": ["human"], "value": "Hi"},
                                                                            {"from": "gpt", "value": "Hi"}]}])
-    with pytest.raises(DataError, match=r"bad\.jsonl:2: conversations entry 0 is from \['human'\]; ShareGPT roles"):
+    with pytest.raises(DataError, match=r"bad\.jsonl row 2: conversations entry 0 is from \['human'\]; ShareGPT roles"):
         encode_source(str(source), SETTINGS)
     assert encode_source(str(source), ChatSettings(QWEN3, skip_invalid=True)).skipped == 1
 
@@ -316,7 +316,7 @@ def test_a_source_of_bad_rows_only_is_still_an_error(tmp_path, form):
         encode_source(str(only_bad), ChatSettings(QWEN3, skip_invalid=True))
     count = len(BAD_ROWS) if form == "jsonl" else 2
     assert re.fullmatch(rf"data\.source = '{re.escape(str(only_bad))}' holds no usable conversation \({count} "
-                        rf"skipped, e\.g\. {re.escape(str(only_bad))}(:1| row 0): .*\); point it at conversations "
+                        rf"skipped, e\.g\. {re.escape(str(only_bad))} row 1: .*\); point it at conversations "
                         "with assistant turns", one_line_error(excinfo))
 
 
@@ -326,10 +326,10 @@ def test_a_template_that_fails_to_render(tmp_path):
     source = write_jsonl(tmp_path / "c.jsonl", [GOOD, LAST])
     with pytest.raises(DataError) as excinfo:
         encode_source(str(source), ChatSettings(QWEN3, chat_template=str(template)))
-    assert re.fullmatch(rf"data\.source: {re.escape(str(source))}:1: the chat template {re.escape(str(template))} "
+    assert re.fullmatch(rf"data\.source: {re.escape(str(source))} row 1: the chat template {re.escape(str(template))} "
                         r"fails to render it \(boom\); fix the row, or set data\.skip_invalid = true .*",
                         one_line_error(excinfo))
-    with pytest.raises(DataError, match=r"holds no usable conversation \(2 skipped, e\.g\. .*c\.jsonl:1: the chat "
+    with pytest.raises(DataError, match=r"holds no usable conversation \(2 skipped, e\.g\. .*c\.jsonl row 1: the chat "
                                         r"template .*boom\.jinja fails to render it \(boom\)\)"):
         encode_source(str(source), ChatSettings(QWEN3, chat_template=str(template), skip_invalid=True))
 
@@ -366,7 +366,7 @@ def test_missing_and_unreadable_sources(tmp_path):
     assert re.fullmatch(rf"data\.source: {re.escape(str(tmp_path / 'nowhere.jsonl'))} does not exist; point "
                         r"data\.source at .*", one_line_error(excinfo))
     (tmp_path / "c.jsonl").write_text(json.dumps(GOOD) + "\n{oops\n")
-    with pytest.raises(DataError, match=r"data\.source: .*c\.jsonl:2: it is not valid JSON"):
+    with pytest.raises(DataError, match=r"data\.source: .*c\.jsonl row 2: it is not valid JSON"):
         encode_source(str(tmp_path / "c.jsonl"), SETTINGS)
     assert encode_source(str(tmp_path / "c.jsonl"), ChatSettings(QWEN3, skip_invalid=True)).skipped == 1
     (tmp_path / "c.txt").write_text("text")
@@ -382,7 +382,7 @@ def test_tools_as_a_string(tmp_path):
     assert arrays(encode_source(str(good), SETTINGS)) == \
         arrays(encode_source(str(write_jsonl(tmp_path / "dict.jsonl", [{**GOOD, "tools": [CALCULATOR]}])), SETTINGS))
     for tools, reason in (("[{oops", r"its 'tools' is not JSON"), (json.dumps({"a": 1}), r"its 'tools' is not a list")):
-        with pytest.raises(DataError, match=rf"bad\.jsonl:1: {reason}"):
+        with pytest.raises(DataError, match=rf"bad\.jsonl row 1: {reason}"):
             encode_source(str(write_jsonl(tmp_path / "bad.jsonl", [{**GOOD, "tools": tools}])), SETTINGS)
 
 
@@ -418,7 +418,7 @@ def test_prepare_writes_what_encode_source_computes(prepared):
     assert isinstance(corpus.tokens, np.memmap) and corpus.tokens.dtype == np.uint16
     assert arrays(corpus) == arrays(encoded)
     assert corpus.skipped == encoded.skipped == manifest["skipped"] == 1
-    assert manifest["skipped_examples"] == [f"{out.parent / 'src' / 'c.jsonl'}:101: it has no assistant turn"]
+    assert manifest["skipped_examples"] == [f"{out.parent / 'src' / 'c.jsonl'} row 101: it has no assistant turn"]
     lengths = np.diff(encoded.offsets)
     assert manifest["conversations"] == len(lengths) == 150
     assert manifest["tokens"] == len(encoded.tokens) and manifest["targets"] == int(encoded.targets.sum())
@@ -502,7 +502,7 @@ def test_the_cli_stops_at_a_bad_row_leaving_nothing(tmp_path, capsys):
                  "--no-progress"]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert re.fullmatch(rf"mop: error: data\.source: {re.escape(str(source))}:71: message 0 has role 'robot'; .*; fix "
+    assert re.fullmatch(rf"mop: error: data\.source: {re.escape(str(source))} row 71: message 0 has role 'robot'; .*; fix "
                         r"the row, or set data\.skip_invalid = true to count and skip such rows\n", captured.err)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # neither --out nor its partial folder
 
@@ -521,10 +521,10 @@ def test_inspect_shows_rows_as_training_sees_them(tmp_path, capsys):
     assert main(["data", "inspect", str(source), "--tokenizer", QWEN3, "--rows", "2", "--seq-len", "64"]) == 0
     shown = capsys.readouterr().out
     count, tokens = trained_by_training(tmp_path, GOOD, 64)
-    assert shown == (f"── {source}:1: {tokens} tokens, {count} trained ({count / tokens:.0%}), fits seq_len 64\n"
+    assert shown == (f"── {source} row 1: {tokens} tokens, {count} trained ({count / tokens:.0%}), fits seq_len 64\n"
                      "<|im_start|>user\nHello?<|im_end|>\n<|im_start|>assistant\n"
                      "⟦<think>\n\n</think>\n\nHello.<|im_end|>⟧\n\n"
-                     f"── {source}:2: cannot be used: it has no assistant turn\n\n")
+                     f"── {source} row 2: cannot be used: it has no assistant turn\n\n")
     with pytest.raises(SystemExit) as excinfo:
         main(["data", "inspect", str(source), "--tokenizer", QWEN3, "--rows", "0"])
     assert excinfo.value.code == 2
@@ -543,7 +543,7 @@ def test_inspect_says_what_happens_to_an_overlong_row_and_colours_on_request(tmp
     header, text = capsys.readouterr().out.split("\n", 1)
     count, kept = trained_by_training(tmp_path, row, seq_len, "truncate")
     assert kept == first_end
-    assert header == (f"── {source}:1: {len(ids)} tokens, {count} trained ({count / len(ids):.0%}), overlong "
+    assert header == (f"── {source} row 1: {len(ids)} tokens, {count} trained ({count / len(ids):.0%}), overlong "
                       f"({len(ids)} > seq_len {seq_len}): truncated to its first {kept} tokens (data.overlong = "
                       "truncate)")
     assert text.count("\x1b[1;32m") == 1 and "⟦" not in text  # the second answer is cut off: not trained
@@ -560,7 +560,7 @@ def test_inspect_reads_a_prepared_folder_as_its_source(prepared, capsys):
     from_folder = capsys.readouterr().out.split("── ")[1:]
     assert len(from_source) == len(from_folder) == 3
     for k, (shown, folder_shown) in enumerate(zip(from_source, from_folder)):
-        assert folder_shown == shown.replace(f"{source}:{k + 1}:", f"{out} conversation {k}:", 1)
+        assert folder_shown == shown.replace(f"{source} row {k + 1}:", f"{out} conversation {k + 1}:", 1)
     assert main(["data", "inspect", str(out), "--tokenizer", QWEN3, "--rows", "1", "--loss-on", "all",
                  "--seq-len", "4096"]) == 0
     header, text = capsys.readouterr().out.split("\n", 1)

@@ -38,17 +38,17 @@ def test_jsonl(tmp_path):
     lines = [json.dumps({"body": d, "id": i}) for i, d in enumerate(DOCS)]
     path.write_text("\n".join([lines[0], "", lines[1], json.dumps({"body": ""}), lines[2]]))
     assert texts(path, text_field="body") == DOCS
-    with pytest.raises(DataError, match=r"a\.jsonl:1 has no field 'text'.*data\.text_field"):
+    with pytest.raises(DataError, match=r"a\.jsonl row 1 has no field 'text'.*data\.text_field"):
         texts(path)
 
 
 def test_jsonl_bad_line(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"text": "ok"}\n{"text": oops}\n')
-    with pytest.raises(DataError, match=r"bad\.jsonl:2 is not valid JSON"):
+    with pytest.raises(DataError, match=r"bad\.jsonl row 2 is not valid JSON"):
         texts(path)
     path.write_text('{"text": 5}\n')
-    with pytest.raises(DataError, match=r"bad\.jsonl:1 has a int"):
+    with pytest.raises(DataError, match=r"bad\.jsonl row 1 has a int"):
         texts(path)
 
 
@@ -113,11 +113,12 @@ def test_missing_and_unknown(tmp_path):
         load_token_stream(str(tmp_path / "blank.txt"), TOK)
 
 
-@pytest.mark.parametrize("name", ["latin1.txt", "latin1.jsonl"])
-def test_non_utf8_text_is_named(tmp_path, name):
+@pytest.mark.parametrize("name, where", [("latin1.txt", "line 3"), ("latin1.jsonl", "row 3")])
+def test_non_utf8_text_is_named_by_its_row(tmp_path, name, where):
     path = tmp_path / name
-    path.write_bytes('{"text": "caf\xe9"}\n'.encode("latin-1"))
-    with pytest.raises(DataError, match=rf"{name} is not valid UTF-8"):
+    path.write_bytes(b'{"text": "ok"}\n\n' + '{"text": "caf\xe9"}\n{"text": "fine"}\n'.encode("latin-1"))
+    with pytest.raises(DataError, match=rf"^data\.source: .*{name} {where} is not valid UTF-8 \(invalid continuation "
+                                        r"byte at its byte 14\); re-encode the file as UTF-8$"):
         texts(path)
 
 

@@ -107,6 +107,31 @@ def test_every_layout_gives_the_single_process_step(reference_steps, world, sequ
         equal_steps(rank, steps[True])
 
 
+def first_step_against_its_own_reference(rank: int, world: int, overrides: list[str]) -> dict:
+    """The first step's record with the reference precomputed from the same weights, as `mop train`
+    computes it (`reference.compute` then the stream's first global batch)."""
+    config = resolve(load_config(None, overrides), world)
+    p = config.parallel
+    layout = DistLayout(Layout(world, p.sequence, p.expert, p.vocab), torch.device("cpu"))
+    run = build_run(config, Runtime(rank, world, torch.device("cpu"), layout))
+    run.data.dataset.reference = reference.compute(run)
+    return train_step(run, run.next_batches())
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float32", marks=pytest.mark.slow)])
+def test_a_policy_and_its_precomputed_reference_of_the_same_weights_are_bit_for_bit_equal(tmp_path, dtype):
+    """Step 0 of full fine-tuning: the float64 reference sums reach the loss unrounded (not cast to the
+    compute dtype on their way into the model) and equal the policy's own, so rewards are exactly 0
+    and no pair counts as won (TRL's step-0 records)."""
+    overrides = [*DPO, *EVERY_TECHNIQUE, f"--data.source={pairs_source(tmp_path)}", "--parallel.nproc=2",
+                 "--parallel.sequence=2", f"--train.dtype={dtype}", "--train.global_batch=2"]
+    for record in run_distributed(first_step_against_its_own_reference, 2, overrides):
+        assert record["pairs"] > 0
+        assert [record[key] for key in ("rewards/chosen", "rewards/rejected", "rewards/margins",
+                                        "rewards/accuracies")] == [0.0] * 4
+        assert record["dpo_loss"] == pytest.approx(np.log(2), rel=1e-12)
+
+
 TRAIN = ["--train.steps=3", "--log.progress=false", "--log.tensorboard=false", "--log.plot=false",
          "--checkpoint.every=0", "--checkpoint.final=false", "--optim.lr=0.01", "--model.aux_loss_coef=0.01"]
 
@@ -122,6 +147,8 @@ def test_every_layout_trains_dpo_as_the_reference(tmp_path, finetune):
                  f"--log.run_dir={mop_run}"]) == 0
     expected, got = read_metrics(reference_run / "metrics.jsonl"), read_metrics(mop_run / "metrics.jsonl")
     assert expected[0]["dpo_loss"] == pytest.approx(np.log(2), rel=1e-6)  # the policy starts as its reference
+    assert expected[0]["rewards/margins"] == got[0]["rewards/margins"] == 0.0  # bit for bit: as TRL's first step
+    assert expected[0]["rewards/accuracies"] == got[0]["rewards/accuracies"] == 0.0
     assert expected[-1]["rewards/margins"] != 0
     for want, have in zip(expected, got, strict=True):
         for key in ("loss", "dpo_loss", "aux_loss", "rewards/margins", "logps/chosen", "logps/rejected"):

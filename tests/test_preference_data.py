@@ -242,17 +242,39 @@ def test_a_bad_row_is_one_line_naming_it_or_skipped(tmp_path, name, good_only):
     source = write_jsonl(tmp_path / "bad.jsonl", [GOOD, row, LAST])
     with pytest.raises(DataError) as excinfo:
         encode_source(str(source), PAIRS)
-    assert re.fullmatch(rf"data\.source: {re.escape(str(source))}:2: {reason}.*; fix the row, or set "
+    assert re.fullmatch(rf"data\.source: {re.escape(str(source))} row 2: {reason}.*; fix the row, or set "
                         r"data\.skip_invalid = true to count and skip such rows", one_line(excinfo))
     corpus = encode_source(str(source), ChatSettings(QWEN3, skip_invalid=True, kind="preference"))
     assert corpus.skipped == 1 and arrays(corpus) == good_only
+
+
+def test_degenerate_pairs_are_counted_named_and_dropped_with_skip_invalid(tmp_path, good_only):
+    """A pair whose responses are the same tokens (the same message, or strings equal after tokenization)
+    is kept and counted (corpus, manifest, `PreferenceDataset.stats`), or dropped as an invalid row."""
+    same = [{**GOOD, "rejected": GOOD["chosen"]}, {"prompt": "Say", "chosen": " yes", "rejected": " yes"}]
+    source = write_jsonl(tmp_path / "same.jsonl", [GOOD, same[0], LAST, same[1]])
+    corpus = encode_source(str(source), PAIRS)
+    assert len(corpus.parts) == 4 and corpus.skipped == 0
+    assert corpus.degenerate_pairs == 2 and corpus.degenerate_examples == [f"{source} row 2", f"{source} row 4"]
+    dataset = PreferenceDataset(corpus, 256, "drop", 0, 0)
+    assert dataset.stats["data_degenerate_pairs"] == 2
+    out = tmp_path / "prepared"
+    manifest = prepare(str(source), PAIRS, str(out), workers=1, progress=False)
+    assert (manifest["degenerate_pairs"], manifest["degenerate_examples"]) == (2, corpus.degenerate_examples)
+    assert open_prepared(str(out), PAIRS).degenerate_pairs == 2
+    skipping = ChatSettings(QWEN3, skip_invalid=True, kind="preference")
+    dropped = encode_source(str(source), skipping)
+    assert dropped.skipped == 2 and dropped.degenerate_pairs == 0 and arrays(dropped) == good_only
+    examples = prepare(str(source), skipping, str(tmp_path / "skipped"), workers=1, progress=False)["skipped_examples"]
+    assert [re.fullmatch(rf"{re.escape(str(source))} row ([24]): its chosen and rejected responses are the same \d+ "
+                         r"tokens \(a degenerate pair\)", e).group(1) for e in examples] == ["2", "4"]
 
 
 def test_bad_parquet_rows_are_named_by_row_and_all_counted(tmp_path, good_only):
     table = [{"prompt": "Say", "chosen": " yes", "rejected": " no"}, {"prompt": "Q", "chosen": "A", "rejected": None},
              {"prompt": "", "chosen": "A", "rejected": "B"}, {"prompt": "Say", "chosen": " yes", "rejected": " no"}]
     source = write_parquet(tmp_path / "bad.parquet", table)
-    with pytest.raises(DataError, match=rf"data\.source: {re.escape(str(source))} row 1: it has no 'rejected'"):
+    with pytest.raises(DataError, match=rf"data\.source: {re.escape(str(source))} row 2: it has no 'rejected'"):
         encode_source(str(source), PAIRS)
     corpus = encode_source(str(source), ChatSettings(QWEN3, skip_invalid=True, kind="preference"))
     assert corpus.skipped == 2 and len(corpus.parts) == 2
@@ -266,7 +288,7 @@ def test_a_response_without_an_assistant_target_is_refused(tmp_path):
     template = tmp_path / "plain.jinja"
     template.write_text("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}")
     row = {"prompt": [user("Q"), assistant("A")], "chosen": [user("More?")], "rejected": [assistant("B")]}
-    with pytest.raises(DataError, match=r"c\.jsonl:1: its chosen response has no assistant target"):
+    with pytest.raises(DataError, match=r"c\.jsonl row 1: its chosen response has no assistant target"):
         encode_source(str(write_jsonl(tmp_path / "c.jsonl", [row])),
                       ChatSettings(QWEN3, chat_template=str(template), kind="preference"))
 
@@ -479,7 +501,7 @@ def prepared(tmp_path_factory):
 
 def test_the_cli_prepares_pairs_as_encode_source_does(prepared):
     out, source, said = prepared
-    assert re.fullmatch(r"mop: prepared 60 pairs \(\d+ prompt and \d+ response tokens, \d+ targets, 1 skipped\) in "
+    assert re.fullmatch(r"mop: prepared 60 pairs \(\d+ prompt and \d+ response tokens, 0 degenerate, \d+ targets, 1 skipped\) in "
                         rf"{re.escape(str(out))} in [\d.]+ s \(\d+ tokens/s\); train on it with "
                         rf"--data\.format=preference --data\.source={re.escape(str(out))} "
                         rf"--data\.tokenizer={re.escape(QWEN3)}\n", said)
@@ -493,7 +515,7 @@ def test_the_cli_prepares_pairs_as_encode_source_does(prepared):
     assert (manifest["prompt_tokens"], manifest["response_tokens"]) == (parts[:, 0].sum(), parts[:, 1:].sum())
     assert manifest["targets"] == encoded.targets.sum() and manifest["longest_unit"] == parts.sum(1).max() + 1
     assert sum(manifest["unit_length_histogram"].values()) == 60
-    assert manifest["skipped_examples"] == [f"{source}:31: its 'prompt' is empty"]
+    assert manifest["skipped_examples"] == [f"{source} row 31: its 'prompt' is empty"]
 
 
 def test_one_prepared_folder_serves_every_seq_len(prepared):
@@ -541,16 +563,16 @@ def test_inspect_shows_a_pair_with_its_prompt_once(tmp_path, capsys):
     assert main(["data", "inspect", str(source), "--tokenizer", QWEN3, "--format", "preference", "--seq-len", "64",
                  "--rows", "2", "--color", "never"]) == 0
     assert capsys.readouterr().out == (
-        f"── {source}:1: pair, prompt {p} tokens, unit {p + c + 1 + r} tokens (the prompt once), fits seq_len 64\n"
+        f"── {source} row 1: pair, prompt {p} tokens, unit {p + c + 1 + r} tokens (the prompt once), fits seq_len 64\n"
         "▸ prompt\n<|im_start|>user\nWhat colour is the sky?<|im_end|>\n<|im_start|>assistant\n"
         f"▸ chosen: {c} tokens, {c - 1} trained\n⟦<think>\n\n</think>\n\nBlue.<|im_end|>⟧\n"
         f"▸ rejected: {r} tokens, {r - 1} trained\n⟦<think>\n\n</think>\n\nGreen.<|im_end|>⟧\n\n"
-        f"── {source}:2: cannot be used: its 'prompt' is empty\n\n")
+        f"── {source} row 2: cannot be used: its 'prompt' is empty\n\n")
     seq_len = c + r + 1 + 5  # five prompt tokens fit beside the responses and the branch's repeated token
     assert main(["data", "inspect", str(source), "--tokenizer", QWEN3, "--format", "preference", "--seq-len",
                  str(seq_len), "--overlong", "truncate", "--loss-on", "all", "--rows", "1"]) == 0
     kept = load_tokenizer(QWEN3).decode(corpus.item(0)[0][p - 5:p], special=True).removesuffix("\n")
     assert capsys.readouterr().out.startswith(
-        f"── {source}:1: pair, prompt {p} tokens, unit {p + c + 1 + r} tokens (the prompt once), overlong "
+        f"── {source} row 1: pair, prompt {p} tokens, unit {p + c + 1 + r} tokens (the prompt once), overlong "
         f"({p + c + 1 + r} > seq_len {seq_len}): prompt cut to its last 5 tokens (data.overlong = truncate)\n"
         f"▸ prompt: its last 5 tokens\n{kept}\n▸ chosen: {c} tokens, {c} trained\n")

@@ -25,7 +25,7 @@ tool-call arguments as JSON strings for a template that writes a string as it is
 quotes it), or use jsonl.
 
 Rows are read one batch at a time (`iter_rows`), never a whole file; each comes with where it is
-(`file:line` or `file row N`), which every error about it names. A jsonl row stays text until
+(`file row N`, from 1: `mop.data.rows`), which every error about it names. A jsonl row stays text until
 `conversation` parses it (in the worker that encodes it, when preparing).
 """
 
@@ -38,7 +38,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from mop.data.errors import ConversationError, DataError, not_utf8
+from mop.data.errors import ConversationError, DataError
+from mop.data.rows import jsonl_lines, table_rows
 from mop.data.templates import Conversation
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -88,41 +89,23 @@ def _arrow_files(folder: Path) -> list[Path]:
 
 
 def iter_rows(path: Path) -> Iterator[tuple[str, dict | str]]:
-    """`(where, row)` for every row of one file (a jsonl row as its line)."""
+    """`(where, row)` for every row of one file (a jsonl row as its line: `conversation` parses it, in
+    a worker process when preparing); `where` is `mop.data.rows.row_name`'s."""
     if path.suffix == ".jsonl":
-        yield from _jsonl_rows(path)
+        yield from jsonl_lines(path)
     elif path.suffix == ".parquet":
         try:
             batches = pq.ParquetFile(path).iter_batches(batch_size=_BATCH_ROWS)
         except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ...
             raise DataError(f"data.source: {path} is not a readable parquet file ({e}); rewrite it") from None
-        yield from _table_rows(path, batches)
+        yield from table_rows(path, batches)
     else:
         try:
             reader = pa.ipc.open_stream(pa.memory_map(str(path)))
         except Exception as e:
             raise DataError(f"data.source: {path} is not a readable Arrow stream ({e}); save the dataset again "
                             "with save_to_disk") from None
-        yield from _table_rows(path, reader)
-
-
-def _jsonl_rows(path: Path) -> Iterator[tuple[str, str]]:
-    # each line as text: `conversation` parses it, in a worker process when preparing
-    try:
-        with path.open("r", encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
-                if line.strip():
-                    yield f"{path}:{number}", line
-    except UnicodeDecodeError as e:
-        raise not_utf8(path, e) from None
-
-
-def _table_rows(path: Path, batches) -> Iterator[tuple[str, dict]]:
-    number = 0
-    for batch in batches:
-        for row in batch.to_pylist():
-            yield f"{path} row {number}", row
-            number += 1
+        yield from table_rows(path, reader)
 
 
 def conversation(row) -> Conversation:

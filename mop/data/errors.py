@@ -9,9 +9,5 @@ class DataError(ValueError):
     """A data source, tokenizer or resume state that cannot be used as configured."""
 
 
-def not_utf8(path, e: UnicodeDecodeError) -> DataError:
-    return DataError(f"data.source: {path} is not valid UTF-8 ({e.reason}); re-encode it as UTF-8")
-
-
 class ConversationError(ValueError):
     """A conversation that cannot be rendered or trained on; the message says why, the reader adds where."""

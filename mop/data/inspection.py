@@ -29,6 +29,7 @@ from mop.data.chat_packing import trained_tokens, truncated_length
 from mop.data.conversations import chat_files, iter_rows
 from mop.data.errors import ConversationError
 from mop.data.preference_packing import fitted_prompts, trained_response, unit_lengths
+from mop.data.preferences import same_responses
 from mop.data.prepared import KINDS, ChatSettings, is_prepared, open_prepared
 
 MARKS = {"color": ("\x1b[1;32m", "\x1b[0m"), "plain": ("⟦", "⟧")}
@@ -74,7 +75,7 @@ def _encoded(source: str, settings: ChatSettings, encoder):
     if is_prepared(source):
         corpus = open_prepared(source, settings)
         for k in range(len(corpus.offsets) - 1):
-            yield f"{source} {KINDS[settings.kind].unit} {k}", corpus.item(k)
+            yield f"{source} {KINDS[settings.kind].unit} {k + 1}", corpus.item(k)
         return
     for path in chat_files(source):
         for where, row in iter_rows(path):
@@ -126,7 +127,8 @@ def show_pair(where: str, encoded, tokenizer, seq_len: int, loss_on: str, overlo
         fit = f"overlong ({unit} > seq_len {seq_len}): {what} (data.overlong = {overlong})"
     once = "once" if shared else "twice"
     shown = kept or p  # a dropped pair's whole prompt
-    lines = [f"── {where}: pair, prompt {p} tokens, unit {unit} tokens (the prompt {once}), {fit}",
+    same = ", chosen and rejected the same tokens (degenerate)" if same_responses(ids, (p, c, r)) else ""
+    lines = [f"── {where}: pair, prompt {p} tokens, unit {unit} tokens (the prompt {once}), {fit}{same}",
              "▸ prompt" + (f": its last {kept} tokens" if 0 < kept < p else ""),
              tokenizer.decode(ids[p - shown:p], special=True).removesuffix("\n")]
     for name, span in (("chosen", slice(p, p + c)), ("rejected", slice(p + c, p + c + r))):

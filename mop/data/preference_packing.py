@@ -20,7 +20,8 @@ elsewhere; j numbers a sequence's pairs in packing order (`pairs_of`).
 Overlong units (longer than S = data.seq_len; data.overlong): "drop" leaves them out; "truncate"
 cuts the prompt from the left, keeping its last p' tokens, the most that fit, the same for both
 responses (shared p' = S - (c + 1 + r), unshared floor((S - c - r) / 2)); a unit is dropped where
-p' < 1. Both are counted (`stats`).
+p' < 1. Both are counted (`stats`), and so are the corpus's degenerate pairs (chosen and rejected the
+same tokens, `mop.data.preferences.same_responses`), which the trainer warns about.
 
 Units are packed as conversations are (`chat_packing.pack`: best-fit decreasing, sequences in an
 order drawn from the seed); one prepared folder serves every seq_len, overlong, loss_on and
@@ -131,6 +132,7 @@ class PreferenceDataset(Dataset):
         real = int(self.packing.lengths.sum())
         self.stats = {"data_pairs": len(items), "data_overlong_dropped": dropped,
                       "data_overlong_truncated": truncated, "data_skipped_invalid": corpus.skipped,
+                      "data_degenerate_pairs": corpus.degenerate_pairs,
                       "data_padding_share": 1 - real / max(1, len(self) * seq_len)}
         if len(self) == 0:
             raise DataError(f"data.source: no preference pair fits data.seq_len = {seq_len} ({dropped} dropped as "

@@ -36,7 +36,8 @@ Every unusable row is a `ConversationError` that the reader names by file and ro
 skips with `data.skip_invalid`): a field missing or of another type, a mix of strings and message
 lists, an empty prompt (mop needs at least one prompt token: its last one predicts each response's
 first), a response that adds no token (or, conversational, no assistant target) after the prompt,
-and the prefix rule above. An encoded pair is `(ids, targets, (p, c, r))`: `ids` the prompt, chosen
+and the prefix rule above; with `data.skip_invalid` also a degenerate pair (`same_responses`), which is
+otherwise kept and counted. An encoded pair is `(ids, targets, (p, c, r))`: `ids` the prompt, chosen
 and rejected tokens one after the other (int64), `targets` False on the prompt, p, c, r >= 1.
 """
 
@@ -125,13 +126,27 @@ def _common_prefix(a, b) -> int:
 
 class PreferenceRows:
     """Preference rows -> encoded pairs `(ids, targets, (p, c, r))` (the module docstring); the template
-    is None where data.tokenizer has none (plain rows only)."""
+    is None where data.tokenizer has none (plain rows only). With `drop_degenerate` a pair whose
+    responses are the same tokens is refused like an unusable row (`data.skip_invalid` drops them)."""
 
-    def __init__(self, tokenizer: AnyTokenizer, template: ChatTemplate | None):
-        self.tokenizer, self.template = tokenizer, template
+    def __init__(self, tokenizer: AnyTokenizer, template: ChatTemplate | None, drop_degenerate: bool = False):
+        self.tokenizer, self.template, self.drop_degenerate = tokenizer, template, drop_degenerate
 
     def __call__(self, row) -> tuple[np.ndarray, np.ndarray, tuple[int, int, int]]:
-        return encode_pair(pair(row), self.tokenizer, self.template)
+        ids, targets, parts = encode_pair(pair(row), self.tokenizer, self.template)
+        if self.drop_degenerate and same_responses(ids, parts):
+            raise ConversationError(f"its chosen and rejected responses are the same {parts[1]} tokens (a degenerate "
+                                    "pair)")
+        return ids, targets, parts
+
+
+def same_responses(ids: np.ndarray, parts) -> bool:
+    """Whether an encoded pair's chosen and rejected responses are the same tokens: a degenerate pair,
+    whose log-ratios cancel whatever the weights (DPO's loss ln 2 with beta's sigmoid, no gradient, a
+    miss in rewards/accuracies, which counts only a chosen reward above the rejected). TRL 1.16 trains
+    such pairs without a word; mop counts them and warns (`PreferenceDataset.stats`)."""
+    p, c, r = (int(n) for n in parts)
+    return c == r and bool(np.array_equal(ids[p:p + c], ids[p + c:p + c + r]))
 
 
 def encode_pair(pair: Pair, tokenizer: AnyTokenizer, template: ChatTemplate | None):

@@ -20,8 +20,8 @@ names, sizes and sampled bytes), the tokenizer's fingerprint (sha256 of its toke
 template's sha256 and origin (None for pairs encoded without a template: plain rows), the version
 of the assistant targets' definition (`mop.data.templates.TARGETS_VERSION`), the counts
 (conversations, tokens, targets and a length histogram; or pairs, prompt and response tokens,
-targets and a histogram of the shared-prompt unit lengths p + c + 1 + r) and the skipped rows with
-examples. A run whose data.format, tokenizer, template or targets' version differ from the
+targets, a histogram of the shared-prompt unit lengths p + c + 1 + r and the degenerate pairs kept,
+with examples) and the skipped rows with examples. A run whose data.format, tokenizer, template or targets' version differ from the
 manifest's is refused in one line (`data.seq_len`, `data.loss_on`, `data.overlong` and
 `data.shared_prompt` apply when sequences are built, so one folder serves them all).
 
@@ -53,13 +53,14 @@ import numpy as np
 
 from mop.data.conversations import chat_files, conversation, iter_rows
 from mop.data.errors import ConversationError, DataError
-from mop.data.preferences import PreferenceRows
+from mop.data.preferences import PreferenceRows, same_responses
 from mop.data.templates import TARGETS_VERSION, ChatTemplate, folder_template, read_template
 from mop.data.tokenizer import HFTokenizer, load_tokenizer
 
 MANIFEST = "manifest.json"
 VERSION = 1
 _CHUNK_ROWS = 64  # rows per worker task
+_EXAMPLES = 10  # rows a manifest names of those skipped (and of the degenerate pairs kept)
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,8 @@ class ChatSettings:
     chat_template: str = ""
     """A template file overriding the tokenizer folder's ("" : the folder's)."""
     skip_invalid: bool = False
-    """Count and skip a row that cannot be used, instead of stopping with its error."""
+    """Count and skip a row that cannot be used, instead of stopping with its error (and a degenerate
+    preference pair, `mop.data.preferences.same_responses`, instead of keeping it)."""
     kind: Literal["chat", "preference"] = "chat"
     """What the rows hold: conversations, or preference pairs (`mop.data.preferences`)."""
 
@@ -94,7 +96,8 @@ class ChatSettings:
         if self.kind == "chat":
             return ChatRows(self.template())
         template = self.template(required=False)
-        return PreferenceRows(load_tokenizer(self.tokenizer) if template is None else template.tokenizer, template)
+        tokenizer = load_tokenizer(self.tokenizer) if template is None else template.tokenizer
+        return PreferenceRows(tokenizer, template, drop_degenerate=self.skip_invalid)
 
 
 class ChatRows:
@@ -129,6 +132,10 @@ class PreferenceCorpus(ChatCorpus):
 
     parts: np.ndarray = field(kw_only=True)
     """int64 [n, 3]: each pair's prompt, chosen and rejected lengths."""
+    degenerate_pairs: int = field(kw_only=True, default=0)
+    """How many of its pairs are degenerate (`mop.data.preferences.same_responses`)."""
+    degenerate_examples: list[str] = field(kw_only=True, default_factory=list)
+    """Where the first few of them are in the source."""
 
     def item(self, k: int) -> tuple:
         """Pair k as encoded: `(ids, targets, (p, c, r))`."""
@@ -151,18 +158,19 @@ class _Kind:
     """How many were prepared, from the manifest: `mop data prepare`'s line."""
 
 
-def encode_rows(encoder, rows: list[tuple[str, dict]], skip_invalid: bool):
-    """Each row's item (`ChatSettings.encoder`), or for an unusable row with `skip_invalid` its one-line
-    reason. Without `skip_invalid` the first unusable row raises a `DataError` naming it."""
+def encode_rows(encoder, rows: list[tuple[str, dict]], skip_invalid: bool) -> list[tuple[str, object]]:
+    """`(where, item)` for each row (`ChatSettings.encoder`), the item a str for an unusable row with
+    `skip_invalid`: its one-line reason. Without `skip_invalid` the first unusable row raises a
+    `DataError` naming it."""
     out = []
     for where, row in rows:
         try:
-            out.append(encoder(row))
+            out.append((where, encoder(row)))
         except ConversationError as e:
             if not skip_invalid:
                 raise DataError(f"data.source: {where}: {e}; fix the row, or set data.skip_invalid = true "
                                 "to count and skip such rows") from None
-            out.append(f"{where}: {e}")
+            out.append((where, str(e)))
     return out
 
 
@@ -182,7 +190,8 @@ def _encode_chunk(rows):
     except DataError as e:
         return str(e)
     dtype = _token_dtype(_worker_encoder.tokenizer)  # the files' own types: the parent only appends
-    return [e if isinstance(e, str) else (e[0].astype(dtype), e[1].astype(np.uint8), *e[2:]) for e in encoded]
+    return [(where, e if isinstance(e, str) else (e[0].astype(dtype), e[1].astype(np.uint8), *e[2:]))
+            for where, e in encoded]
 
 
 def _chunks(source: str):
@@ -218,17 +227,24 @@ class _Arrays:
         self.targets = 0
         self.skipped = 0
         self.examples: list[str] = []  # of skipped conversations, the first few
+        self.degenerate = 0
+        self.degenerate_examples: list[str] = []  # where the first few degenerate pairs kept are
 
-    def add(self, encoded) -> None:
-        for item in encoded:
+    def add(self, encoded: list[tuple[str, object]]) -> None:
+        for where, item in encoded:
             if isinstance(item, str):
                 self.skipped += 1
-                if len(self.examples) < 10:
-                    self.examples.append(item)
+                if len(self.examples) < _EXAMPLES:
+                    self.examples.append(f"{where}: {item}")
                 continue
             ids, targets = item[0].astype(self.token_dtype, copy=False), item[1].astype(np.uint8, copy=False)
             self.lengths.append(len(ids))
-            self.pair_parts.extend(item[2] if len(item) > 2 else ())
+            if len(item) > 2:  # a preference pair
+                self.pair_parts.extend(item[2])
+                if same_responses(ids, item[2]):
+                    self.degenerate += 1
+                    if len(self.degenerate_examples) < _EXAMPLES:
+                        self.degenerate_examples.append(where)
             self.targets += int(targets.sum())
             if self.files is None:
                 self.held[0].append(ids)
@@ -266,7 +282,8 @@ def _pair_counts(arrays: _Arrays) -> dict:
     units = parts.sum(1) + 1  # [P | C] then the branch [P[-1] | R] (mop.data.preference_packing)
     return {"pairs": len(parts), "tokens": int(parts.sum()), "prompt_tokens": int(parts[:, 0].sum()),
             "response_tokens": int(parts[:, 1:].sum()), "targets": arrays.targets, "longest_unit": int(units.max()),
-            "unit_length_histogram": _histogram(units)}
+            "unit_length_histogram": _histogram(units), "degenerate_pairs": arrays.degenerate,
+            "degenerate_examples": arrays.degenerate_examples}
 
 
 KINDS = {
@@ -274,7 +291,7 @@ KINDS = {
                   lambda m: f"{m['conversations']} conversations ({m['tokens']} tokens, "),
     "preference": _Kind("mop-preference", "pair", "preference pairs (prompt, chosen, rejected)", _pair_counts,
                         lambda m: f"{m['pairs']} pairs ({m['prompt_tokens']} prompt and {m['response_tokens']} "
-                                  "response tokens, "),
+                                  f"response tokens, {m['degenerate_pairs']} degenerate, "),
 }
 
 
@@ -289,10 +306,12 @@ def _check_some(arrays: _Arrays, source: str, kind: str) -> None:
                         f"{KINDS[kind].wanted}")
 
 
-def _corpus(kind: str, tokens, targets, offsets, fingerprint: str, skipped: int, parts) -> ChatCorpus:
+def _corpus(kind: str, tokens, targets, offsets, fingerprint: str, skipped: int, parts,
+            degenerate: tuple[int, list[str]] = (0, [])) -> ChatCorpus:
     if kind == "chat":
         return ChatCorpus(tokens, targets, offsets, fingerprint, skipped)
-    return PreferenceCorpus(tokens, targets, offsets, fingerprint, skipped, parts=parts)
+    return PreferenceCorpus(tokens, targets, offsets, fingerprint, skipped, parts=parts, degenerate_pairs=degenerate[0],
+                            degenerate_examples=degenerate[1])
 
 
 def encode_source(source: str, settings: ChatSettings) -> ChatCorpus:
@@ -309,7 +328,7 @@ def encode_source(source: str, settings: ChatSettings) -> ChatCorpus:
     made = f"{source_fingerprint(source)}/{encoder.tokenizer.fingerprint}/{template}{kind}"
     fingerprint = hashlib.blake2b(made.encode(), digest_size=8).hexdigest()
     return _corpus(settings.kind, tokens, targets.astype(bool), arrays.offsets(), fingerprint, arrays.skipped,
-                   arrays.parts())
+                   arrays.parts(), (arrays.degenerate, arrays.degenerate_examples))
 
 
 def is_prepared(source: str) -> bool:
@@ -452,7 +471,15 @@ def open_prepared(source: str, settings: ChatSettings) -> ChatCorpus:
     if len(tokens) != offsets[-1] or len(targets) != offsets[-1] or (parts is not None and len(parts) != items):
         raise DataError(f"data.source: {folder}'s arrays disagree with its offsets (truncated copy?); prepare it again")
     fingerprint = hashlib.blake2b(json.dumps(manifest, sort_keys=True).encode(), digest_size=8).hexdigest()
-    return _corpus(kind, tokens, targets, np.asarray(offsets), fingerprint, manifest["skipped"], parts)
+    corpus = _corpus(kind, tokens, targets, np.asarray(offsets), fingerprint, manifest["skipped"], parts)
+    if kind == "preference":
+        if "degenerate_pairs" in manifest:
+            corpus.degenerate_pairs = manifest["degenerate_pairs"]
+            corpus.degenerate_examples = manifest["degenerate_examples"]
+        else:  # a folder prepared before they were counted
+            corpus.degenerate_pairs = sum(same_responses(corpus.tokens[a:b], p) for a, b, p in
+                                          zip(corpus.offsets[:-1], corpus.offsets[1:], corpus.parts))
+    return corpus
 
 
 def _read_manifest(folder: Path) -> dict:

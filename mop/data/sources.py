@@ -29,8 +29,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from mop.data.errors import DataError, not_utf8
+from mop.data.errors import DataError
 from mop.data.packing import ConcatTokens, pack_documents
+from mop.data.rows import jsonl_lines, read_text, row_name
 from mop.data.tokenizer import AnyTokenizer
 
 SUFFIXES = (".txt", ".jsonl", ".parquet", ".bin")
@@ -75,10 +76,7 @@ def source_files(source: str) -> list:
 
 
 def _read_txt(path) -> Iterator[str]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise not_utf8(path, e) from None
+    text = read_text(path)
     yield from (doc.strip() for doc in _BLANK_LINES.split(text.replace("\r\n", "\n")))
 
 
@@ -89,19 +87,8 @@ def _checked_text(value, where: str, text_field: str) -> str | None:
                     "a string; set data.text_field to the field holding the text")
 
 
-def _jsonl_lines(path) -> Iterator[tuple[int, str]]:
-    try:
-        with path.open("r", encoding="utf-8") as f:
-            yield from enumerate(f, 1)
-    except UnicodeDecodeError as e:
-        raise not_utf8(path, e) from None
-
-
 def _read_jsonl(path, text_field: str) -> Iterator[str]:
-    for lineno, line in _jsonl_lines(path):
-        if not line.strip():
-            continue
-        where = f"{path}:{lineno}"
+    for where, line in jsonl_lines(path):
         try:
             record = json.loads(line)
         except ValueError as e:
@@ -124,9 +111,11 @@ def _read_parquet(path: Path, text_field: str) -> Iterator[str]:
     if text_field not in names:
         raise DataError(f"data.source: {path} has no column {text_field!r} (columns: "
                         f"{', '.join(names)}); set data.text_field to the text column")
+    number = 0
     for batch in pf.iter_batches(batch_size=1024, columns=[text_field]):
         for value in batch.column(0).to_pylist():
-            yield _checked_text(value, str(path), text_field)
+            number += 1
+            yield _checked_text(value, row_name(path, number), text_field)
 
 
 def read_texts(path, text_field: str = "text") -> Iterator[str]:

@@ -59,6 +59,7 @@ _RECORDING = "_mop_recording"  # the render variable holding a `_Recording`, if 
 _PROBE = [{"role": "user", "content": "mop probe one"}, {"role": "assistant", "content": "mop answer one"},
           {"role": "user", "content": "mop probe two"}, {"role": "assistant", "content": "mop answer two"}]
 _SYSTEM_PROBE = {"role": "system", "content": "mop probe system"}
+_PROBE_REASONING = "mop probe reasoning"
 
 
 def _raise_exception(message):
@@ -238,7 +239,7 @@ class ChatTemplate:
         self._special_tokens = tokenizer.special_tokens_map()
         self.marks_generation = _marks_generation(self._template, source, origin)
         # what finding the turns needs (mop.data.turns); a template with generation blocks marks them itself
-        self._headers = Headers("", "") if self.marks_generation else self._probe_headers()
+        self._headers = Headers("", ()) if self.marks_generation else self._probe_headers()
         self._closes_turns = self.marks_generation or self._probe_turn_ends()
 
     def render(self, conversation: Conversation, add_generation_prompt: bool = False, messages=None,
@@ -296,14 +297,24 @@ class ChatTemplate:
 
     def _probe_headers(self) -> Headers:
         """What `add_generation_prompt` adds after a user turn ("" where it adds nothing, or where no
-        probe renders), and what the template writes before an earlier turn's answer in its place."""
+        probe renders), and the headers the template writes before earlier turns' text: each answer of
+        the two-turn probe, without and with reasoning (before and after the last user turn, with the
+        think block a template renders or drops)."""
         plain, prompted = self._probe(_PROBE[:1], False), self._probe(_PROBE[:1], True)
-        text = self._probe(_PROBE, False)
         if plain is None or prompted is None or not prompted.startswith(plain):
-            return Headers("", "")
-        prompt, answer = prompted[len(plain):], _PROBE[1]["content"]
-        shown = text[len(plain):text.index(answer)] if text and text.startswith(plain) and answer in text else ""
-        return Headers(prompt, shown)
+            return Headers("", ())
+        shown = []
+        for probe in (_PROBE, [dict(m, reasoning_content=_PROBE_REASONING) if m["role"] == "assistant" else m
+                               for m in _PROBE]):
+            for answer in (1, 3):
+                before, text = self._probe(probe[:answer], False), self._probe(probe, False)
+                if before is None or text is None or not text.startswith(before):
+                    continue
+                rest = text[len(before):]
+                found = [at for at in (rest.find(_PROBE_REASONING), rest.find(probe[answer]["content"])) if at >= 0]
+                if found:
+                    shown.append(rest[:min(found)])
+        return Headers.of(prompted[len(plain):], shown)
 
     def _probe_turn_ends(self) -> bool:
         """Whether the template closes an assistant turn with text of its own (a two-turn probe

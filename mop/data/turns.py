@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple
 
 from mop.data.errors import ConversationError
@@ -71,11 +71,27 @@ Render = Callable[[list[dict], bool], str]
 
 
 class Headers(NamedTuple):
-    """A template's assistant header: `prompt`, what `add_generation_prompt` adds after a user turn
-    ("" for a template without one), and `shown`, what it writes before an earlier assistant turn."""
+    """A template's assistant headers: `prompt`, what `add_generation_prompt` adds after a user turn
+    ("" for a template without one), and `starts`, longest first, the texts a rendered turn may open
+    with that the prompt writes (`Headers.of`)."""
 
     prompt: str
-    shown: str
+    starts: tuple[str, ...]
+
+    @classmethod
+    def of(cls, prompt: str, shown: Iterable[str]) -> Headers:
+        """The headers of a template whose generation prompt is `prompt` and which writes the headers
+        `shown` before earlier turns' text. A turn opens with the prompt, else with the part of it a
+        shown header holds: all of that header where it lies inside the prompt (DeepSeek-R1's prompt
+        opens a think block earlier turns do not show; a prompt with text before the header), else the
+        beginning of the prompt it repeats (a prompt that opens a think block which earlier turns
+        render closed and empty: `<think></think>` after the prompt's `<think>`)."""
+        starts = {prompt} if prompt else set()
+        for header in shown:
+            part = header if header in prompt else prompt[:_common_prefix(prompt, header, min(len(prompt), len(header)))]
+            if part:
+                starts.add(part)
+        return cls(prompt, tuple(sorted(starts, key=len, reverse=True)))
 
 
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -139,19 +155,17 @@ def _turn_start(render: Render, messages: list[dict], whole: _Rendering, i: int,
             break
         found = _longest_end(context, whole.text, done, high, previous if pinned else None)
         if found is not None:
-            return found[1] + (_header_length(whole.text, found[1], headers) if prompted else 0)
+            return found[1] + (_header_length(whole.text, found[1], headers, high) if prompted else 0)
     for at in range(done, high) if not pinned else ():  # an opening turn: after the first header
-        if length := _header_length(whole.text, at, headers):
+        if length := _header_length(whole.text, at, headers, high):
             return at + length
     raise _unfound(i, "starts")
 
 
-def _header_length(text: str, at: int, headers: Headers) -> int:
-    """How much of a turn's header `text` holds at `at`: the generation prompt, else the header
-    earlier turns show where it is part of the prompt (DeepSeek-R1's prompt opens a think block
-    they do not show), else nothing."""
-    shown = headers.shown if headers.shown and headers.shown in headers.prompt else ""
-    return next((len(h) for h in (headers.prompt, shown) if h and text.startswith(h, at)), 0)
+def _header_length(text: str, at: int, headers: Headers, high: int) -> int:
+    """How much of a turn's header `text` holds at `at`, before `high`: the longest of
+    `headers.starts` it opens with (nothing where none)."""
+    return next((len(h) for h in headers.starts if text.startswith(h, at, high)), 0)
 
 
 def _turn_end(render: Render, messages: list[dict], whole: _Rendering, i: int, prompt: str, start: int) -> int:

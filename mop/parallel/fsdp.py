@@ -43,10 +43,10 @@ for _output in (LossTerms, PreferenceTerms, RouterStats):
     torch.export.register_dataclass(_output)
 
 
-def mixed_precision(compute_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
+def mixed_precision(compute_dtype: torch.dtype | None, cast_inputs: bool = True) -> MixedPrecisionPolicy:
     """Parameters gathered in the compute dtype (None: each in its own, `gather_dtype`); gradients
-    always reduced in fp32."""
-    return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    always reduced in fp32; with `cast_inputs` the unit's floating-point inputs cast to the compute dtype."""
+    return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32, cast_forward_inputs=cast_inputs)
 
 
 def offload_policy(offload: bool, device: torch.device) -> OffloadPolicy:
@@ -61,7 +61,10 @@ def shard_dense(model: MoETransformer, layout: DistLayout, compute_dtype: torch.
                "offload_policy": offload_policy(offload, layout.device)}
     for block in model.layers:
         fully_shard(block, **options)
-    fully_shard(model, ignored_params=set(ignored) or None, **options)
+    # The root's only floating-point inputs are DPO's float64 reference sums (`preference_terms`), which a
+    # cast to the compute dtype would round (to fp32: step 0's rewards not 0; to bf16: by up to 0.5 nats).
+    fully_shard(model, ignored_params=set(ignored) or None, **{**options, "mp_policy": mixed_precision(
+        compute_dtype, cast_inputs=False)})
     # The trainer calls loss_terms (or preference_terms), not forward; FSDP2 gathers the root's weights for them too.
     register_fsdp_forward_method(model, "loss_terms")
     register_fsdp_forward_method(model, "preference_terms")
