@@ -29,7 +29,8 @@ ASSETS = ROOT / "tests" / "assets" / "chat_templates"
 SHIPPED = {"qwen3": ROOT / "mop" / "data" / "assets" / "qwen3", "gpt-oss": ROOT / "mop" / "data" / "assets" / "gpt-oss"}
 BASE_TOKENIZER = SHIPPED["qwen3"] / "tokenizer.json"
 TEMPLATES = ["deepseek-v3", "deepseek-v3.1", "kimi-k2", "kimi-k2-thinking", "glm-4.5", "gpt-oss", "qwen3",
-             "mistral-nemo", "mixtral", "llama-3.1"]
+             "mistral-nemo", "mixtral", "llama-3.1", "qwen3-thinking-2507", "nemotron-3-nano", "qwen3-coder",
+             "deepseek-r1", "llama-4"]
 NAMED_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
 # sha256 of each published template's bytes (tests/assets/chat_templates/README.md), so that none is edited.
 SHA256 = {
@@ -43,12 +44,17 @@ SHA256 = {
     "mistral-nemo": "e4676cb56dffea7782fd3e2b577cfaf1e123537e6ef49b3ec7caa6c095c62272",
     "mixtral": "796853172235ab3aaa4810013ddfe2eab481bda3306dad4f700c00d436eed596",
     "llama-3.1": "e10ca381b1ccc5cf9db52e371f3b6651576caee0a630b452e2816b2d404d4b65",
+    "qwen3-thinking-2507": "3802169b2a02b81e6adb7ab4f64f91ff02db753c8c3a64a01c35192d3a61d8d7",
+    "nemotron-3-nano": "ab7813c3abdd9cb655905a410728b26c7884eca45ddfab8d9f931553485a7862",
+    "qwen3-coder": "672e747c77e990320152343b0a4951222e40de5645297905d89afba05586d827",
+    "deepseek-r1": "3a3036eeb96ca0e48565fc1f19b4d7d3fa17ada32bb1b3d5ed539ae74cf22923",
+    "llama-4": "01a91bfb2e84c8055bf7b635898fef3cae0b69e42ac5634c212d308e0e9091bd",
 }
 
 # How each template wants a conversation: tool-call arguments as JSON strings (DeepSeek's templates
 # concatenate them), no tools at all (Mixtral), one tool call per message (Llama 3.1), an opening
 # user turn (Mistral's and Mixtral's alternation checks).
-JSON_ARGUMENTS = {"deepseek-v3", "deepseek-v3.1"}
+JSON_ARGUMENTS = {"deepseek-v3", "deepseek-v3.1", "deepseek-r1"}
 NO_TOOLS = {"mixtral"}
 ONE_CALL_PER_MESSAGE = {"llama-3.1"}
 USER_FIRST = {"mistral-nemo", "mixtral"}  # they also refuse two assistant turns in a row

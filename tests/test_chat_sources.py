@@ -464,7 +464,8 @@ def test_a_folder_prepared_with_the_earlier_targets_is_refused(prepared, tmp_pat
     with pytest.raises(DataError) as excinfo:
         open_prepared(str(earlier), SETTINGS)
     assert re.fullmatch(rf"data\.source: {re.escape(str(earlier))} was prepared with mop's earlier assistant targets "
-                        r"\(version 1, now 2: .*\); prepare it again with mop data prepare", one_line_error(excinfo))
+                        r"\(version 1, now 3: tool calls from their opening text, turns found without special tokens; no token of a "
+                        r"generation prompt that opens a think block is trained\); prepare it again with mop data prepare", one_line_error(excinfo))
 
 
 def test_prepare_never_writes_into_a_non_empty_folder(tmp_path):

@@ -129,6 +129,11 @@ def test_the_shipped_conversations_train_what_the_oracle_marks(name):
 # GLM-4.5, Kimi-K2-Thinking and gpt-oss drop reasoning before the last user turn (gpt-oss keeps the
 # last turn's); GLM-4.5 closes no turn itself: its turns end with the next message's role token, the
 # token generation stops on, and the last turn has none; gpt-oss writes the first tool call alone.
+# Qwen3-2507 Thinking's and Nemotron-3-Nano's generation prompts open a think block (`<think>\n`),
+# which is never trained: Qwen3-2507 drops earlier turns' reasoning, Nemotron-3-Nano renders it
+# closed and empty, `<think></think>`, whose `</think>` the model writes after the prompt's `<think>`.
+# DeepSeek-R1 (January 2025) writes a second tool-calling message with no header, straight after the
+# tool output: the turn starts where the output ends.
 TOOL_TARGETS = {
     "deepseek-v3": [
         "<｜end▁of▁sentence｜>",
@@ -183,6 +188,37 @@ TOOL_TARGETS = {
         '{"name": "weather", "parameters": {"city": "Zürich", "unit": "°C"}}<|eot_id|>',
         "6 × 7 = 42. Zürich: sonnig, 21 °C.<|eot_id|>",
         "2 + 2 = 4.<|eot_id|>"],
+    "qwen3-thinking-2507": [
+        '<tool_call>\n{"name": "multiply", "arguments": {"a": 6, "b": 7}}\n</tool_call><|im_end|>',
+        '<tool_call>\n{"name": "weather", "arguments": {"city": "Zürich", "unit": "°C"}}\n</tool_call><|im_end|>',
+        "6 × 7 = 42. Zürich: sonnig, 21 °C.<|im_end|>",
+        "Easy.\n</think>\n\n2 + 2 = 4.<|im_end|>"],
+    "nemotron-3-nano": [
+        "</think>\n<tool_call>\n<function=multiply>\n<parameter=a>\n6\n</parameter>\n<parameter=b>\n7\n</parameter>\n"
+        "</function>\n</tool_call>\n<|im_end|>",
+        "</think>\n<tool_call>\n<function=weather>\n<parameter=city>\nZürich\n</parameter>\n<parameter=unit>\n°C\n"
+        "</parameter>\n</function>\n</tool_call>\n<|im_end|>",
+        "</think>\n6 × 7 = 42. Zürich: sonnig, 21 °C.<|im_end|>",
+        "Easy.\n</think>\n2 + 2 = 4.<|im_end|>"],
+    "qwen3-coder": [
+        "<tool_call>\n<function=multiply>\n<parameter=a>\n6\n</parameter>\n<parameter=b>\n7\n</parameter>\n</function>\n"
+        "</tool_call><|im_end|>",
+        "<tool_call>\n<function=weather>\n<parameter=city>\nZürich\n</parameter>\n<parameter=unit>\n°C\n</parameter>\n"
+        "</function>\n</tool_call><|im_end|>",
+        "6 × 7 = 42. Zürich: sonnig, 21 °C.<|im_end|>",
+        "2 + 2 = 4.<|im_end|>"],
+    "deepseek-r1": [
+        '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>multiply\n```json\n{"a": 6, "b": 7}\n```'
+        "<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>",
+        '\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>weather\n```json\n{"city": "Zürich", "unit": "°C"}\n```'
+        "<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>",
+        "6 × 7 = 42. Zürich: sonnig, 21 °C.<｜end▁of▁sentence｜>",
+        "2 + 2 = 4.<｜end▁of▁sentence｜>"],
+    "llama-4": [
+        '<|python_start|><|python_end|>{"name": "multiply", "parameters": {"a": 6, "b": 7}}<|eot|>',
+        '<|python_start|><|python_end|>{"name": "weather", "parameters": {"city": "Zürich", "unit": "°C"}}<|eot|>',
+        "6 × 7 = 42. Zürich: sonnig, 21 °C.<|eot|>",
+        "2 + 2 = 4.<|eot|>"],
 }
 
 
@@ -222,6 +258,15 @@ NUMBERED = ("{% for m in messages %}{% if m.role == 'assistant' %}A: {% generati
             "[{{ loop.index }}]{% endgeneration %}{{ '\\n' }}"
             "{% else %}{{ m.role }}: {{ m.content }} [{{ loop.index }}]\n{% endif %}{% endfor %}"
             "{% if add_generation_prompt %}A: {% endif %}")
+# And a generation prompt that opens a think block which earlier turns render closed and empty
+# (Nemotron-3-Nano's), or leave out after the last user turn: the prompt's `<think>` is never a target.
+THINK_CLOSED = ("{% set ns = namespace(last=-1) %}{% for m in messages if m.role == 'user' %}{% set ns.last = "
+                "loop.index0 %}{% endfor %}{% for m in messages %}{% if m.role == 'user' %}<|im_start|>user\n"
+                "{{ m.content }}<|im_end|>\n{% elif m.role == 'system' %}<|im_start|>system\n{{ m.content }}<|im_end|>\n"
+                "{% elif loop.index0 < ns.last %}<|im_start|>assistant\n<think>{% generation %}</think>"
+                "{{ m.content.split('</think>')[-1] + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
+                "{% else %}<|im_start|>assistant\n{% generation %}{{ m.content + '<|im_end|>' }}{% endgeneration %}"
+                "{{ '\\n' }}{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}")
 # And a generation prompt with text before the header earlier turns show.
 PREFIXED = ("{% for m in messages %}{% if m.role == 'assistant' %}<A>{% generation %}{{ m.content + '<E>' }}"
             "{% endgeneration %}{% else %}<{{ m.role }}>{{ m.content }}{% endif %}{% endfor %}"
@@ -235,8 +280,8 @@ SHAPE_CONVERSATION = [{"role": "system", "content": "Be brief."},
                       {"role": "user", "content": "5+5?"}, {"role": "assistant", "content": "<t>10</t>"}]
 
 
-@pytest.mark.parametrize("generation", [FORCED_THINK, NEEDS_SYSTEM, NUMBERED, PREFIXED],
-                         ids=["forced-think", "needs-system", "numbered", "prefixed"])
+@pytest.mark.parametrize("generation", [FORCED_THINK, THINK_CLOSED, NEEDS_SYSTEM, NUMBERED, PREFIXED],
+                         ids=["forced-think", "think-closed", "needs-system", "numbered", "prefixed"])
 def test_template_shapes_train_what_the_marked_copy_marks(generation, tmp_path):
     from transformers import AutoTokenizer
 

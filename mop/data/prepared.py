@@ -54,7 +54,7 @@ import numpy as np
 from mop.data.conversations import chat_files, conversation, iter_rows
 from mop.data.errors import ConversationError, DataError
 from mop.data.preferences import PreferenceRows, same_responses
-from mop.data.templates import TARGETS_VERSION, ChatTemplate, folder_template, read_template
+from mop.data.templates import TARGETS_CHANGES, TARGETS_VERSION, ChatTemplate, folder_template, read_template
 from mop.data.tokenizer import HFTokenizer, load_tokenizer
 
 MANIFEST = "manifest.json"
@@ -451,10 +451,11 @@ def open_prepared(source: str, settings: ChatSettings) -> ChatCorpus:
     kind = _kind_of(manifest, folder)
     if kind != settings.kind:
         raise other_format(folder, kind)
-    if manifest.get("targets_version", 1) != TARGETS_VERSION:
-        raise DataError(f"data.source: {folder} was prepared with mop's earlier assistant targets (version "
-                        f"{manifest.get('targets_version', 1)}, now {TARGETS_VERSION}: tool calls from their opening "
-                        "text, turns found without special tokens); prepare it again with mop data prepare")
+    made = manifest.get("targets_version", 1)
+    if made != TARGETS_VERSION:
+        changes = "; ".join(TARGETS_CHANGES[v] for v in range(made + 1, TARGETS_VERSION + 1))
+        raise DataError(f"data.source: {folder} was prepared with mop's earlier assistant targets (version {made}, now "
+                        f"{TARGETS_VERSION}: {changes}); prepare it again with mop data prepare")
     encoder = settings.encoder()
     mine = {"tokenizer_fingerprint": ("tokenizer", encoder.tokenizer.fingerprint, "data.tokenizer"),
             "template_sha256": ("chat template", encoder.template and encoder.template.hash, "data.chat_template")}

@@ -22,9 +22,10 @@ is a target when its characters overlap a target span (the offsets transformers'
 reads), so the targets equal `apply_chat_template(..., return_assistant_tokens_mask=True)`'s mask
 for a copy of the template with `{% generation %}` around what the model writes.
 
-Probes when a template is loaded (a user turn, then two turns; with a system prompt first where the
-template needs one): its assistant header (`mop.data.turns.Headers`: what `add_generation_prompt`
-adds after a user turn, and what it writes before an earlier answer) and whether it closes an
+Probes when a template is loaded (a user turn, then two turns, without and with reasoning; with a
+system prompt first where the template needs one): its assistant header (`mop.data.turns.Headers`:
+what `add_generation_prompt` adds after a user turn, where its tokens end, and what the template
+writes before earlier answers) and whether it closes an
 assistant turn with text of its own (GLM-4.5's does not: the next message's first token is then the
 turn's last target). A template that renders nothing between an assistant turn and the next user
 turn is refused: its turns have no boundary.
@@ -53,8 +54,12 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from mop.data.errors import ConversationError, DataError
 from mop.data.turns import REASONING_FIELDS, Headers, assistant_spans
 
-TARGETS_VERSION = 2
-"""1: targets from marked values to the next special token (mop before issue 36); 2: `mop.data.turns`."""
+TARGETS_VERSION = 3
+"""1: targets from marked values to the next special token (mop before issue 36); 2: `mop.data.turns`;
+3: a turn starts after the part of the generation prompt it repeats (issue 45)."""
+TARGETS_CHANGES = {2: "tool calls from their opening text, turns found without special tokens",
+                   3: "no token of a generation prompt that opens a think block is trained"}
+"""What each version of the targets changed, for a refused prepared folder's message."""
 _RECORDING = "_mop_recording"  # the render variable holding a `_Recording`, if any
 _PROBE = [{"role": "user", "content": "mop probe one"}, {"role": "assistant", "content": "mop answer one"},
           {"role": "user", "content": "mop probe two"}, {"role": "assistant", "content": "mop answer two"}]
@@ -239,7 +244,7 @@ class ChatTemplate:
         self._special_tokens = tokenizer.special_tokens_map()
         self.marks_generation = _marks_generation(self._template, source, origin)
         # what finding the turns needs (mop.data.turns); a template with generation blocks marks them itself
-        self._headers = Headers("", ()) if self.marks_generation else self._probe_headers()
+        self._headers = Headers("", (), ()) if self.marks_generation else self._probe_headers()
         self._closes_turns = self.marks_generation or self._probe_turn_ends()
 
     def render(self, conversation: Conversation, add_generation_prompt: bool = False, messages=None,
@@ -302,7 +307,7 @@ class ChatTemplate:
         think block a template renders or drops)."""
         plain, prompted = self._probe(_PROBE[:1], False), self._probe(_PROBE[:1], True)
         if plain is None or prompted is None or not prompted.startswith(plain):
-            return Headers("", ())
+            return Headers("", (), ())
         shown = []
         for probe in (_PROBE, [dict(m, reasoning_content=_PROBE_REASONING) if m["role"] == "assistant" else m
                                for m in _PROBE]):
@@ -314,7 +319,8 @@ class ChatTemplate:
                 found = [at for at in (rest.find(_PROBE_REASONING), rest.find(probe[answer]["content"])) if at >= 0]
                 if found:
                     shown.append(rest[:min(found)])
-        return Headers.of(prompted[len(plain):], shown)
+        prompt = prompted[len(plain):]
+        return Headers.of(prompt, self.tokenizer.encode_with_offsets(prompt)[1][:, 1].tolist(), shown)
 
     def _probe_turn_ends(self) -> bool:
         """Whether the template closes an assistant turn with text of its own (a two-turn probe

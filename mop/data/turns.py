@@ -21,11 +21,16 @@ character before the pin, the last of a value):
 2. start: the model starts writing turn i where a rendering of the messages before it with the
    generation prompt, P, ends. P less that prompt is found ending between the previous turn's end
    and turn i's first value (the next message's, for a turn without one), pinned at the previous
-   message's last value when that lies there; the turn starts after it and the header R continues
-   with: the prompt, else the part of it that earlier turns show (DeepSeek-R1's prompt opens a
-   think block they do not), else none. When no P is found so and nothing pins it (a template that
-   needs a first message cannot render P for an opening turn), the turn starts after the first
-   header in that range;
+   message's last value when that lies there; the turn starts after it and as much of the prompt as
+   R repeats there, before the turn's first value, to the end of one of the prompt's tokens (a
+   prompt that opens a think block earlier turns render closed and empty, or leave out), or after a
+   header earlier turns show inside the prompt, whichever is longer (`_header_length`). Where P's
+   end is not in R (DeepSeek-R1 writes a second tool-calling message straight after the tool
+   outputs, where P closes them: text R never shows), or is found only at a place R repeats before
+   the turn, the turn starts where P, found from the text since the previous turn, stops agreeing
+   with R (`_agreement`). When no P is found so and nothing pins it (a template that needs a first
+   message cannot render P for an opening turn), the turn starts after the first whole header in
+   that range;
 3. end: a rendering of the messages through turn i with the generation prompt, Q, shows the turn
    followed by nothing but the next turn's prompt. Q less that prompt is found ending between the
    turn's start and the next value of a later message, pinned at the turn's last value in R (its
@@ -72,26 +77,29 @@ Render = Callable[[list[dict], bool], str]
 
 class Headers(NamedTuple):
     """A template's assistant headers: `prompt`, what `add_generation_prompt` adds after a user turn
-    ("" for a template without one), and `starts`, longest first, the texts a rendered turn may open
-    with that the prompt writes (`Headers.of`)."""
+    ("" for a template without one); `cuts`, where its tokens end in it (the tokenizer's offsets of
+    the prompt alone), which a turn's start may fall on; `shown`, longest first, the part of the
+    prompt each header the template writes before an earlier turn's text shows (`Headers.of`)."""
 
     prompt: str
-    starts: tuple[str, ...]
+    cuts: tuple[int, ...]
+    shown: tuple[str, ...]
 
     @classmethod
-    def of(cls, prompt: str, shown: Iterable[str]) -> Headers:
-        """The headers of a template whose generation prompt is `prompt` and which writes the headers
-        `shown` before earlier turns' text. A turn opens with the prompt, else with the part of it a
-        shown header holds: all of that header where it lies inside the prompt (DeepSeek-R1's prompt
-        opens a think block earlier turns do not show; a prompt with text before the header), else the
-        beginning of the prompt it repeats (a prompt that opens a think block which earlier turns
-        render closed and empty: `<think></think>` after the prompt's `<think>`)."""
-        starts = {prompt} if prompt else set()
-        for header in shown:
-            part = header if header in prompt else prompt[:_common_prefix(prompt, header, min(len(prompt), len(header)))]
+    def of(cls, prompt: str, cuts: Iterable[int], headers: Iterable[str]) -> Headers:
+        """From the prompt, its token ends and the headers earlier turns show: each header's part of the
+        prompt is all of it where it lies inside (DeepSeek-R1's leaves out the think block the prompt
+        opens; a prompt with text before the header ends with it), else the beginning of the prompt it
+        repeats, to a token's end (a prompt that opens a think block which earlier turns render closed
+        and empty: `<think></think>` after the prompt's `<think>`)."""
+        cuts = tuple(sorted({*cuts, len(prompt)} - {0}))
+        shown = set()
+        for header in headers:
+            repeated = _common_prefix(prompt, header, min(len(prompt), len(header)))
+            part = header if header in prompt else prompt[:max((c for c in cuts if c <= repeated), default=0)]
             if part:
-                starts.add(part)
-        return cls(prompt, tuple(sorted(starts, key=len, reverse=True)))
+                shown.add(part)
+        return cls(prompt, cuts, tuple(sorted(shown, key=len, reverse=True)))
 
 
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -109,10 +117,10 @@ def assistant_spans(render: Render, messages: list[dict], headers: Headers, clos
     `closes_turns`: whether the template ends a turn with text of its own."""
     whole = _Rendering.of(render, messages)
     spans = []
-    done = 0  # where the previous turn's own text ends
+    start = done = 0  # where the previous turn's own text starts and ends
     for i, message in enumerate(messages):
         if message.get("role") == "assistant":
-            start = _turn_start(render, messages, whole, i, headers, done)
+            start = _turn_start(render, messages, whole, i, headers, (start, done))
             done = max(start, _turn_end(render, messages, whole, i, headers.prompt, start))
             stop = done
             if not closes_turns and i < len(messages) - 1:  # step 4: through the next message's first character
@@ -139,33 +147,60 @@ def _prefixes(render: Render, messages: list[dict], upto: int, short: bool = Tru
             continue
 
 
-def _turn_start(render: Render, messages: list[dict], whole: _Rendering, i: int, headers: Headers, done: int) -> int:
+def _turn_start(render: Render, messages: list[dict], whole: _Rendering, i: int, headers: Headers,
+                last: tuple[int, int]) -> int:
     """Step 2: where a rendering of the messages before turn i, less its generation prompt, is found,
-    then the header that follows it."""
+    then the header that follows it; `last`: where the previous turn's own text starts and ends."""
+    begun, done = last
     span = whole.value_span(i)
     high = span[0] if span is not None else whole.next_value_start(i, done)
     previous = whole.value_span(i - 1)[1] if i and whole.value_span(i - 1) is not None else -1
     pinned = done <= previous <= high  # the match must span the previous message's text, where it lies between
     # a short rendering only where the match is pinned: one that ends otherwise than the whole prefix (a
     # template that numbers its messages) is found by a shorter end, at a place only a pin can refuse
+    before = ""
     for before in _prefixes(render, messages, i, short=pinned):
         prompted = bool(headers.prompt) and before.endswith(headers.prompt)
         context = before[:len(before) - len(headers.prompt)] if prompted else before
         if not context:  # nothing before the turn but its header: it opens the conversation
             break
         found = _longest_end(context, whole.text, done, high, previous if pinned else None)
+        if found is not None and not pinned and whole.text.find(whole.text[found[0]:found[1]], found[0] + 1, high) >= 0:
+            # the end found recurs before the turn's text: where the prefix stops agreeing after the last turn
+            if agreed := _agreement(before, whole.text, begun, done, high):
+                return done + agreed
         if found is not None:
             return found[1] + (_header_length(whole.text, found[1], headers, high) if prompted else 0)
+    if pinned and (agreed := _agreement(before, whole.text, done, previous, high)):
+        return previous + agreed
     for at in range(done, high) if not pinned else ():  # an opening turn: after the first header
-        if length := _header_length(whole.text, at, headers, high):
+        if length := _header_length(whole.text, at, headers, high, whole=True):
             return at + length
     raise _unfound(i, "starts")
 
 
-def _header_length(text: str, at: int, headers: Headers, high: int) -> int:
-    """How much of a turn's header `text` holds at `at`, before `high`: the longest of
-    `headers.starts` it opens with (nothing where none)."""
-    return next((len(h) for h in headers.starts if text.startswith(h, at, high)), 0)
+def _agreement(before: str, text: str, low: int, anchor: int, high: int) -> int:
+    """How far past `anchor` a prefix rendering whose end the whole does not show agrees with it: the
+    whole's `text[low:anchor]` found last in `before`, then the characters both go on with alike,
+    before `high` (0 where it is not found)."""
+    at = before.rfind(text[low:anchor])
+    if at < 0:
+        return 0
+    after = before[at + anchor - low:]
+    return _common_prefix(after, text[anchor:high], min(len(after), high - anchor))
+
+
+def _header_length(text: str, at: int, headers: Headers, high: int, whole: bool = False) -> int:
+    """How much of a turn's header `text` holds at `at`, before `high` (the turn's first value): the
+    part of the generation prompt it repeats from there, to the end of a prompt token (a prompt that
+    opens a think block earlier turns render closed and empty, `<think></think>` after the prompt's
+    `<think>`, or leave out: DeepSeek-R1's), or a shown header, whichever is longer. With `whole`,
+    only the whole prompt or a shown header (what tells a turn's start where nothing pins it)."""
+    ahead = text[at:min(high, at + len(headers.prompt))]
+    repeated = _common_prefix(headers.prompt, ahead, len(ahead))
+    cut = max((c for c in headers.cuts if c <= repeated and (not whole or c == len(headers.prompt))), default=0)
+    shown = next((len(h) for h in headers.shown if text.startswith(h, at, high)), 0)
+    return max(cut, shown)
 
 
 def _turn_end(render: Render, messages: list[dict], whole: _Rendering, i: int, prompt: str, start: int) -> int:
