@@ -279,10 +279,11 @@ class LogConfig:
     """Show progress on rank 0: a bar on a terminal, else a plain line every log.progress_every steps."""
     progress_every: int = 10
     """Steps between the plain progress lines written when stderr is not a terminal."""
-    profile_step: int = -1
-    """Record this step (0-based) with torch.profiler and split its time into attention, experts, the
-    vocabulary projection and the rest, each with its collectives' part (`mop.profiling`; the step's
-    record gets `time_<phase>_s`, worst rank); -1: none. The profiler slows the step it records."""
+    profile_step: int = 0
+    """Record this step (numbered as the records number them: 1 is the first) with torch.profiler and
+    split its time into attention, experts, the vocabulary projection and the rest, each with its
+    collectives' part (`mop.profiling`; the step's record gets `time_<phase>_s`, worst rank); 0: none.
+    The profiler slows the step it records."""
 
 
 @dataclass(frozen=True)
@@ -505,7 +506,7 @@ def check_fields(config: Config) -> None:
                       "eval.sequences", "parallel.llep_chunks", "data.seq_len", "train.steps", "train.global_batch",
                       "train.micro_batch", "checkpoint.keep"])
     at_least_zero(config, ["train.seed", "train.grad_clip", "optim.lr", "optim.warmup_steps", "optim.weight_decay",
-                           "optim.eps", "checkpoint.every", "eval.every"])
+                           "optim.eps", "checkpoint.every", "eval.every", "log.profile_step"])
 
 
 def lookup(config: Config, dotted: str):

@@ -80,15 +80,20 @@ class MetricsLogger:
     """metrics.jsonl (one JSON record per step), TensorBoard scalars and, with `wandb`, the same
     scalars in a Weights & Biases run (`WandbRun`) in `run_dir`.
 
-    A run resumed at `first_step` keeps the records of the steps before it and drops the later ones
-    (they were run after the checkpoint and are run again).
+    A record's `step` is the number of steps done after it (1 is the first). A run resumed after
+    `first_step` steps keeps the records of those steps and drops the later ones (they were run after
+    the checkpoint and are run again); a run directory written before records were numbered so (from
+    0, issue 45) has its records renumbered.
     """
 
     def __init__(self, run_dir: Path, tensorboard: bool, first_step: int = 0, wandb: "WandbRun | None" = None):
         run_dir.mkdir(parents=True, exist_ok=True)
         self.run_dir = run_dir
         self.path = run_dir / "metrics.jsonl"
-        kept = [r for r in read_metrics(self.path) if r["step"] < first_step] if first_step and self.path.exists() else []
+        earlier = read_metrics(self.path) if first_step and self.path.exists() else []
+        if any(r["step"] == 0 for r in earlier):  # numbered from 0
+            earlier = [{**r, "step": r["step"] + 1} for r in earlier]
+        kept = [r for r in earlier if r["step"] <= first_step]
         self.file = self.path.open("w")
         for record in kept:
             self.file.write(json.dumps(record) + "\n")

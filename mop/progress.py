@@ -47,10 +47,10 @@ class StepProgress:
     def _backward_reached(self, grad) -> None:
         self.bar.update(self.part)
 
-    def step_done(self, step: int, **postfix) -> None:
-        self.bar.n = step + 1
+    def step_done(self, done: int, **postfix) -> None:
+        """Step `done` (the steps done after it) is done; `postfix`: its values to show."""
+        self.bar.n = done
         self.bar.set_postfix(postfix, refresh=True)
-        done = step + 1
         if self.lines and (done % self.every == 0 or done == self.steps):
             elapsed = time.perf_counter() - self.start
             left = elapsed / (done - self.first) * (self.steps - done)

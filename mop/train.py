@@ -9,6 +9,8 @@ gradient is therefore the gradient of one global objective, whatever the layout 
 
 Then: global gradient-norm clipping, a skipped update when the norm is not finite, AdamW with
 the learning-rate schedule (`mop.optim.schedule`), and one metrics record per step (rank 0 writes it).
+A step is numbered by the steps done after it, from 1, in its record, the checkpoint it saves
+(`step_<N>`), the progress bar and every line, as TRL and transformers log theirs.
 
 What is trained is built by `mop.build.build_run` (strategies: "reference" runs the plain model
 in one process; "mop" applies `parallelize`, each technique on its sub-group of ranks; "fsdp2"
@@ -356,26 +358,26 @@ def _loop(run: TrainingRun, run_dir: Path, stop: StopRequest, steps: range, reco
     """Run `steps`, appending each step's record to `records`; a `Stopped` when a signal ended them early."""
     config, runtime = run.config, run.runtime
     for step in steps:
+        done = step + 1  # every record, checkpoint and line numbers a step by the steps done after it
         reset_peak_memory(runtime.device, run.offload_store)
         start = time.perf_counter()
         lr = learning_rate(config, step)
         run.optimizer.begin_step(lr)
-        with step_profile(run.model, step == config.log.profile_step) as profiled:
+        with step_profile(run.model, done == config.log.profile_step) as profiled:
             losses = train_step(run, run.next_batches())
             outcome = update(run)
         elapsed = time.perf_counter() - start
-        record = {"step": step, **losses, "lr": lr, **outcome,
+        record = {"step": done, **losses, "lr": lr, **outcome,
                   "tokens_per_s": losses["tokens"] / elapsed, "step_time_s": elapsed,
                   **utilisation(losses["model_flops"], elapsed, runtime),
                   **step_memory(runtime, run.offload_store), **state_memory, **run.data.dataset.stats,
                   **technique_metrics(run.model, runtime.world_group, runtime.device),
                   **worst_rank(profiled.record(elapsed), runtime)}
-        record.update(skips.count(step, outcome["skipped"]))
-        done = step + 1
+        record.update(skips.count(done, outcome["skipped"]))
         if run.held_out is not None and (done % config.eval.every == 0 or done == config.train.steps):
             record["eval_loss"] = evaluate(run)
         records.append(record)
-        progress.step_done(step, loss=f"{losses['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
+        progress.step_done(done, loss=f"{losses['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
                            **({"eval": f"{record['eval_loss']:.4f}"} if "eval_loss" in record else {}),
                            **({"skipped": record["skipped_steps"]} if record["skipped_steps"] else {}))
         if logger is not None:
@@ -401,12 +403,12 @@ def summarise(run: TrainingRun, run_dir: Path, records: list[dict], skips: Skipp
         print(f"mop: {skips.total} step(s) skipped for non-finite gradients")
     evaluated = [r for r in records if "eval_loss" in r]
     if evaluated:
-        print(f"mop: held-out loss {evaluated[-1]['eval_loss']:.4f} after step {evaluated[-1]['step'] + 1} "
+        print(f"mop: held-out loss {evaluated[-1]['eval_loss']:.4f} after step {evaluated[-1]['step']} "
               f"({config.eval.sequences} sequences)")
     if records:
         per_param = ", ".join(f"{kind} {state_memory[f'device_bytes_per_param_{kind}']:g}"
                               for kind in ("weights", "gradients", "optimizer"))
-        print(f"mop: steps {first_step}-{records[-1]['step']}, loss {records[0]['loss']:.4f} -> "
+        print(f"mop: steps {first_step + 1}-{records[-1]['step']}, loss {records[0]['loss']:.4f} -> "
               f"{records[-1]['loss']:.4f}; device bytes per parameter: {per_param}; run directory {run_dir}")
 
 

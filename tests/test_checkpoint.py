@@ -48,7 +48,7 @@ def test_resume_continues_exactly_where_the_run_stopped(tmp_path, straight):
     run_dir, records = straight
     assert [p.name for p in checkpoint.complete_checkpoints(run_dir / "checkpoints")] == ["step_4", "step_8"]
     resumed = train(tmp_path / "resumed", *STEPS, f"--checkpoint.resume={run_dir / 'checkpoints/step_4'}")
-    assert [r["step"] for r in resumed] == [4, 5, 6, 7]
+    assert [r["step"] for r in resumed] == [5, 6, 7, 8]  # after checkpoint step_4's 4 steps
     assert losses(resumed) == losses(records)[4:]  # one process, same kernels: bit for bit
 
 
@@ -58,7 +58,7 @@ def test_resume_latest_continues_the_run_directory_and_its_metrics(tmp_path, str
     subprocess.run(["cp", "-r", str(run_dir), str(copy)], check=True)
     (copy / "checkpoints/step_8").rename(copy / "checkpoints/step_8.partial")  # as if the last save never finished
     continued = train(copy, *STEPS, "--checkpoint.resume=latest")  # the run directory's whole metrics file
-    assert [r["step"] for r in continued] == list(range(8))
+    assert [r["step"] for r in continued] == list(range(1, 9))
     assert losses(continued) == losses(records)
     assert not list((copy / "checkpoints").glob("*.partial"))
 
@@ -76,7 +76,7 @@ def test_resume_across_layouts_and_world_sizes(tmp_path, straight):
     by_four = train(tmp_path / "w4", *STEPS, *MOP_W4, f"--checkpoint.resume={step_4}")
     back_to_two = train(tmp_path / "back", *STEPS, *MOP_W2, f"--checkpoint.resume={straight[0] / 'checkpoints/step_4'}")
     for resumed in (by_reference, by_four, back_to_two):
-        assert [r["step"] for r in resumed] == [4, 5, 6, 7]
+        assert [r["step"] for r in resumed] == [5, 6, 7, 8]
         assert losses(resumed) == pytest.approx(losses(records)[4:], rel=1e-4)
 
 
@@ -98,7 +98,7 @@ def test_a_family_resumes_across_layouts(tmp_path, family):
     back_to_two = train(tmp_path / "back", *STEPS, *model, *MOP_W2,
                         f"--checkpoint.resume={tmp_path / 'straight/checkpoints/step_4'}")
     for resumed in (by_reference, back_to_two):
-        assert [r["step"] for r in resumed] == [4, 5, 6, 7]
+        assert [r["step"] for r in resumed] == [5, 6, 7, 8]
         assert losses(resumed) == pytest.approx(losses(straight)[4:], rel=1e-4)
 
 
@@ -172,7 +172,7 @@ def test_killing_a_rank_leaves_the_last_checkpoint_loadable_and_resuming_continu
     straight = train(tmp_path / "straight", *constant_lr, f"--train.steps={total}")
     continued = train(run_dir, *constant_lr, "--parallel.strategy=mop", "--parallel.nproc=2", f"--train.steps={total}",
                       "--checkpoint.resume=latest")
-    assert [r["step"] for r in continued] == list(range(total))
+    assert [r["step"] for r in continued] == list(range(1, total + 1))
     assert losses(continued) == pytest.approx(losses(straight), rel=1e-4)
 
 

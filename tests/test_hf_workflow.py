@@ -108,7 +108,7 @@ def imported(hf_dir, tmp_path_factory):
 def fine_tune(imported, run_dir, corpus, *extra):
     assert main(["train", str(imported / "model.toml"), *REFERENCE_LAYOUT, *RUN, f"--data.source={corpus}",
                  f"--log.run_dir={run_dir}", f"--checkpoint.resume={imported}", *extra]) == 0
-    return run_dir / "checkpoints" / f"step_{read_metrics(run_dir / 'metrics.jsonl')[-1]['step'] + 1}"
+    return run_dir / "checkpoints" / f"step_{read_metrics(run_dir / 'metrics.jsonl')[-1]['step']}"
 
 
 def encodings(tokenizer):

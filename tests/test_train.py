@@ -51,8 +51,8 @@ def reference(tmp_path_factory):
 
 
 def test_reference_writes_metrics_tensorboard_and_plot(tmp_path):
-    records = run(tmp_path, "full", "--log.tensorboard=true", "--log.plot=true", "--log.profile_step=0")
-    assert [r["step"] for r in records] == list(range(5))
+    records = run(tmp_path, "full", "--log.tensorboard=true", "--log.plot=true", "--log.profile_step=1")
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]  # the steps done after each, as checkpoints name them
     assert all(REQUIRED <= r.keys() for r in records)
     # one process: every phase computes, none communicates
     assert all(records[0][f"time_{p}_s"] > 0 and records[0][f"time_{p}_comm_s"] == 0
@@ -143,7 +143,7 @@ def test_every_technique_at_once_matches_the_reference(tmp_path, reference):
                   "--parallel.expert=2", "--parallel.vocab=2", "--parallel.expert_balance=llep",
                   "--parallel.llep_min_chunk=4", "--parallel.llep_gate=1.0", "--parallel.llep_chunks=2",
                   "--train.activation_checkpointing=full",
-                  "--train.offload_activations=true", "--log.profile_step=1")
+                  "--train.offload_activations=true", "--log.profile_step=2")
     assert losses(records) == pytest.approx(losses(reference), rel=1e-5)  # the profiled step too
     # The profiled step's time split: every phase ran, and each with its collectives (Ulysses'
     # all-to-alls, the expert dispatch and LLEP's transfers, the ring's shard hops, FSDP2's gathers).
@@ -151,7 +151,7 @@ def test_every_technique_at_once_matches_the_reference(tmp_path, reference):
     for phase in ("attention", "experts", "vocabulary", "other"):
         assert 0 < profiled[f"time_{phase}_comm_s"] < profiled[f"time_{phase}_s"] < profiled["step_time_s"], phase
     assert 0 <= profiled["time_untracked_s"] < profiled["step_time_s"]
-    assert not any(key.startswith("time_") for r in records if r["step"] != 1 for key in r)
+    assert not any(key.startswith("time_") for r in records if r["step"] != 2 for key in r)
     # Each rank's micro-batch is 2 sequences of 16 of its 32 tokens: both blocks' fp32 inputs
     # ([2, 16, 32]) are in host memory at the peak, between the forward and the backward.
     assert all(r["mem_offloaded_activations_bytes"] >= 2 * (2 * 16 * 32 * 4) for r in records)
@@ -235,7 +235,7 @@ def test_the_progress_bar_moves_within_a_step():
     assert progress.bar.n == pytest.approx(4.25)  # 3 of the step's 12 parts: the first micro-batch's forward
     loss.backward()
     assert progress.bar.n == pytest.approx(4.5)
-    progress.step_done(4, loss="1.0")
+    progress.step_done(5, loss="1.0")
     assert progress.bar.n == 5
     progress.close()
 
@@ -251,13 +251,13 @@ def test_without_a_terminal_progress_is_a_plain_line_every_n_steps():
                                     expert_intermediate=8), seed=0)
     log = io.StringIO()
     progress = StepProgress(model.layers, first_step=0, steps=7, micro_batches=1, enabled=True, every=3, stream=log)
-    for step in range(7):
+    for done in range(1, 8):
         model(torch.randint(0, 97, (1, 8)), torch.randint(0, 97, (1, 8))).backward()
-        progress.step_done(step, loss=f"{step}.0")
+        progress.step_done(done, loss=f"{done}.0")
     progress.close()
     lines = log.getvalue().splitlines()
     assert [line.split()[1] for line in lines] == ["3/7", "6/7", "7/7"]
-    assert lines[0].startswith("step 3/7 loss=2.0 elapsed") and lines[-1].endswith("about 0 s left")
+    assert lines[0].startswith("step 3/7 loss=3.0 elapsed") and lines[-1].endswith("about 0 s left")
     assert "\r" not in log.getvalue()
 
 
@@ -307,7 +307,20 @@ def test_overwriting_a_run_moves_the_old_one_aside_whole(tmp_path, capsys):
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_1", "step_2"]
     assert f"moved to {aside[0]}" in capsys.readouterr().out
     assert main(["train", *TINY, "--train.steps=3", "--optim.lr=1e-4", "--checkpoint.resume=latest", *keep]) == 0
-    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [0, 1, 2]  # the new run, continued
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [1, 2, 3]  # the new run, continued
+
+
+def test_a_run_directory_numbered_from_zero_resumes_numbered_by_steps_done(tmp_path):
+    """metrics.jsonl numbered its records from 0 before issue 45: resumed, they are renumbered and the
+    run continues with the step after its checkpoint's."""
+    run_dir = tmp_path / "run"
+    assert main(["train", *TINY, "--train.steps=2", "--checkpoint.every=2", f"--log.run_dir={run_dir}"]) == 0
+    metrics = run_dir / "metrics.jsonl"
+    first = read_metrics(metrics)
+    metrics.write_text("".join(json.dumps({**r, "step": r["step"] - 1}) + "\n" for r in first))  # as written before
+    assert main(["train", *TINY, "--train.steps=3", "--checkpoint.resume=latest", f"--log.run_dir={run_dir}"]) == 0
+    records = read_metrics(metrics)
+    assert [r["step"] for r in records] == [1, 2, 3] and records[:2] == first
 
 
 def test_a_resume_without_a_checkpoint_never_truncates_the_earlier_metrics(tmp_path):
@@ -317,7 +330,7 @@ def test_a_resume_without_a_checkpoint_never_truncates_the_earlier_metrics(tmp_p
     assert main(["train", *TINY, "--train.steps=1", "--checkpoint.resume=latest", f"--log.run_dir={run_dir}"]) == 0
     (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("run.replaced-")]
     assert (aside / "metrics.jsonl").read_text() == earlier
-    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [0]
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [1]
 
 
 def test_a_resume_with_nothing_left_to_train_says_so_with_its_own_exit_code(tmp_path, capsys):

@@ -110,7 +110,7 @@ def mop_train(args, name: str, context: int, extra: list[str], steps: int | None
     with torch.profiler (`log.profile_step`) and left out of the timing."""
     steps = steps or args.steps
     if profile:
-        extra = [*extra, f"--log.profile_step={steps}"]
+        extra = [*extra, f"--log.profile_step={steps + 1}"]
         steps += 1
     run_dir = args.out.with_name(f"{args.out.stem}-runs") / f"{name}-{context}"
     command = [sys.executable, "-m", "mop.cli", "train", str(args.config), f"--data.seq_len={context}",
