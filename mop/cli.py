@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import sys
 import typing
 
 from mop.bench import BENCHMARKS
 from mop.bench import load as load_benchmark
 from mop.config import Config, DataConfig, field_docs, hints, load_config, sections
+from mop.faults import PeerLost
 from mop.launch import RUN_ENDED, USER_ERRORS, failed_launch, launch, say_run_ended
 from mop.plan.fit import fitted
 from mop.runtime import under_torchrun
@@ -110,7 +112,7 @@ def build_parser(benchmark: str | None = None) -> argparse.ArgumentParser:
 def run_train(config_path: str | None, overrides: list[str]) -> None:
     config = load_config(config_path, overrides)
     if under_torchrun():  # resolved for the world torchrun started, once the ranks have joined
-        train(config)
+        train(config, say_peer_lost=True)
         return
     config = fitted(config)
     if config.parallel.strategy == "reference":
@@ -162,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except RUN_ENDED as ended:  # one process (the reference strategy, or a rank under torchrun)
         return say_run_ended(ended)
+    except PeerLost as lost:  # a rank under torchrun (its node's first rank said it)
+        return lost.exit_code
     except ChildFailedError as err:
         code, line = failed_launch(err.failures)
         if line:
@@ -169,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         return code
     except SignalException as err:  # the launcher itself was signalled; its ranks said what they saved
         return 128 + err.sigval
+    finally:
+        gc.collect()  # a failed run freed while the interpreter is whole (`mop.launch.leave`)
     return 0
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ Ranks killed by a signal: `launch_failure` says which rank, which signal and its
 
 from __future__ import annotations
 
+import re
 import signal
 import threading
 import traceback
@@ -90,12 +91,13 @@ class Stopped(Exception):
 def quiet_exit_code(err: BaseException, stop: StopRequest) -> int | None:
     """The exit code of a rank that failed only because another one stopped first, else None.
 
-    Either the launcher already asked this rank to stop (a peer failed, or the job is being
-    ended), or its collective lost the connection to a peer; the launcher names the first failure."""
-    if stop.signal is not None:
-        return 128 + stop.signal
+    Either its collective lost the connection to a peer (whatever signal the launcher sent once it
+    saw that peer stop), or the launcher already asked this rank to stop (a peer failed, or the job
+    is being ended); the launcher names the first failure."""
     if isinstance(err, RuntimeError) and "Connection closed by peer" in str(err):
         return PEER_LOST
+    if stop.signal is not None:
+        return 128 + stop.signal
     return None
 
 
@@ -111,6 +113,15 @@ def collective_timeout(err: BaseException) -> CollectiveTimeout | None:
     """The one-line error naming the operation and the group of a collective that timed out, else None."""
     if not any(mark in str(err) for mark in _TIMEOUT_MARKS):
         return None
+    what, caller = failed_collective(err)
+    return CollectiveTimeout(f"parallel.timeout_s: {what} waited longer than the timeout (in {caller}); another rank "
+                             "stopped or is stuck (see its message); raise --parallel.timeout_s if a step legitimately "
+                             "takes longer")
+
+
+def failed_collective(err: BaseException) -> tuple[str, str]:
+    """Which collective `err` came out of, as its traceback tells: the innermost `torch.distributed`
+    call and its group's name, and the innermost caller outside torch."""
     operation, group, caller = "an asynchronous collective's wait", "", ""
     for frame, line in traceback.walk_tb(err.__traceback__):
         where = frame.f_code.co_filename
@@ -119,9 +130,54 @@ def collective_timeout(err: BaseException) -> CollectiveTimeout | None:
         elif "/torch/" not in where:  # the innermost caller outside torch
             caller = f"{Path(where).name}:{line} {frame.f_code.co_name}"
     over = f" over the {group} group" if group else ""
-    return CollectiveTimeout(f"parallel.timeout_s: {operation}{over} waited longer than the timeout (in {caller}); "
-                             "another rank stopped or is stuck (see its message); raise --parallel.timeout_s if a "
-                             "step legitimately takes longer")
+    return f"{operation}{over}", caller
+
+
+@dataclass
+class PeerLost(Exception):
+    """A collective lost its connection to a rank that had stopped. mop's launcher names that rank
+    itself; under torchrun the first rank of each node that goes on says this (`mop.train.train`),
+    once for its node, whose agent cannot tell: what was lost as far as this rank can tell (the
+    peer's address; with the node's ranks known, the other nodes'), in which collective, and how to
+    continue."""
+
+    collective: str
+    peer: str
+    node_ranks: range
+    world: int
+    newest: Path | None
+    run_dir: Path
+
+    exit_code = PEER_LOST
+
+    @classmethod
+    def of(cls, err: BaseException, env, newest: Path | None, run_dir: Path) -> PeerLost:
+        """From the error and the torchrun place (`mop.parallel.mesh.TorchrunEnv`) of the rank it reached."""
+        peer = re.search(r"Connection closed by peer \[([^\]]*)\]:(\d+)", str(err))
+        first = env.rank - env.local_rank
+        what, caller = failed_collective(err)
+        return cls(f"{what} (in {caller})", f"{peer[1]}:{peer[2]}" if peer else "a peer",
+                   range(first, first + env.local_world_size), env.world_size, newest, run_dir)
+
+    def __str__(self) -> str:
+        others = [r for r in range(self.world) if r not in self.node_ranks]
+        lost = f"a rank of another node (ranks {_ranks(others)})" if others else "a rank of this node"
+        resume = (f"the newest complete checkpoint is {self.newest}: resume with the same command and "
+                  f"--checkpoint.resume=latest --log.run_dir={self.run_dir}" if self.newest else
+                  f"no checkpoint is complete in {self.run_dir}: the same command starts the run again")
+        return (f"lost {lost}, which stopped (see its node's log): {self.collective} lost its connection to "
+                f"{self.peer}; this node's ranks {_ranks(self.node_ranks)} stop too; {resume}")
+
+
+def _ranks(ranks) -> str:
+    """`[0, 1, 2, 5]` as "0-2, 5"."""
+    runs, ranks = [], sorted(ranks)
+    for r in ranks:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
 
 
 def _group_name(group: dist.ProcessGroup) -> str:

@@ -10,16 +10,18 @@ signal prints (rank 0) how to resume and exits with 128 + the signal number.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import os
 import sys
+import typing
 import uuid
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
 from mop.config import Config, ConfigError
 from mop.data import DataError
-from mop.faults import CollectiveTimeout, Stopped, launch_failure, recorded_error, secondary
+from mop.faults import CollectiveTimeout, PeerLost, Stopped, launch_failure, recorded_error, secondary
 from mop.models.hf import HFConversionError
 from mop.parallel.mesh import LayoutError
 from mop.resolve import ResolvedConfig
@@ -74,9 +76,26 @@ def worker(config: Config) -> list[dict]:
         return train(config)
     except ONE_LINE_ERRORS as err:
         ErrorHandler().record_exception(err)  # "<type>: <message>", read back by `failed_launch`
-        raise SystemExit(2 if isinstance(err, USER_ERRORS) else 1) from None
+        code = 2 if isinstance(err, USER_ERRORS) else 1
     except RUN_ENDED as ended:
-        raise SystemExit(say_run_ended(ended)) from None
+        code = say_run_ended(ended)
+    except PeerLost as lost:  # the launcher names the rank that stopped first
+        code = lost.exit_code
+    leave(code)
+
+
+def leave(code: int) -> typing.NoReturn:
+    """End a rank whose run failed or ended early with exit code `code`, its run freed first.
+
+    The error's traceback holds the run (its tensors, the last references to its process groups,
+    DCP's plans) in reference cycles that only the garbage collector frees. Left to the interpreter's
+    teardown, that collection destroys gloo's process groups and their pending work while the
+    interpreter is going away; a gloo thread that then needs the GIL to drop a tensor is ended by it
+    (pthread_exit) inside C++ code, which aborts the process (`terminate called without an active
+    exception`, SIGABRT): a rank that had recorded a user error exited with 250, not 2. Freed here,
+    with the error already out of scope, they go while the interpreter is whole."""
+    gc.collect()
+    raise SystemExit(code)
 
 
 def say_run_ended(ended: NothingToTrain | Stopped) -> int:

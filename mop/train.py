@@ -38,7 +38,7 @@ from mop.build import TrainingRun, build_run
 from mop.config import Config, ConfigError
 from mop.data import Data, count_targets, to_device
 from mop.evaluation import evaluate
-from mop.faults import Stopped, StopRequest, collective_timeout, quiet_exit_code
+from mop.faults import PEER_LOST, PeerLost, Stopped, StopRequest, collective_timeout, quiet_exit_code
 from mop.flops import attended_keys, peak_flops
 from mop.metrics import (
     MetricsLogger,
@@ -280,21 +280,33 @@ def setup_runtime(config: Config) -> tuple[ResolvedConfig, Runtime]:
     return config, joined(config, env, device)
 
 
-def train(config: Config) -> list[dict]:
+def train(config: Config, say_peer_lost: bool = False) -> list[dict]:
     """Run the configured training in this process (one rank); returns the per-step records.
 
     SIGTERM / SIGINT stop it after the current step with a checkpoint (`mop.faults.Stopped`). A
-    rank that fails only because another one stopped first exits quietly (`quiet_exit_code`); a
-    collective that outlives `parallel.timeout_s` is one line naming it (`collective_timeout`)."""
+    rank that fails only because another one stopped first exits quietly (`quiet_exit_code`), or,
+    where it lost the connection to that rank, raises `mop.faults.PeerLost` (mop's launcher names the
+    rank; with `say_peer_lost`, under torchrun, a node's first rank says it at once, while a signal
+    its agent then sends is still only recorded); a collective that outlives `parallel.timeout_s` is
+    one line naming it (`collective_timeout`)."""
     config, runtime = setup_runtime(config)
+    run_dir = None
     try:
         with StopRequest() as stop:
             try:
-                return _train(config, runtime, stop)
+                run_dir = shared_run_dir(config, runtime)
+                return _train(config, runtime, stop, run_dir)
             except (Stopped, NothingToTrain):
                 raise
             except Exception as err:
                 quiet = quiet_exit_code(err, stop) if runtime.layout is not None else None
+                if quiet == PEER_LOST and run_dir is not None:
+                    newest = checkpoint.complete_checkpoints(checkpoint.checkpoint_dir(config, run_dir))
+                    env = TorchrunEnv.from_environ()
+                    lost = PeerLost.of(err, env, newest[-1] if newest else None, run_dir)
+                    if say_peer_lost and env.local_rank == 0:
+                        print(f"mop: error: {lost}", file=sys.stderr, flush=True)
+                    raise lost from None
                 if quiet is not None:
                     raise SystemExit(quiet) from None
                 timeout = collective_timeout(err)
@@ -306,11 +318,12 @@ def train(config: Config) -> list[dict]:
             dist.destroy_process_group()
 
 
-def _train(config: Config, runtime: Runtime, stop: StopRequest | None = None) -> list[dict]:
+def _train(config: Config, runtime: Runtime, stop: StopRequest | None = None, run_dir: Path | None = None) -> list[dict]:
     """The training loop of `train` (tests call it with a runtime of their own); `stop`: the stop
-    request it honours after each step (None: signals are not caught)."""
+    request it honours after each step (None: signals are not caught); `run_dir`: the run directory
+    every rank agreed on (None: agreed on here)."""
     stop = stop or StopRequest()
-    run_dir = shared_run_dir(config, runtime)
+    run_dir = run_dir or shared_run_dir(config, runtime)
     # On the CPU what the process holds before the run exists (interpreter, libraries, process
     # groups): the part of `peak_mem_bytes` no memory model of the run accounts for.
     before = peak_memory_bytes(runtime.device)

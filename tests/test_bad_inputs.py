@@ -145,6 +145,23 @@ def jsonl(s: Scene, *lines: str) -> str:
     return f"--data.source={s.write('docs.jsonl', chr(10).join(lines) + chr(10))}"
 
 
+QWEN3 = Path(mop.__file__).parent / "data" / "assets" / "qwen3"
+CONVERSATION = {"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]}
+PAIR = {"prompt": "Say", "chosen": " yes", "rejected": " no"}
+
+
+def rows_of(s: Scene, kind: str, name: str, rows: list) -> list[str]:
+    """`mop train` of chat or preference rows (a list of dicts: jsonl, or parquet by `name`'s suffix;
+    bytes: jsonl lines as they are)."""
+    path = s.path(name)
+    if name.endswith(".parquet"):
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    else:
+        path.write_bytes(b"".join(r if isinstance(r, bytes) else json.dumps(r).encode() + b"\n" for r in rows))
+    return s.train(f"--data.format={kind}", f"--data.tokenizer={QWEN3}", "--model.vocab_size=584",
+                   "--data.seq_len=256", f"--data.source={path}")
+
+
 def parquet_without_text(s: Scene) -> list[str]:
     pq.write_table(pa.table({"body": [TEXT, TEXT]}), s.path("docs.parquet"))
     return s.train(f"--data.source={s.path('docs.parquet')}")
@@ -361,6 +378,11 @@ DATA = [
     case("jsonl-text-not-a-string", lambda s: s.train(jsonl(s, json.dumps({"text": 42}))),
          "data.text_field", "docs.jsonl row 1"),
     case("parquet-without-column", parquet_without_text, "data.text_field", "docs.parquet"),
+    case("chat-row-not-utf8", lambda s: rows_of(s, "chat", "chat.jsonl", [CONVERSATION] * 199 + [
+        json.dumps(CONVERSATION).replace("Hello", "H\u00e9llo").encode("latin-1") + b"\n"]),
+         "data.source", "chat.jsonl row 200", "not valid UTF-8"),
+    case("preference-parquet-row", lambda s: rows_of(s, "preference", "pairs.parquet", [PAIR, {**PAIR, "rejected": None}]),
+         "data.source", "pairs.parquet row 2", "no 'rejected'"),
     case("parquet-unreadable", lambda s: s.train(f"--data.source={s.write('junk.parquet', b'not parquet')}"),
          "data.source", "junk.parquet"),
     case("bin-odd-size", lambda s: s.train(f"--data.source={s.write('odd.bin', bytes(101))}"),

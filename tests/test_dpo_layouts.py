@@ -174,3 +174,23 @@ def test_a_stored_reference_serves_only_the_weights_data_and_dtype_it_was_comput
     assert main(["train", *resumed, "--dpo.beta=0.3"]) == 0  # the table serves another beta
     assert main(["train", *resumed, "--train.steps=3", "--train.dtype=bfloat16"]) != 0
     assert "dpo.reference: the checkpoint's reference log-probs" in capsys.readouterr().err
+
+
+def test_a_degenerate_pair_is_counted_and_warned_about_once(tmp_path, capsys):
+    """A pair whose responses are the same tokens trains (TRL's way) but is said: one warning naming
+    its row, the start line's count and every record's `data_degenerate_pairs`."""
+    rows = (ROOT / "mop" / "data" / "corpus" / "preferences.jsonl").read_text().splitlines()
+    same = json.loads(rows[PICKED[0]])
+    same["rejected"] = same["chosen"]
+    source = tmp_path / "pairs.jsonl"
+    source.write_text("\n".join([rows[PICKED[1]], json.dumps(same)]) + "\n")
+    run_dir = tmp_path / "run"
+    assert main(["train", *DPO, *TRAIN, "--train.steps=2", "--parallel.strategy=reference",
+                 f"--data.source={source}", f"--log.run_dir={run_dir}"]) == 0
+    out, err = capsys.readouterr()
+    assert "; 1 degenerate)" in out
+    warnings = [line for line in err.splitlines() if line.startswith("mop: warning:")]
+    assert warnings == [f"mop: warning: 1 preference pair(s) have the same chosen and rejected tokens (e.g. {source} "
+                        "row 2): each adds a constant to the loss, no gradient and a miss to rewards/accuracies; set "
+                        "data.skip_invalid = true to drop them"]
+    assert [r["data_degenerate_pairs"] for r in read_metrics(run_dir / "metrics.jsonl")] == [1, 1]

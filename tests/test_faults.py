@@ -11,6 +11,7 @@ exactly on the same layout, within 1e-4 on another.
 """
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -268,3 +269,80 @@ def test_a_rank_failing_on_a_bug_shows_its_traceback_above_the_line():
     code, text = failed_launch({0: bug, 1: failure(128 + signal.SIGTERM)})
     assert code == 1
     assert text == f"[rank 0] {stack}mop: error: rank(s) 0 failed; their tracebacks are above"
+
+
+# The second node's ranks stop in step 5, after two checkpoints, each leaving its pid to be killed.
+SECOND_NODE_STOPS_IN_STEP_5 = """
+    import os, time
+    from pathlib import Path
+    import mop.train
+    run_step, calls = mop.train.train_step, []
+    def train_step(run, batches):
+        calls.append(1)
+        if len(calls) == 5 and os.environ["GROUP_RANK"] == "1":
+            (Path(__file__).parent / f"rank-{os.environ['RANK']}.pid").write_text(str(os.getpid()))
+            time.sleep(600)
+        return run_step(run, batches)
+    mop.train.train_step = train_step
+"""
+
+
+def torchrun_node(run_dir: Path, port: int) -> subprocess.Popen:
+    """One of two torchrun agents (2 ranks each) of a run, in its own session: the README's multi-node
+    command on this machine, with the fault above injected."""
+    hooks = run_dir.parent / "hooks"
+    hooks.mkdir(exist_ok=True)
+    (hooks / "sitecustomize.py").write_text(textwrap.dedent(SECOND_NODE_STOPS_IN_STEP_5))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hooks), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2", "--rdzv_backend=c10d",
+           f"--rdzv_endpoint=localhost:{port}", "--rdzv_id=mop-test", "-m", "mop.cli", "train", *TINY_RUN,
+           "--parallel.strategy=mop", f"--train.steps={STEPS}", "--checkpoint.every=2", "--checkpoint.keep=5",
+           f"--log.run_dir={run_dir}"]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+@pytest.mark.slow
+def test_a_node_lost_under_torchrun_is_said_once_by_the_node_that_goes_on(tmp_path):
+    """Two torchrun agents of 2 ranks each, one killed whole mid-run: the other node's ranks stop, its
+    first rank saying what was lost, where, and how to resume; the run resumes from the newest
+    checkpoint and continues the single-process curve."""
+    run_dir, port = tmp_path / "run", _free_port()
+    agents = [torchrun_node(run_dir, port) for _ in range(2)]
+    pids = [tmp_path / "hooks" / f"rank-{rank}.pid" for rank in (2, 3)]
+    try:
+        wait_for(lambda: all(p.is_file() for p in pids), "the second node's step 5", agents[0])
+        lost = next(a for a in agents if a.pid == _parent_of(int(pids[0].read_text())))
+        os.killpg(lost.pid, signal.SIGKILL)  # the agent, then its ranks: the whole node
+        for pid in pids:
+            os.kill(int(pid.read_text()), signal.SIGKILL)
+        code, err = finish(next(a for a in agents if a is not lost))
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+    said = [line for line in err if line.startswith("mop: ")]
+    assert checkpoints(run_dir) == ["step_2", "step_4"]
+    assert code != 0 and len(said) == 1, err
+    assert re.fullmatch(r"mop: error: lost a rank of another node \(ranks (0-1|2-3)\), which stopped \(see its node's log\): "
+                        r"\w+ over the \w+ group \(in \w+\.py:\d+ \w+\) lost its connection to [\d.]+:\d+; this node's "
+                        rf"ranks (0-1|2-3) stop too; the newest complete checkpoint is {re.escape(str(run_dir))}/"
+                        r"checkpoints/step_4: resume with the same command and --checkpoint\.resume=latest "
+                        rf"--log\.run_dir={re.escape(str(run_dir))}", said[0]), said[0]
+    reference = tmp_path / "reference"
+    assert main(["train", *ONE_PROCESS, f"--log.run_dir={reference}"]) == 0
+    assert losses(run_dir)[:4] == pytest.approx(losses(reference)[:4], rel=1e-4)
+    assert resume_in_one_process(run_dir, "step_4") == pytest.approx(losses(reference)[4:], rel=1e-4)
+
+
+def _parent_of(pid: int) -> int:
+    """The pid of process `pid`'s parent (a launched rank's: its agent)."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
