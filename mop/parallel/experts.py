@@ -24,7 +24,10 @@ def shard_experts(model, layout: DistLayout, options: BalanceOptions, compute_dt
     apply_expert_parallel(model, layout, options)
     for module in model.modules():
         if isinstance(module, ExpertParallel):
+            # Its inputs stay as the block gives them: the routing weights fp32, as in one process (a
+            # cast to the compute dtype rounded them, and torch 2.11's FSDP2 skipped it in a
+            # checkpointed block's recomputation: the recomputed weights fp32, the saved bf16).
             fully_shard(module, mesh=layout.expert_replica_mesh, reshard_after_forward=True,
-                        mp_policy=mixed_precision(compute_dtype),
+                        mp_policy=mixed_precision(compute_dtype, cast_inputs=False),
                         offload_policy=offload_policy(offload, layout.device))
             sum_gradients(module)
