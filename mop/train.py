@@ -318,7 +318,8 @@ def train(config: Config, say_peer_lost: bool = False) -> list[dict]:
             dist.destroy_process_group()
 
 
-def _train(config: Config, runtime: Runtime, stop: StopRequest | None = None, run_dir: Path | None = None) -> list[dict]:
+def _train(config: Config, runtime: Runtime, stop: StopRequest | None = None,
+           run_dir: Path | None = None) -> list[dict]:
     """The training loop of `train` (tests call it with a runtime of their own); `stop`: the stop
     request it honours after each step (None: signals are not caught); `run_dir`: the run directory
     every rank agreed on (None: agreed on here)."""

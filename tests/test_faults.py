@@ -32,6 +32,7 @@ from mop.launch import failed_launch
 from mop.metrics import read_metrics
 from mop.parallel.mesh import DistLayout, Layout
 from mop.testing import rank_device, run_distributed
+from mop.testing.distributed import free_port
 from test_train import TINY, TINY_RUN
 
 STEPS = 12
@@ -307,7 +308,7 @@ def test_a_node_lost_under_torchrun_is_said_once_by_the_node_that_goes_on(tmp_pa
     """Two torchrun agents of 2 ranks each, one killed whole mid-run: the other node's ranks stop, its
     first rank saying what was lost, where, and how to resume; the run resumes from the newest
     checkpoint and continues the single-process curve."""
-    run_dir, port = tmp_path / "run", _free_port()
+    run_dir, port = tmp_path / "run", free_port()
     agents = [torchrun_node(run_dir, port) for _ in range(2)]
     pids = [tmp_path / "hooks" / f"rank-{rank}.pid" for rank in (2, 3)]
     try:
@@ -338,11 +339,3 @@ def test_a_node_lost_under_torchrun_is_said_once_by_the_node_that_goes_on(tmp_pa
 def _parent_of(pid: int) -> int:
     """The pid of process `pid`'s parent (a launched rank's: its agent)."""
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]

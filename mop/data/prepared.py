@@ -21,8 +21,8 @@ template's sha256 and origin (None for pairs encoded without a template: plain r
 of the assistant targets' definition (`mop.data.templates.TARGETS_VERSION`), the counts
 (conversations, tokens, targets and a length histogram; or pairs, prompt and response tokens,
 targets, a histogram of the shared-prompt unit lengths p + c + 1 + r and the degenerate pairs kept,
-with examples) and the skipped rows with examples. A run whose data.format, tokenizer, template or targets' version differ from the
-manifest's is refused in one line (`data.seq_len`, `data.loss_on`, `data.overlong` and
+with examples) and the skipped rows with examples. A run whose data.format, tokenizer, template or
+targets' version differ from the manifest's is refused in one line (`data.seq_len`, `data.loss_on`, `data.overlong` and
 `data.shared_prompt` apply when sequences are built, so one folder serves them all).
 
 `prepare` streams: the main process reads rows a chunk at a time, `workers` processes render and
@@ -472,15 +472,12 @@ def open_prepared(source: str, settings: ChatSettings) -> ChatCorpus:
     if len(tokens) != offsets[-1] or len(targets) != offsets[-1] or (parts is not None and len(parts) != items):
         raise DataError(f"data.source: {folder}'s arrays disagree with its offsets (truncated copy?); prepare it again")
     fingerprint = hashlib.blake2b(json.dumps(manifest, sort_keys=True).encode(), digest_size=8).hexdigest()
-    corpus = _corpus(kind, tokens, targets, np.asarray(offsets), fingerprint, manifest["skipped"], parts)
-    if kind == "preference":
-        if "degenerate_pairs" in manifest:
-            corpus.degenerate_pairs = manifest["degenerate_pairs"]
-            corpus.degenerate_examples = manifest["degenerate_examples"]
-        else:  # a folder prepared before they were counted
-            corpus.degenerate_pairs = sum(same_responses(corpus.tokens[a:b], p) for a, b, p in
-                                          zip(corpus.offsets[:-1], corpus.offsets[1:], corpus.parts))
-    return corpus
+    if "degenerate_pairs" in manifest:
+        degenerate = (manifest["degenerate_pairs"], manifest["degenerate_examples"])
+    else:  # a chat folder, or pairs prepared before they were counted
+        degenerate = (0 if parts is None else sum(same_responses(tokens[a:b], p) for a, b, p in
+                                                  zip(offsets[:-1], offsets[1:], parts)), [])
+    return _corpus(kind, tokens, targets, np.asarray(offsets), fingerprint, manifest["skipped"], parts, degenerate)
 
 
 def _read_manifest(folder: Path) -> dict:

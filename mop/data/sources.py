@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 
 from mop.data.errors import DataError
 from mop.data.packing import ConcatTokens, pack_documents
-from mop.data.rows import jsonl_lines, read_text, row_name
+from mop.data.rows import jsonl_lines, read_text, table_rows
 from mop.data.tokenizer import AnyTokenizer
 
 SUFFIXES = (".txt", ".jsonl", ".parquet", ".bin")
@@ -111,11 +111,8 @@ def _read_parquet(path: Path, text_field: str) -> Iterator[str]:
     if text_field not in names:
         raise DataError(f"data.source: {path} has no column {text_field!r} (columns: "
                         f"{', '.join(names)}); set data.text_field to the text column")
-    number = 0
-    for batch in pf.iter_batches(batch_size=1024, columns=[text_field]):
-        for value in batch.column(0).to_pylist():
-            number += 1
-            yield _checked_text(value, row_name(path, number), text_field)
+    for where, row in table_rows(path, pf.iter_batches(batch_size=1024, columns=[text_field])):
+        yield _checked_text(row[text_field], where, text_field)
 
 
 def read_texts(path, text_field: str = "text") -> Iterator[str]:

@@ -311,8 +311,9 @@ class ChatTemplate:
         shown = []
         for probe in (_PROBE, [dict(m, reasoning_content=_PROBE_REASONING) if m["role"] == "assistant" else m
                                for m in _PROBE]):
+            text = self._probe(probe, False)
             for answer in (1, 3):
-                before, text = self._probe(probe[:answer], False), self._probe(probe, False)
+                before = self._probe(probe[:answer], False)
                 if before is None or text is None or not text.startswith(before):
                     continue
                 rest = text[len(before):]

@@ -88,7 +88,7 @@ def run_distributed(
     ctx.set_forkserver_preload(["torch", "torch.distributed", "mop.parallel.mesh"])
     with tempfile.TemporaryDirectory(prefix="mop-dist-") as tmp:
         paths = [Path(tmp) / f"rank{rank}.pkl" for rank in range(world_size)]
-        port = _free_port()
+        port = free_port()
         procs = [
             ctx.Process(target=_child, args=(rank, world_size, port, payload, str(paths[rank]), device), daemon=True)
             for rank in range(world_size)
@@ -150,7 +150,7 @@ def _wait(procs: list[mp.process.BaseProcess], timeout: float) -> list[int]:
     return exit_order
 
 
-def _free_port() -> int:
+def free_port() -> int:
     # Port 0 lets the OS pick; the window before rank 0's store binds it is tiny.
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
