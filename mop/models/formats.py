@@ -3,6 +3,8 @@
 A LoRA run (`mop.models.lora`) keeps the base weights it does not train in the precision they were
 published in and dequantizes each one just for the GEMM that uses it (`mop.models.projections`).
 The Hugging Face reader (`mop.models.hf_quantized`) decodes the same formats with these functions.
+Each format is a `StoredFormat`: it knows its `lora.base_format` setting, the names and shapes of the
+two tensors it stores a weight as (its data and its scales), and how it orients a stacked weight.
 
 - `Fp8Blocks` (DeepSeek-V3, Kimi-K2): a weight `W [..., R, C]` (rows are output features) is
   stored as float8_e4m3fn beside fp32 `scale_inv [..., sum_p ceil(R_p / bo), ceil(C / bi)]`, and
@@ -23,7 +25,10 @@ the nearest e2m1 value.
 
 from __future__ import annotations
 
+import re
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -43,13 +48,120 @@ def _slabs(count: int, per_item: int):
     return [slice(start, min(start + step, count)) for start in range(0, count, step)]
 
 
+class StoredFormat(ABC):
+    """A published low-precision format (module docstring): it stores a weight as two tensors, its
+    data and its scales, named by `suffixes` of the weight's own name.
+
+    A format quantizes a matrix `[..., R, C]`: the weight as the model holds it, or its transpose
+    when the format fixes the orientation of stacked weights (`input_major`, `stores_transposed`).
+    `parse` inverts `name`: `type(f).parse(f.name)` stores weights as `f` does (`same_as`).
+    """
+
+    suffixes: ClassVar[tuple[str, str]]
+    """The names of its data and of its scales, as suffixes of the weight's name (Hugging Face's)."""
+    input_major: ClassVar[bool] = False
+    """Whether it stores every stacked weight as `[E, in, out]` (applied `x @ P_e`), whichever way the
+    model holds it; otherwise it stores a weight as the model holds it."""
+
+    @classmethod
+    @abstractmethod
+    def parse(cls, setting: str) -> StoredFormat | None:
+        """The format a `lora.base_format` setting names, None when it names none of this kind."""
+
+    @property
+    @abstractmethod
+    def name(self) -> str:
+        """Its `lora.base_format` setting."""
+
+    @abstractmethod
+    def for_linear(self) -> StoredFormat | None:
+        """How a linear layer's weight is stored under this setting (None: in the compute dtype)."""
+
+    @abstractmethod
+    def for_experts(self, parts: tuple[int, ...]) -> StoredFormat:
+        """How a routed experts' projection whose rows come in `parts` is stored under this setting."""
+
+    @abstractmethod
+    def same_as(self, other: StoredFormat | None) -> bool:
+        """Whether `other` stores weights alike, so that one's stored tensors are the other's."""
+
+    @abstractmethod
+    def stored_shapes(self, shape: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+        """The shapes of the data and of the scales that store a matrix of `shape`."""
+
+    @abstractmethod
+    def stored_dtypes(self) -> tuple[torch.dtype, ...]:
+        """The dtypes of the data and of the scales in the model."""
+
+    @abstractmethod
+    def published_dtypes(self) -> tuple[torch.dtype, ...]:
+        """The dtypes of the data and of the scales in a checkpoint."""
+
+    @abstractmethod
+    def dequantized_shape(self, data_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of the matrix stored as data of `data_shape` (`stored_shapes`' first, inverted)."""
+
+    @abstractmethod
+    def dequantize(self, data: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The stored matrix in `dtype`."""
+
+    @abstractmethod
+    def quantize(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The data and the scales that store the matrix `values`."""
+
+    def stores_transposed(self, transposed: bool) -> bool:
+        """Whether a stacked weight the model holds `[E, in, out]` (`transposed`) or `[E, out, in]` is
+        stored as its transpose."""
+        return self.input_major and not transposed
+
+    def reoriented(self, shape: tuple[int, ...], transposed: bool) -> tuple[int, ...]:
+        """`shape` with its last two sizes swapped when a weight held `transposed` is stored as its
+        transpose: the model's shape of a weight <-> the shape of the matrix stored (its own inverse)."""
+        if not self.stores_transposed(transposed):
+            return tuple(shape)
+        *lead, rows, columns = shape
+        return (*lead, columns, rows)
+
+    def weight_shape(self, data_shape: tuple[int, ...], transposed: bool) -> tuple[int, ...]:
+        """The model's shape of a weight held `transposed` (or not) that is stored as data of `data_shape`."""
+        return self.reoriented(self.dequantized_shape(data_shape), transposed)
+
+
 @dataclass(frozen=True)
-class Fp8Blocks:
+class Fp8Blocks(StoredFormat):
     """fp8 e4m3 with fp32 block scales (module docstring); `parts`: the row parts of the last-but-one
-    dimension (one part: the whole rows), `block`: (rows, columns) per scale."""
+    dimension (one part: the whole rows), `block`: (rows, columns) per scale. It stores every
+    projection, each as the model holds it."""
 
     block: tuple[int, int] = (128, 128)
     parts: tuple[int, ...] = ()
+
+    suffixes: ClassVar[tuple[str, str]] = ("", "_scale_inv")
+
+    @classmethod
+    def parse(cls, setting: str) -> Fp8Blocks | None:
+        """`fp8` (blocks of 128x128) or `fp8:RxC`; raises ValueError for blocks without rows or columns."""
+        match = re.fullmatch(r"fp8(?::(\d+)x(\d+))?", setting)
+        if not match:
+            return None
+        rows, columns = (int(match[1]), int(match[2])) if match[1] else (128, 128)
+        if rows < 1 or columns < 1:
+            raise ValueError(f"{setting!r}: blocks need at least one row and one column")
+        return cls((rows, columns))
+
+    @property
+    def name(self) -> str:
+        return f"fp8:{self.block[0]}x{self.block[1]}"
+
+    def for_linear(self) -> Fp8Blocks:
+        return self
+
+    def for_experts(self, parts: tuple[int, ...]) -> Fp8Blocks:
+        """Blocked on each of the projection's row parts (as the checkpoints scale each published tensor)."""
+        return Fp8Blocks(self.block, parts)
+
+    def dequantized_shape(self, data_shape: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(data_shape)
 
     def stored_shapes(self, shape: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
         """The shapes of the stored weight and of its scales, for a weight of `shape`."""
@@ -119,11 +231,33 @@ class Fp8Blocks:
 
 
 @dataclass(frozen=True)
-class Mxfp4:
-    """MXFP4 experts (module docstring): `P [E, a, b]` as (blocks, scales)."""
+class Mxfp4(StoredFormat):
+    """MXFP4 experts (module docstring): `P [E, a, b]` (`[E, in, out]`) as (blocks, scales). It stores
+    the routed experts only; the other projections stay in the compute dtype."""
+
+    suffixes: ClassVar[tuple[str, str]] = ("_blocks", "_scales")
+    input_major: ClassVar[bool] = True
+
+    @classmethod
+    def parse(cls, setting: str) -> Mxfp4 | None:
+        return cls() if setting == "mxfp4" else None
+
+    @property
+    def name(self) -> str:
+        return "mxfp4"
+
+    def for_linear(self) -> None:
+        return None
+
+    def for_experts(self, parts: tuple[int, ...]) -> Mxfp4:
+        return self
 
     def same_as(self, other) -> bool:
         return isinstance(other, Mxfp4)
+
+    def dequantized_shape(self, data_shape: tuple[int, ...]) -> tuple[int, ...]:
+        experts, b, groups, width = data_shape  # two e2m1 codes a byte
+        return experts, groups * 2 * width, b
 
     def stored_shapes(self, shape: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
         experts, a, b = shape
@@ -150,6 +284,20 @@ class Mxfp4:
         codes = ((grouped / torch.exp2(exponent).unsqueeze(-1)).unsqueeze(-1) - table).abs().argmin(-1)
         blocks, scales = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8), (exponent + 127).to(torch.uint8)
         return blocks.view(BYTE_CARRIER), scales.view(BYTE_CARRIER)
+
+
+FORMATS: tuple[type[StoredFormat], ...] = (Fp8Blocks, Mxfp4)
+"""Every format a `lora.base_format` setting may name."""
+
+
+def format_named(setting: str) -> StoredFormat | None:
+    """The format `setting` names (a format's `name`, or "fp8" for its default blocks), None when no
+    format does; raises ValueError for a format's setting with impossible parameters."""
+    for kind in FORMATS:
+        fmt = kind.parse(setting)
+        if fmt is not None:
+            return fmt
+    return None
 
 
 def decode_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,6 @@ from safetensors.torch import save_file
 
 from mop.models.config import ModelConfig
 from mop.models.families import FAMILIES
-from mop.models.formats import Fp8Blocks
 from mop.models.family import Family
 from mop.models.hf_mapping import HFConversionError, Piece, model_pieces, shared_config_to_hf, stacked_experts_key
 from mop.models.hf_quantized import reader_for
@@ -349,13 +348,12 @@ class AsPublished:
     def __init__(self, base: HFWeights):
         self.fmt, self.keys = base.quantized.format, set(getattr(base.quantized, "companions", {}))
         self.config = base.hf_config.get("quantization_config")
-        self.suffixes = ("", "_scale_inv") if isinstance(self.fmt, Fp8Blocks) else ("_blocks", "_scales")
         self.dtypes = {key: SAFETENSORS_DTYPES.get(entry[0].get_slice(key).get_dtype())
                        for key, entry in base.tensors.items() if key not in self.keys}
 
     def __call__(self, key: str, value: torch.Tensor) -> dict[str, torch.Tensor] | None:
         if key in self.keys:
-            parts = zip(self.suffixes, self.fmt.quantize(value), self.fmt.published_dtypes())
+            parts = zip(self.fmt.suffixes, self.fmt.quantize(value), self.fmt.published_dtypes())
             return {key + suffix: part.view(dtype).contiguous() for suffix, part, dtype in parts}
         dtype = self.dtypes.get(key)
         return None if dtype is None else {key: value.to(dtype).contiguous()}

@@ -77,7 +77,8 @@ def reader_for(quantization: dict | None, config_file) -> Unquantized:
 
 
 class _Companions(Unquantized):
-    """A reader whose quantized weights carry companion tensors named by suffixes of theirs."""
+    """A reader whose quantized weights carry companion tensors named by suffixes of theirs (their
+    format's `suffixes`: the data's, then the scales')."""
 
     stored: str  # the suffix of the stored data ("" when the weight keeps its own name)
     companion: str  # the suffix of the scales
@@ -103,7 +104,7 @@ class _Companions(Unquantized):
 
 
 class Fp8BlockScales(_Companions):
-    stored, companion = "", "_scale_inv"
+    stored, companion = formats.Fp8Blocks.suffixes
 
     def __init__(self, block: tuple[int, int]):
         self.block = block
@@ -130,7 +131,7 @@ class Fp8BlockScales(_Companions):
 
 
 class Mxfp4(_Companions):
-    stored, companion = "_blocks", "_scales"
+    stored, companion = formats.Mxfp4.suffixes
     format = formats.Mxfp4()
 
     def shape(self, tensors: dict, key: str) -> list[int]:

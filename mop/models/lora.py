@@ -30,7 +30,7 @@ masks, so a run with dropout is the same in distribution, not element for elemen
 from __future__ import annotations
 
 import math
-import re
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mop.models.formats import Fp8Blocks, Mxfp4
+from mop.models.formats import StoredFormat, format_named
 from mop.models.layers import SwiGLU, compute_dtype_of
 from mop.models.moe import ExpertKind, MoE
 from mop.models.projections import Adapted, Dense, Dequantized
@@ -78,7 +78,7 @@ class LoraConfig:
     def target_list(self) -> list[str]:
         return [item.strip() for item in self.targets.split(",") if item.strip()]
 
-    def format(self):
+    def format(self) -> StoredFormat | None:
         """The resolved `base_format` as a `mop.models.formats` format (None: the compute dtype)."""
         return parse_format(self.base_format)
 
@@ -100,34 +100,19 @@ class LoraConfig:
         return problems
 
 
-def parse_format(text: str):
+def parse_format(text: str) -> StoredFormat | None:
     """A `base_format` value as a format object (None: the compute dtype); "auto" is decided by the run."""
     if text in ("none", "auto"):
         return None
-    if text == "mxfp4":
-        return Mxfp4()
-    match = re.fullmatch(r"fp8(?::(\d+)x(\d+))?", text)
-    if not match:
-        raise ValueError(f"{text!r} is not a base format; use auto, none, fp8, fp8:RxC (e.g. fp8:128x128) or mxfp4")
-    rows, columns = (int(match[1]), int(match[2])) if match[1] else (128, 128)
-    if rows < 1 or columns < 1:
-        raise ValueError(f"{text!r}: blocks need at least one row and one column")
-    return Fp8Blocks((rows, columns))
-
-
-def format_name(fmt) -> str:
-    """The `base_format` value of a format object (`parse_format`'s inverse)."""
+    fmt = format_named(text)
     if fmt is None:
-        return "none"
-    if isinstance(fmt, Mxfp4):
-        return "mxfp4"
-    return f"fp8:{fmt.block[0]}x{fmt.block[1]}"
+        raise ValueError(f"{text!r} is not a base format; use auto, none, fp8, fp8:RxC (e.g. fp8:128x128) or mxfp4")
+    return fmt
 
 
-def stored_suffixes(fmt) -> tuple[str, ...]:
-    """The names a weight stored in `fmt` is kept under, as suffixes of the weight's own name (HF's:
-    `weight` + `weight_scale_inv`; `gate_up_proj_blocks` + `gate_up_proj_scales`)."""
-    return ("", "_scale_inv") if isinstance(fmt, Fp8Blocks) else ("_blocks", "_scales")
+def format_name(fmt: StoredFormat | None) -> str:
+    """The `base_format` value of a format object (`parse_format`'s inverse)."""
+    return "none" if fmt is None else fmt.name
 
 
 class _FrozenLinear(torch.autograd.Function):
@@ -156,7 +141,7 @@ class AdapterSwitch:
 
 @contextmanager
 def adapters_disabled(model: nn.Module):
-    """Run `model`'s frozen base inside the block: DPO's reference with LoRA (`mop.preference`)."""
+    """Run `model`'s frozen base inside the block: DPO's reference with LoRA (`mop.objectives.preference`)."""
     switch = model.adapter_switch
     switch.enabled = False
     try:
@@ -170,7 +155,7 @@ class AdaptedLinear(nn.Module):
     LoRA adapters when `rank` (module docstring). Parameters: `weight` (and its format's companions,
     `weight_scale_inv`), `bias`, `lora_A`, `lora_B`."""
 
-    def __init__(self, linear: nn.Linear, rank: int, lora: LoraConfig, fmt, switch: AdapterSwitch):
+    def __init__(self, linear: nn.Linear, rank: int, lora: LoraConfig, fmt: StoredFormat | None, switch: AdapterSwitch):
         super().__init__()
         self.in_features, self.out_features, self.fmt = linear.in_features, linear.out_features, fmt
         self.switch = switch
@@ -193,14 +178,23 @@ class AdaptedLinear(nn.Module):
             y = y + F.linear(F.linear(self.dropout(x), self.lora_A), self.lora_B) * self.scaling
         return y
 
+    def frozen_weights(self, path: str) -> list[FrozenWeight]:
+        """Its weight, named as the module at `path` holds it."""
+        adapters = (f"{path}.lora_A", f"{path}.lora_B") if self.rank else None
+        return [FrozenWeight(f"{path}.weight", (self.out_features, self.in_features), self.fmt,
+                             tuple(f"{path}.{name}" for name in self.stored_parameters), False, adapters)]
 
-def _register_stored(module: nn.Module, name: str, shape: tuple[int, ...], fmt) -> tuple[str, ...]:
-    """Register the frozen weight `name` of `shape` as `fmt` stores it; returns the stored names."""
+
+def _register_stored(module: nn.Module, name: str, shape: tuple[int, ...], fmt: StoredFormat | None,
+                     transposed: bool = False) -> tuple[str, ...]:
+    """Register the frozen weight `name`, of `shape` in the model (`[E, in, out]` when `transposed`),
+    as `fmt` stores it; returns the stored names."""
     if fmt is None:
         module.register_parameter(name, nn.Parameter(torch.empty(shape), requires_grad=False))
         return (name,)
-    names = tuple(name + suffix for suffix in stored_suffixes(fmt))
-    for stored_name, stored_shape, dtype in zip(names, fmt.stored_shapes(shape), fmt.stored_dtypes()):
+    names = tuple(name + suffix for suffix in fmt.suffixes)
+    stored_shapes = fmt.stored_shapes(fmt.reoriented(shape, transposed))
+    for stored_name, stored_shape, dtype in zip(names, stored_shapes, fmt.stored_dtypes()):
         module.register_parameter(stored_name, nn.Parameter(torch.empty(stored_shape, dtype=dtype),
                                                             requires_grad=False))
     return names
@@ -214,7 +208,7 @@ class AdaptedKind(ExpertKind):
 
     base_names: tuple[str, ...] = ()
     stored: tuple[tuple[str, ...], ...] = ()  # per projection: its stored tensors' names
-    formats: tuple = ()  # per projection: its format (None: the compute dtype)
+    formats: tuple[StoredFormat | None, ...] = ()  # per projection: its format (None: the compute dtype)
     rank: int = 0
     scaling: float = 1.0
     switch: AdapterSwitch = field(default_factory=AdapterSwitch, compare=False)
@@ -223,12 +217,8 @@ class AdaptedKind(ExpertKind):
         tensors = dict(zip(self.names, stacked))
         out = {name: tensors[name] for name in self.base_names if name in tensors}
         for projection, names, fmt in zip(self.projections, self.stored, self.formats):
-            if fmt is None:
-                base = Dense(tensors[names[0]], projection.transposed)
-            else:
-                transposed = projection.transposed or isinstance(fmt, Mxfp4)
-                base = Dequantized(fmt, tuple(tensors[n] for n in names), transposed, *_widths(projection, tensors,
-                                                                                           names, fmt))
+            stored = tuple(tensors[name] for name in names)
+            base = Dense(stored[0], projection.transposed) if fmt is None else _dequantized(projection, fmt, stored)
             if self.rank and self.switch.enabled:
                 base = Adapted(base, tensors[f"{projection.name}_lora_A"], tensors[f"{projection.name}_lora_B"],
                                self.scaling)
@@ -236,20 +226,19 @@ class AdaptedKind(ExpertKind):
         return out
 
 
-def _widths(projection, tensors: dict, names: tuple[str, ...], fmt) -> tuple[int, int]:
-    """(in, out) features of a stored projection."""
-    if isinstance(fmt, Mxfp4):
-        blocks = tensors[names[0]]  # [E, out, in / 32, 16]
-        return blocks.shape[2] * 2 * blocks.shape[3], blocks.shape[1]
-    rows, columns = tensors[names[0]].shape[1:]
-    return (rows, columns) if projection.transposed else (columns, rows)
+def _dequantized(projection, fmt: StoredFormat, stored: tuple[torch.Tensor, ...]) -> Dequantized:
+    """A stacked projection stored in `fmt` as the tensors `stored`: what `fmt` dequantizes is
+    `[E, in, out]` when the model holds the projection so or the format stores every weight so."""
+    out_features, in_features = _out_in(fmt.weight_shape(stored[0].shape, projection.transposed), projection.transposed)
+    return Dequantized(fmt, stored, projection.transposed or fmt.input_major, in_features, out_features)
 
 
 class AdaptedExperts(nn.Module):
     """A family's routed experts with their projections frozen (stored in `fmt`) and, when `rank`,
     one adapter pair per expert and projection (module docstring); biases stay frozen as they are."""
 
-    def __init__(self, experts: nn.Module, rank: int, lora: LoraConfig, fmt, switch: AdapterSwitch):
+    def __init__(self, experts: nn.Module, rank: int, lora: LoraConfig, fmt: StoredFormat | None,
+                 switch: AdapterSwitch):
         super().__init__()
         kind, self.num_experts = experts.kind, experts.num_experts
         projections = {p.name: p for p in kind.projections}
@@ -260,10 +249,8 @@ class AdaptedExperts(nn.Module):
                 names.append(name)
                 continue
             projection = projections[name]
-            own = _expert_format(fmt, projection)
-            shape = tuple(tensor.shape) if not isinstance(own, Mxfp4) or projection.transposed else (
-                tensor.shape[0], tensor.shape[2], tensor.shape[1])  # MXFP4 stores x @ P_e, [E, in, out]
-            kept = _register_stored(self, name, shape, own)
+            own = None if fmt is None else fmt.for_experts(projection.parts)
+            kept = _register_stored(self, name, tuple(tensor.shape), own, projection.transposed)
             self.stored_parameters += kept if own is not None else ()
             names += kept
             stored.append(kept)
@@ -282,18 +269,21 @@ class AdaptedExperts(nn.Module):
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, **run_options) -> torch.Tensor:
         return self.kind.forward(self, x, expert_ids, weights, **run_options)
 
+    def frozen_weights(self, path: str) -> list[FrozenWeight]:
+        """Its projections' weights, named as the module at `path` holds them, in the kind's order."""
+        kind, out = self.kind, []
+        for projection, names, fmt in zip(kind.projections, kind.stored, kind.formats):
+            data, name = getattr(self, names[0]).shape, f"{path}.{projection.name}"
+            shape = tuple(data) if fmt is None else fmt.weight_shape(data, projection.transposed)
+            adapters = (f"{name}_lora_A", f"{name}_lora_B") if kind.rank else None
+            out.append(FrozenWeight(name, shape, fmt, tuple(f"{path}.{n}" for n in names), projection.transposed,
+                                    adapters))
+        return out
+
 
 def _out_in(shape, transposed: bool) -> tuple[int, int]:
     """(out, in) features of a stacked projection of `shape`."""
     return (shape[2], shape[1]) if transposed else (shape[1], shape[2])
-
-
-def _expert_format(fmt, projection):
-    """The format a routed experts' projection is stored in: fp8 blocks keep the projection's row
-    parts (each published tensor blocked on its own)."""
-    if isinstance(fmt, Fp8Blocks):
-        return Fp8Blocks(fmt.block, projection.parts)
-    return fmt
 
 
 def _linear_kind(block: nn.Module, path: str) -> str | None:
@@ -332,6 +322,7 @@ def unmatched_targets(model: nn.Module, lora: LoraConfig) -> list[str]:
 def add_adapters(model: nn.Module, lora: LoraConfig) -> None:
     """Freeze `model` and give its targeted modules adapters (module docstring), in place."""
     fmt = lora.format()
+    linear_format = None if fmt is None else fmt.for_linear()
     targets = set(lora.target_list())
     model.adapter_switch = AdapterSwitch()
     for param in model.parameters():
@@ -343,9 +334,8 @@ def add_adapters(model: nn.Module, lora: LoraConfig) -> None:
         rank = lora.rank if kind in targets or leaf in targets else 0
         if kind == "routed_experts":
             setattr(parent, name, AdaptedExperts(module, rank, lora, fmt, model.adapter_switch))
-        elif rank or isinstance(fmt, Fp8Blocks):
-            setattr(parent, name, AdaptedLinear(module, rank, lora, fmt if isinstance(fmt, Fp8Blocks) else None,
-                                                model.adapter_switch))
+        elif rank or linear_format is not None:
+            setattr(parent, name, AdaptedLinear(module, rank, lora, linear_format, model.adapter_switch))
     model.lora = lora
 
 
@@ -359,6 +349,33 @@ def is_adapter(name: str) -> bool:
 
 
 @dataclass(frozen=True)
+class FrozenWeight:
+    """A frozen base weight of an adapted module: the parameters that hold it and its adapters, each
+    named in the model."""
+
+    name: str
+    """The weight's own name: its initial values and checkpoint rows are read under it."""
+    shape: tuple[int, ...]
+    """The weight's shape in the model."""
+    fmt: StoredFormat | None
+    """Its format; None: held in the compute dtype, as the one parameter `name`."""
+    stored: tuple[str, ...]
+    """The parameters that hold it: its format's data and scales (`fmt.suffixes`), or itself."""
+    transposed: bool
+    """The model holds it `[E, in, out]` (gpt-oss's experts), not `[..., out, in]`."""
+    adapters: tuple[str, str] | None
+    """Its adapters (lora_A, lora_B); None: it has none."""
+
+
+def _frozen_weights(model: nn.Module) -> Iterator[FrozenWeight]:
+    """Every frozen weight of an unwrapped model's adapted modules, in module order: the one walk
+    over the adapted modules (`stored_tensors`, `adapted_weights`)."""
+    for path, module in model.named_modules():
+        if isinstance(module, (AdaptedLinear, AdaptedExperts)):
+            yield from module.frozen_weights(path)
+
+
+@dataclass(frozen=True)
 class StoredTensor:
     """A parameter that holds a frozen weight in a published format: which weight, and which of the
     format's tensors it is."""
@@ -367,7 +384,7 @@ class StoredTensor:
     """The weight's own name: its initial values and checkpoint rows are read under it."""
     shape: tuple[int, ...]
     """The weight's shape in the model."""
-    fmt: object
+    fmt: StoredFormat
     companion: int
     """Which of the format's stored tensors (0: the data, then the scales)."""
     transposed: bool = False
@@ -376,31 +393,10 @@ class StoredTensor:
 
 def stored_tensors(model: nn.Module) -> dict[str, StoredTensor]:
     """Every parameter of an unwrapped model that holds a weight in a format, by name."""
-    out = {}
-    for path, module in model.named_modules():
-        if isinstance(module, AdaptedLinear) and module.fmt is not None:
-            for companion, name in enumerate(module.stored_parameters):
-                out[f"{path}.{name}"] = StoredTensor(f"{path}.weight", (module.out_features, module.in_features),
-                                                     module.fmt, companion)
-        elif isinstance(module, AdaptedExperts):
-            kind = module.kind
-            for projection, names, fmt in zip(kind.projections, kind.stored, kind.formats):
-                if fmt is None:
-                    continue
-                stored = [getattr(module, name) for name in names]
-                shape = _logical_shape(stored, fmt, projection)
-                transposed = isinstance(fmt, Mxfp4) and not projection.transposed
-                for companion, name in enumerate(names):
-                    out[f"{path}.{name}"] = StoredTensor(f"{path}.{projection.name}", shape, fmt, companion, transposed)
-    return out
-
-
-def _logical_shape(stored: list[torch.Tensor], fmt, projection) -> tuple[int, ...]:
-    if not isinstance(fmt, Mxfp4):
-        return tuple(stored[0].shape)
-    experts, out, groups, width = stored[0].shape
-    inp = groups * 2 * width
-    return (experts, inp, out) if projection.transposed else (experts, out, inp)
+    return {name: StoredTensor(weight.name, weight.shape, weight.fmt, companion,
+                               weight.fmt.stores_transposed(weight.transposed))
+            for weight in _frozen_weights(model) if weight.fmt is not None
+            for companion, name in enumerate(weight.stored)}
 
 
 def stored_rows(rows, stored: dict[str, StoredTensor], published=None):
@@ -443,15 +439,8 @@ class AdaptedWeight:
 
 def adapted_weights(model: nn.Module) -> dict[str, AdaptedWeight]:
     """Every weight of an unwrapped adapted model that has adapters, by its name."""
-    out = {}
-    for path, module in model.named_modules():
-        if isinstance(module, AdaptedLinear) and module.rank:
-            out[f"{path}.weight"] = AdaptedWeight(f"{path}.lora_A", f"{path}.lora_B")
-        elif isinstance(module, AdaptedExperts) and module.kind.rank:
-            for projection in module.kind.projections:
-                name = f"{path}.{projection.name}"
-                out[name] = AdaptedWeight(f"{name}_lora_A", f"{name}_lora_B", projection.transposed)
-    return out
+    return {weight.name: AdaptedWeight(*weight.adapters, weight.transposed)
+            for weight in _frozen_weights(model) if weight.adapters is not None}
 
 
 def merged(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float, transposed: bool) -> torch.Tensor:
