@@ -49,6 +49,15 @@ class Packing:
     dropped: int
     truncated: int
 
+    def stats(self, unit: str, seq_len: int, skipped: int, **counts: int) -> dict:
+        """What a run reports of the packed data, in this order: `data_<unit>` (the items packed), the
+        overlong ones dropped and truncated, the invalid rows skipped, `counts` and the share of the
+        sequences' `seq_len` tokens that is padding."""
+        real = int(self.lengths.sum())
+        return {f"data_{unit}": len(self.items), "data_overlong_dropped": self.dropped,
+                "data_overlong_truncated": self.truncated, "data_skipped_invalid": skipped, **counts,
+                "data_padding_share": 1 - real / max(1, (len(self.bounds) - 1) * seq_len)}
+
 
 def fitted_lengths(corpus: ChatCorpus, seq_len: int, overlong: str) -> tuple[np.ndarray, int, int]:
     """Each conversation's length as trained (0: dropped), and the dropped and truncated counts."""
@@ -126,6 +135,42 @@ def pack(lengths: np.ndarray, seq_len: int, seed: int) -> tuple[np.ndarray, np.n
     return items, bounds
 
 
+class PackedRow:
+    """One packed sequence being written: its [S] arrays, the documents written one after another
+    from its start (`number` of them, `at` tokens), and after them padding: pad tokens without labels,
+    made one more document with positions from 0 by `tensors`."""
+
+    def __init__(self, seq_len: int, pad_id: int):
+        self.ids = np.full(seq_len, pad_id, dtype=np.int64)
+        self.labels = np.full(seq_len, IGNORE_INDEX, dtype=np.int64)
+        self.positions = np.zeros(seq_len, dtype=np.int64)
+        self.documents = np.zeros(seq_len, dtype=np.int32)
+        self.at = self.number = 0
+
+    def document(self, tokens: np.ndarray, trained: np.ndarray, position: int = 0) -> int:
+        """Append a document, its positions from `position`: token t is the label of the token before
+        it where `trained[t]` (never the first token, which nothing of the document precedes); returns
+        where the document starts."""
+        start, n = self.at, len(tokens)
+        self.ids[start:start + n] = tokens
+        self.labels[start:start + n - 1] = np.where(trained[1:], self.ids[start + 1:start + n], IGNORE_INDEX)
+        self.positions[start:start + n] = np.arange(position, position + n)
+        self.documents[start:start + n] = self.number
+        self.at, self.number = start + n, self.number + 1
+        return start
+
+    def tensors(self, **more: np.ndarray) -> dict[str, torch.Tensor]:
+        """The row with its padding as tensors: `input_ids`, `labels`, `position_ids`, `document_ids`,
+        `more` and `padding` (bool)."""
+        padding = np.zeros(len(self.ids), dtype=bool)
+        padding[self.at:] = True
+        self.documents[self.at:] = self.number
+        self.positions[self.at:] = np.arange(len(self.ids) - self.at)
+        arrays = {"input_ids": self.ids, "labels": self.labels, "position_ids": self.positions,
+                  "document_ids": self.documents, **more, "padding": padding}
+        return {key: torch.from_numpy(value) for key, value in arrays.items()}
+
+
 class ChatDataset(Dataset):
     """Packed sequence i of a chat corpus as a dict of tensors (the module docstring)."""
 
@@ -138,10 +183,7 @@ class ChatDataset(Dataset):
         items, bounds = pack(lengths, seq_len, seed)
         self.packing = Packing(items, lengths[items], bounds, dropped, truncated)
         self.fingerprint = f"{corpus.fingerprint}/{seq_len}/{overlong}/{seed}/{loss_on}"
-        real = int(self.packing.lengths.sum())
-        self.stats = {"data_conversations": len(self.packing.items), "data_overlong_dropped": self.packing.dropped,
-                      "data_overlong_truncated": self.packing.truncated, "data_skipped_invalid": corpus.skipped,
-                      "data_padding_share": 1 - real / max(1, len(self) * seq_len)}
+        self.stats = self.packing.stats("conversations", seq_len, corpus.skipped)
         if len(self) == 0:
             raise DataError(f"data.source: no conversation fits data.seq_len = {seq_len} ({self.packing.dropped} "
                             "dropped as overlong); raise data.seq_len or set data.overlong = 'truncate'")
@@ -152,24 +194,9 @@ class ChatDataset(Dataset):
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         if not 0 <= i < len(self):
             raise IndexError(f"sequence {i} out of range [0, {len(self)})")
-        p, S = self.packing, self.seq_len
-        ids = np.full(S, self.pad_id, dtype=np.int64)
-        labels = np.full(S, IGNORE_INDEX, dtype=np.int64)
-        positions = np.zeros(S, dtype=np.int64)
-        documents = np.zeros(S, dtype=np.int32)
-        at = 0
-        for number, k in enumerate(range(p.bounds[i], p.bounds[i + 1])):
+        p, row = self.packing, PackedRow(self.seq_len, self.pad_id)
+        for k in range(p.bounds[i], p.bounds[i + 1]):
             start, n = int(self.corpus.offsets[p.items[k]]), int(p.lengths[k])
-            ids[at:at + n] = self.corpus.tokens[start:start + n]
-            trained = trained_tokens(self.corpus.targets[start:start + n], self.loss_on)
-            labels[at:at + n - 1] = np.where(trained[1:], ids[at + 1:at + n], IGNORE_INDEX)
-            positions[at:at + n] = np.arange(n)
-            documents[at:at + n] = number
-            at += n
-        documents[at:] = documents[at - 1] + 1
-        positions[at:] = np.arange(S - at)
-        padding = np.zeros(S, dtype=bool)
-        padding[at:] = True
-        return {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels),
-                "position_ids": torch.from_numpy(positions), "document_ids": torch.from_numpy(documents),
-                "padding": torch.from_numpy(padding)}
+            row.document(self.corpus.tokens[start:start + n],
+                         trained_tokens(self.corpus.targets[start:start + n], self.loss_on))
+        return row.tensors()

@@ -41,9 +41,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from mop.data.chat_packing import Packing, pack
+from mop.data.chat_packing import Packing, PackedRow, pack
 from mop.data.errors import DataError
-from mop.data.packing import IGNORE_INDEX
 from mop.data.prepared import PreferenceCorpus
 
 
@@ -74,43 +73,30 @@ def trained_response(targets: np.ndarray, loss_on: str) -> np.ndarray:
     return np.ones(len(targets), dtype=bool) if loss_on == "all" else np.asarray(targets, dtype=bool)
 
 
-class _Row:
-    """One packed sequence being written: its [S] arrays and where its next document starts."""
+class _PairRow:
+    """A packed row of preference pairs being written: a `PackedRow` whose documents are prompt tokens
+    then a response, with each token's `prefix_lengths` and the `response_ids` of the tokens that
+    predict a response."""
 
     def __init__(self, seq_len: int, pad_id: int):
-        self.ids = np.full(seq_len, pad_id, dtype=np.int64)
-        self.labels = np.full(seq_len, IGNORE_INDEX, dtype=np.int64)
-        self.positions = np.zeros(seq_len, dtype=np.int64)
-        self.documents = np.zeros(seq_len, dtype=np.int32)
+        self.row = PackedRow(seq_len, pad_id)
         self.prefix_lengths = np.zeros(seq_len, dtype=np.int64)
         self.response_ids = np.full(seq_len, -1, dtype=np.int64)
-        self.at = self.number = 0
 
     def document(self, lead: np.ndarray, response: np.ndarray, trained: np.ndarray, position: int,
                  prefix_length: int, response_id: int) -> int:
         """Append the document `lead | response` (lead: prompt tokens, at least one), its positions from
-        `position`; returns the index of the token that predicts the response's first token."""
-        start, n = self.at, len(lead) + len(response)
+        `position`, labels only on the response; returns the index of the token that predicts the
+        response's first token."""
+        start = self.row.document(np.concatenate([lead, response]),
+                                  np.concatenate([np.zeros(len(lead), dtype=bool), trained]), position)
         first = start + len(lead) - 1
-        self.ids[start:start + n] = np.concatenate([lead, response])
-        self.labels[first:first + len(response)] = np.where(trained, response, IGNORE_INDEX)
         self.response_ids[first:first + len(response)] = response_id
-        self.positions[start:start + n] = np.arange(position, position + n)
-        self.documents[start:start + n] = self.number
-        self.prefix_lengths[start:start + n] = prefix_length
-        self.at, self.number = start + n, self.number + 1
+        self.prefix_lengths[start:self.row.at] = prefix_length
         return first
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The row with its padding (the rest, its own document, positions from 0) as tensors."""
-        padding = np.zeros(len(self.ids), dtype=bool)
-        padding[self.at:] = True
-        self.documents[self.at:] = self.number
-        self.positions[self.at:] = np.arange(len(self.ids) - self.at)
-        arrays = {"input_ids": self.ids, "labels": self.labels, "position_ids": self.positions,
-                  "document_ids": self.documents, "prefix_lengths": self.prefix_lengths,
-                  "response_ids": self.response_ids, "padding": padding}
-        return {key: torch.from_numpy(value) for key, value in arrays.items()}
+        return self.row.tensors(prefix_lengths=self.prefix_lengths, response_ids=self.response_ids)
 
 
 class PreferenceDataset(Dataset):
@@ -129,11 +115,7 @@ class PreferenceDataset(Dataset):
         self.reference: np.ndarray | None = None  # set by the trainer: then items have reference_logps
         self.pairs_max = int(np.diff(bounds).max(initial=0))
         self.fingerprint = f"{corpus.fingerprint}/{seq_len}/{overlong}/{seed}/{loss_on}/shared={shared}"
-        real = int(self.packing.lengths.sum())
-        self.stats = {"data_pairs": len(items), "data_overlong_dropped": dropped,
-                      "data_overlong_truncated": truncated, "data_skipped_invalid": corpus.skipped,
-                      "data_degenerate_pairs": corpus.degenerate_pairs,
-                      "data_padding_share": 1 - real / max(1, len(self) * seq_len)}
+        self.stats = self.packing.stats("pairs", seq_len, corpus.skipped, data_degenerate_pairs=corpus.degenerate_pairs)
         if len(self) == 0:
             raise DataError(f"data.source: no preference pair fits data.seq_len = {seq_len} ({dropped} dropped as "
                             "overlong); raise data.seq_len or set data.overlong = 'truncate'")
@@ -148,7 +130,7 @@ class PreferenceDataset(Dataset):
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         if not 0 <= i < len(self):
             raise IndexError(f"sequence {i} out of range [0, {len(self)})")
-        row = _Row(self.seq_len, self.pad_id)
+        row = _PairRow(self.seq_len, self.pad_id)
         starts = []  # per pair, the tokens predicting its chosen and rejected responses' first tokens
         for j, k in enumerate(range(self.packing.bounds[i], self.packing.bounds[i + 1])):
             starts.append(self._unit(row, j, int(self.packing.items[k]), int(self.prompts[k])))
@@ -162,7 +144,7 @@ class PreferenceDataset(Dataset):
             out["reference_logps"] = torch.from_numpy(reference)
         return out
 
-    def _unit(self, row: _Row, j: int, item: int, kept: int) -> tuple[int, int]:
+    def _unit(self, row: _PairRow, j: int, item: int, kept: int) -> tuple[int, int]:
         """Write pair `item` as the row's pair j, its prompt cut to its last `kept` tokens."""
         tokens, targets, (p, c, r) = self.corpus.item(item)
         tokens, trained = tokens.astype(np.int64), trained_response(targets, self.loss_on)

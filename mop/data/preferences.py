@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mop.data.bisection import common_prefix
 from mop.data.conversations import message_list, parse_row, present_fields, row_tools
 from mop.data.errors import ConversationError, DataError
 from mop.data.templates import ChatTemplate, Conversation
@@ -106,22 +107,12 @@ def extract_prompt(chosen, rejected) -> tuple:
     """`(prompt, chosen, rejected)` from two responses that hold the prompt (TRL's `extract_prompt`,
     the module docstring)."""
     shortest = min(len(chosen), len(rejected))
-    common = _common_prefix(chosen, rejected)
+    common = common_prefix(chosen, rejected)
     if common == shortest:  # no divergence: TRL's loop ends on its last index (none for an empty response)
         cut = max(shortest - 1, 0)
     else:
         cut = common - 1 if common > 0 and chosen[common - 1] == " " else common
     return chosen[:cut], chosen[cut:], rejected[cut:]
-
-
-def _common_prefix(a, b) -> int:
-    """The length of the longest common prefix of two strings or lists: a bisection on slices, whose
-    comparisons run in C (a prompt of a long-context row has hundreds of thousands of characters)."""
-    low, high = 0, min(len(a), len(b))
-    while low < high:
-        middle = (low + high + 1) // 2
-        low, high = (middle, high) if a[:middle] == b[:middle] else (low, middle - 1)
-    return low
 
 
 class PreferenceRows:

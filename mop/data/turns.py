@@ -1,65 +1,48 @@
-"""Where the model writes in a chat template's rendering: each assistant turn's span of characters,
+r"""Where the model writes in a chat template's rendering: each assistant turn's span of characters,
 for templates that do not mark it themselves with `{% generation %}` blocks.
 
-A turn's targets are everything the model writes in it: its reasoning, content and tool calls from
-their opening text (the names, ids and arguments it writes) through the template's own end of the
-turn, the token or text generation stops on (Qwen3's `<|im_end|>`, gpt-oss's `<|end|>`, `<|call|>`
-or `<|return|>`, DeepSeek's `<｜end▁of▁sentence｜>`). Not the role header before it, the separator
-after it (Qwen3's newline after `<|im_end|>`), nor any system, user or tool turn. Which tokens a
-tokenizer flags special plays no part: everything comes from renderings of the conversation.
+A turn's targets are all the model writes in it: its reasoning, content and tool calls from their
+opening text (the names, ids and arguments it writes) through the template's end of the turn, the
+token or text generation stops on (Qwen3's `<|im_end|>`; gpt-oss's `<|end|>`, `<|call|>` or
+`<|return|>`; DeepSeek's `<｜end▁of▁sentence｜>`); not the role header before it, the separator
+after it, nor any system, user or tool turn. All comes from renderings of the conversation, none
+from which tokens a tokenizer flags special. Example, a ChatML template: R renders a conversation,
+P the messages before its assistant turn and Q those through it, P and Q with the generation prompt:
+R = <|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello<|im_end|>\n<|im_start|>user\n...
+P = <|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n
+Q = <|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello<|im_end|>\n<|im_start|>assistant\n
+In R, P less its prompt ends where the turn's header starts, and the turn starts where the prompt's
+text ends, at `Hello`; Q less its prompt ends after the turn's newline, which is left out. Targets:
+`Hello<|im_end|>`, the tokens that hold it.
 
-For assistant message i of a conversation rendered as R ("found" below: the longest end of a text
-that R holds ending within a range, at the first such place; with a pin, of the ends that hold the
-character before the pin, the last of a value):
-1. values: every message's strings (content, reasoning, tool-call arguments, tool results; each
-   inside its surrounding whitespace and after a `</think>` it holds, what templates strip or cut
-   off; blank ones not) and numbers (as strings, whose JSON quotes are taken out again) are wrapped
-   in private-use characters of its own and the conversation rendered once; where taking them out
-   gives R back and every message's marks pair up, a message's first and last marks bound its
-   values in R. Otherwise, and for an assistant turn without marks, they are where R and a rendering
-   with that message's values, blank strings too, perturbed differ;
-2. start: the model starts writing turn i where a rendering of the messages before it with the
-   generation prompt, P, ends. P less that prompt is found ending between the previous turn's end
-   and turn i's first value (the next message's, for a turn without one), pinned at the previous
-   message's last value when that lies there; the turn starts after it and as much of the prompt as
-   R repeats there, before the turn's first value, to the end of one of the prompt's tokens (a
-   prompt that opens a think block earlier turns render closed and empty, or leave out), or after a
-   header earlier turns show inside the prompt, whichever is longer (`_header_length`). Where P's
-   end is not in R (DeepSeek-R1 writes a second tool-calling message straight after the tool
-   outputs, where P closes them: text R never shows), or is found only at a place R repeats before
-   the turn, the turn starts where P, found from the text since the previous turn, stops agreeing
-   with R (`_agreement`). When no P is found so and nothing pins it (a template that needs a first
-   message cannot render P for an opening turn), the turn starts after the first whole header in
-   that range;
-3. end: a rendering of the messages through turn i with the generation prompt, Q, shows the turn
-   followed by nothing but the next turn's prompt. Q less that prompt is found ending between the
-   turn's start and the next value of a later message, pinned at the turn's last value in R (its
-   start, for a turn without one); the turn ends there, trailing whitespace left out (Qwen3's
-   newline after `<|im_end|>`). The conversation's last message ends where R does, trailing
-   whitespace left out;
-4. a template that closes an assistant turn with no text of its own (GLM-4.5, whose generation
-   stops on the next message's `<|user|>` or `<|observation|>`, the token its own fine-tuning code
-   trains) has each turn but the conversation's last extended through the first character of what
-   follows it, so the token holding it is a target.
-P (where its match is pinned) and Q are rendered first from a short conversation: the messages up to
-the first user turn and those from an assistant turn four or more before the cut (which keeps a
-template's alternation and a tool result's call). What those leave out changes what is rendered
-before the last messages, not after them, which is all a match uses; where the short rendering is
-not found so (a template that numbers its messages), the whole prefix is rendered. An unpinned start
-always uses the whole prefix: a short rendering that ends otherwise would be found by a short end at
-a place nothing refuses.
-Why prefix renderings, matched by their ends, and not one rendering with markers alone: templates are
-not prefix-stable (Qwen3 and gpt-oss drop earlier turns' reasoning, gpt-oss ends the last turn with
-`<|return|>` and earlier ones with `<|end|>`), a turn's header differs with what precedes it
-(DeepSeek-V3.1 writes none after a tool result; Mistral's `[INST]` templates have no generation
-prompt), and a tool call's opening text, name and id are written by the model but checked or
-repeated by templates, so they cannot be marked. P and Q agree with R right before a turn starts and
-right before it ends, whatever they render differently earlier; the pins hold a match to its turn
-when other turns repeat the same text. A turn whose start or end is not found so is a
-`ConversationError` saying to mark the template's assistant text with `{% generation %}` blocks.
-Cost: two renderings of the conversation, two short ones per assistant turn, and one of the whole
-conversation per assistant turn without marks (an empty turn, a call without arguments) or after a
-message without (an empty tool result): linear in the conversation's length but for those.
+For assistant message i (what "found" and "pinned" mean: `_longest_end`):
+1. values: each message's strings and numbers (`_perturbed`) are wrapped in marks of its own and
+   the conversation rendered once: where taking them out gives R back and they pair up, they bound
+   each message's values in R; else, and for an assistant turn without marks, where R and a
+   rendering with that message's values perturbed differ (`_Rendering`);
+2. start: P less its prompt is found ending between the previous turn's end and turn i's first
+   value (the next message's, for a turn without one), pinned at the previous message's last value
+   where that lies between; the turn starts after it and its header (`_header_length`). Where P's
+   end is not in R or is found only where R repeats it before the turn, the turn starts where P
+   stops agreeing with R (`_agreement`); where no P is found and nothing pins it (an opening turn of
+   a template that needs a first message, which renders no P), after the first whole header;
+3. end: Q less its prompt is found ending between the turn's start and the next value of a later
+   message, pinned at the turn's last value (its start, for a turn without one); the turn ends
+   there, trailing whitespace left out. The last message ends where R does, less that whitespace;
+4. where a template closes a turn with no text of its own (GLM-4.5 stops on the next message's
+   `<|user|>` or `<|observation|>`, which its own fine-tuning code trains), each turn but the last
+   extends through the first character after it, so the token holding that is a target.
+P (where pinned) and Q are rendered from a short conversation first, then whole (`_prefixes`).
+Invariant: P and Q agree with R right before a turn starts and ends, whatever they render otherwise
+earlier; pins hold a match to its turn where other turns repeat its text. One marked rendering
+would not do: templates are not prefix-stable (Qwen3 and gpt-oss drop earlier turns' reasoning;
+gpt-oss ends the last turn with `<|return|>`, earlier ones with `<|end|>`), headers differ with
+what precedes them (DeepSeek-V3.1 writes none after a tool result; Mistral's `[INST]` templates
+have no generation prompt), and templates check or repeat a tool call's opening text, name and id,
+so those cannot be marked. A start or end not found is a `ConversationError` saying to mark the
+template's assistant text with `{% generation %}` blocks. Cost: two renderings of the conversation,
+two short ones per assistant turn, and a whole one per assistant turn without marks (an empty turn,
+a call without arguments) or after a message without (an empty tool result).
 """
 
 from __future__ import annotations
@@ -69,6 +52,7 @@ import re
 from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple
 
+from mop.data.bisection import common_prefix, largest_holding
 from mop.data.errors import ConversationError
 
 Render = Callable[[list[dict], bool], str]
@@ -95,7 +79,7 @@ class Headers(NamedTuple):
         cuts = tuple(sorted({*cuts, len(prompt)} - {0}))
         shown = set()
         for header in headers:
-            repeated = _common_prefix(prompt, header, min(len(prompt), len(header)))
+            repeated = common_prefix(prompt, header)
             part = header if header in prompt else prompt[:max((c for c in cuts if c <= repeated), default=0)]
             if part:
                 shown.add(part)
@@ -182,12 +166,13 @@ def _turn_start(render: Render, messages: list[dict], whole: _Rendering, i: int,
 def _agreement(before: str, text: str, low: int, anchor: int, high: int) -> int:
     """How far past `anchor` a prefix rendering whose end the whole does not show agrees with it: the
     whole's `text[low:anchor]` found last in `before`, then the characters both go on with alike,
-    before `high` (0 where it is not found)."""
+    before `high` (0 where it is not found). A prefix ends so where DeepSeek-R1 writes a second
+    tool-calling message straight after the tool outputs, which the prefix closes: text the whole
+    never shows."""
     at = before.rfind(text[low:anchor])
     if at < 0:
         return 0
-    after = before[at + anchor - low:]
-    return _common_prefix(after, text[anchor:high], min(len(after), high - anchor))
+    return common_prefix(before[at + anchor - low:], text[anchor:high])
 
 
 def _header_length(text: str, at: int, headers: Headers, high: int, whole: bool = False) -> int:
@@ -197,7 +182,7 @@ def _header_length(text: str, at: int, headers: Headers, high: int, whole: bool 
     `<think>`, or leave out: DeepSeek-R1's), or a shown header, whichever is longer. With `whole`,
     only the whole prompt or a shown header (what tells a turn's start where nothing pins it)."""
     ahead = text[at:min(high, at + len(headers.prompt))]
-    repeated = _common_prefix(headers.prompt, ahead, len(ahead))
+    repeated = common_prefix(headers.prompt, ahead)
     cut = max((c for c in headers.cuts if c <= repeated and (not whole or c == len(headers.prompt))), default=0)
     shown = next((len(h) for h in headers.shown if text.startswith(h, at, high)), 0)
     return max(cut, shown)
@@ -230,28 +215,16 @@ def _longest_end(pattern: str, text: str, low: int, high: int, pin: int | None =
             return text.find(pattern[len(pattern) - length:], max(0, low - length), high)
 
         # an end found is found with every shorter end of it (ending at the same place): a binary search
-        length = _search(min(len(pattern), high), lambda n: place(n) >= 0)
+        length = largest_holding(min(len(pattern), high), lambda n: place(n) >= 0)
         return (place(length), place(length) + length) if length else None
     # a match spanning the pin ends at an `end` where `text[pin - 1:end]` ends the pattern: few places
     best = None
     for end in range(max(low, pin), min(high, pin - 1 + len(pattern)) + 1):
         if pattern.endswith(text[pin - 1:end]):
-            length = _search(min(len(pattern), end), lambda n: text[end - n:end] == pattern[len(pattern) - n:])
+            length = largest_holding(min(len(pattern), end), lambda n: text[end - n:end] == pattern[len(pattern) - n:])
             if best is None or length > best[1] - best[0]:
                 best = (end - length, end)
     return best
-
-
-def _search(most: int, holds) -> int:
-    """The largest n in [0, most] for which `holds(n)`, which holds for every smaller n where it holds."""
-    low, high = 0, most
-    while low < high:
-        middle = (low + high + 1) // 2
-        if holds(middle):
-            low = middle
-        else:
-            high = middle - 1
-    return low
 
 
 def _unfound(i: int, what: str) -> ConversationError:
@@ -380,9 +353,5 @@ def _wrapped(value, marks: tuple[str, ...], empty: bool):
 def _difference(a: str, b: str) -> tuple[int, int]:
     """`(first, end)`: `a[first:end]` is where `a` differs from `b` (common prefix and suffix removed)."""
     limit = min(len(a), len(b))
-    first = _common_prefix(a, b, limit)
-    return first, len(a) - _common_prefix(a[::-1], b[::-1], limit - first)
-
-
-def _common_prefix(a: str, b: str, limit: int) -> int:
-    return _search(limit, lambda n: a[:n] == b[:n])  # C-speed slice comparisons, log(n) of them
+    first = common_prefix(a, b, limit)
+    return first, len(a) - common_prefix(a[::-1], b[::-1], limit - first)
