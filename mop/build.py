@@ -5,7 +5,7 @@ measures it and the tests train it; nothing else wires these pieces.
 Order of `build_run`:
 1. the data (tokenizer, packed stream, the held-out sequences of `mop.evaluation`), and the
    check that the model's vocabulary holds the tokenizer's ids;
-2. the model, constructed on the meta device in its storage dtype (`storage_dtype`) and
+2. the model, constructed on the meta device in its storage dtype (`Config.storage_dtype`) and
    parallelised there by the strategy (`mop`: `parallelize`; `fsdp2`: `parallelize_fsdp2`;
    `reference`: the memory options only), then materialised: each rank allocates and
    initialises only its own shards (`mop.parallel.materialize`), so no rank ever holds the full
@@ -73,31 +73,10 @@ from mop.parallel.materialize import (
     materialize,
     write_weights,
 )
-from mop.parallel.parallelize import apply_memory_options, compute_dtype, parallelize
+from mop.parallel.parallelize import apply_memory_options, parallelize
 from mop.parallel.placement import placements
 from mop.parallel.views import GlobalViews
 from mop.runtime import Runtime
-
-
-def storage_dtype(config: Config) -> torch.dtype:
-    """The dtype parameters are stored in on the device: bf16 working weights when the fp32
-    masters live in the host optimizer and the run computes in bf16, else fp32."""
-    return torch.bfloat16 if config.train.dtype == "bfloat16" and config.optim.offload else torch.float32
-
-
-def step_micro_batches(config: Config, world: int) -> int:
-    """Forward passes per optimizer step on each rank: its data group's share of the global batch
-    (ranks of a sequence group share sequences) in micro-batches."""
-    groups = world // config.parallel.sequence
-    return config.train.global_batch // groups // config.train.micro_batch
-
-
-def check_settings(config: Config, world: int) -> None:
-    """A step's sequences split evenly over the data groups, then into micro-batches (`rank_batches`)."""
-    t, groups = config.train, world // config.parallel.sequence
-    if t.global_batch % (groups * t.micro_batch):
-        raise ConfigError("train.global_batch", f"{t.global_batch} must be a multiple of data groups ({groups}) x "
-                          f"train.micro_batch ({t.micro_batch}); e.g. {groups * t.micro_batch}")
 
 
 def build_optimizer(model: torch.nn.Module, config: Config, runtime: Runtime) -> Optimizer:
@@ -119,8 +98,8 @@ def build_model_shards(config: Config, runtime: Runtime, initialise: bool = True
     """This rank's parallelised model, its own shards allocated and (unless `initialise` is False,
     see `materialize`) initialised, a LoRA run's base read from `base` (module docstring, step 2)."""
     with torch.device("meta"):
-        model = MoETransformer(config.model, config.adapters).cast_parameters(storage_dtype(config),
-                                                                               compute_dtype(config))
+        model = MoETransformer(config.model, config.adapters).cast_parameters(config.storage_dtype,
+                                                                               config.compute_dtype)
     strategy = config.parallel.strategy
     if strategy == "mop":
         model = parallelize(model, runtime.layout, config)
@@ -173,7 +152,7 @@ class TrainingRun:
     data: object  # mop.data.Data
     held_out: HeldOut | None  # the sequences evaluations read (`mop.evaluation`), None without evaluation
     base: dict | None = None  # a LoRA run's base (`mop.adapters.base_identity`), None for full fine-tuning
-    reference: dict | None = None  # what a DPO run's precomputed reference log-probs are of (`mop.preference`)
+    reference: dict | None = None  # what a DPO run's precomputed reference log-probs are of (`mop.objectives.preference`)
 
     @property
     def spec(self) -> ModelSpec:
@@ -186,7 +165,7 @@ class TrainingRun:
         return getattr(self.model, "activation_offload", None)
 
     def autocast(self):
-        dtype = compute_dtype(self.config)
+        dtype = self.config.compute_dtype
         return torch.autocast(self.runtime.device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
 
     def close(self) -> None:
@@ -194,7 +173,7 @@ class TrainingRun:
         self.optimizer.close()
 
     def micro_batches_per_step(self) -> int:
-        return step_micro_batches(self.config, self.runtime.world)
+        return self.config.micro_batches_per_step(self.runtime.world)
 
     def next_batches(self) -> list[dict]:
         """This rank's micro-batches of the next step: its data group's sequences, its slice of each.
@@ -252,7 +231,7 @@ def build_run(config: Config, runtime: Runtime) -> TrainingRun:
                           f"{data.tokenizer.vocab_size} ids; set --model.vocab_size={data.tokenizer.vocab_size} or more")
     # bf16 working weights with fp32 host masters: the masters take the fp32 initial values and the
     # weights their rounding, one draw of each value.
-    masters_first = config.optim.offload and storage_dtype(config) != torch.float32
+    masters_first = config.optim.offload and config.storage_dtype != torch.float32
     with base_weights(config) as base:
         model, views = build_model_shards(config, runtime, initialise=not masters_first, base=base)
         optimizer = build_optimizer(model, config, runtime)

@@ -13,7 +13,7 @@ Content of one checkpoint (a directory `step_<N>`, N = optimizer steps completed
   size, eos/bos/pad ids); a LoRA run's `lora_base`, what its base is (`mop.adapters.base_identity`:
   a Hugging Face directory and its fingerprint, or the run's own initial weights), which a resume
   and a merge check; a DPO run's `dpo_reference`, what its precomputed reference log-probs were
-  computed from (`mop.preference.reference`), which a resume checks against the stored ones;
+  computed from (`mop.objectives.preference.reference`), which a resume checks against the stored ones;
 - `tokenizer/` (written by rank 0): the Hugging Face files of that tokenizer (`hf_files()`: for the
   byte tokenizer its exact HF equivalent), so that `mop convert to-hf` is self-contained and a
   run can name the checkpoint's own copy as `data.tokenizer`;

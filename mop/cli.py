@@ -19,8 +19,8 @@ from mop.bench import load as load_benchmark
 from mop.config import Config, DataConfig, field_docs, hints, load_config, sections
 from mop.faults import PeerLost
 from mop.launch import RUN_ENDED, USER_ERRORS, failed_launch, launch, say_run_ended
-from mop.plan.fit import fitted
 from mop.runtime import under_torchrun
+from mop.settle import settle
 from mop.train import train
 
 
@@ -114,7 +114,7 @@ def run_train(config_path: str | None, overrides: list[str]) -> None:
     if under_torchrun():  # resolved for the world torchrun started, once the ranks have joined
         train(config, say_peer_lost=True)
         return
-    config = fitted(config)
+    config = settle(config)
     if config.parallel.strategy == "reference":
         train(config)
     else:

@@ -9,10 +9,12 @@ read once `model.family` is known: a key the family does not take is an error na
 
 Loading is strict: an unknown section or key (with a did-you-mean) or a value of the wrong type
 raises `ConfigError`, whose one-line message names the key and the fix; the command line turns it
-into exit code 2. The loaded settings are raw: `mop.resolve.resolve` decides the automatic ones
-for the world and the device, runs the range and cross-field checks (each technique its own) and
-returns the one frozen config a run uses. This module depends on no other part of mop but the
-model's shape (`mop.models.config`) and its adapters (`mop.models.lora`).
+into exit code 2. The loaded settings are raw: `mop.settle.settle` decides the automatic ones for
+the world and the device, runs the range and cross-field checks (each technique its own) and
+returns the one frozen config a run uses. What follows from settings alone, with no decision to
+make, is here with them (`Config.compute_dtype`, `storage_dtype`, `micro_batches_per_step`). This
+module depends on no other part of mop but the model's shape (`mop.models.config`) and its adapters
+(`mop.models.lora`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+import torch
 
 from mop.models.config import ModelConfig
 from mop.models.lora import LoraConfig
@@ -184,7 +188,7 @@ class TrainConfig:
     the interpreter and allocator slack); "off": no fit, every automatic setting takes its plain rule.
     Today's layout (the largest degrees, no chunks, no checkpointing, 4 sequences per micro-batch) is
     kept while `mop plan`'s memory model says it fits; else the fastest layout the model says fits is
-    run (`mop.plan.fit`), printed at the start and recorded in the run's config.json."""
+    run (`mop.settle.fit`), printed at the start and recorded in the run's config.json."""
     finetune: Literal["full", "lora"] = "full"
     """"full": every parameter trains. "lora": low-rank adapters train over a frozen base kept at its
     published precision (the [lora] settings; `mop.models.lora`)."""
@@ -338,6 +342,24 @@ class Config:
         """The LoRA settings the model is built with, None for full fine-tuning."""
         return self.lora if self.train.finetune == "lora" else None
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype a step computes in: bf16 under `train.dtype = "bfloat16"` (autocast, FSDP2's
+        gathered weights), else fp32."""
+        return torch.bfloat16 if self.train.dtype == "bfloat16" else torch.float32
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """The dtype parameters are stored in on the device: bf16 working weights when the fp32
+        masters live in the host optimizer and the run computes in bf16, else fp32."""
+        return torch.bfloat16 if self.train.dtype == "bfloat16" and self.optim.offload else torch.float32
+
+    def micro_batches_per_step(self, world: int) -> int:
+        """Forward passes per optimizer step on each of `world` ranks: its data group's share of the
+        global batch (ranks of a sequence group share sequences) in micro-batches."""
+        groups = world // self.parallel.sequence
+        return self.train.global_batch // groups // self.train.micro_batch
+
 
 def field_docs(cls) -> dict[str, str]:
     """The docstring under each field of a dataclass and of the dataclasses it extends, read from
@@ -482,7 +504,7 @@ def load_model_config(path: str | Path) -> ModelConfig:
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
     """Defaults, then the TOML file, then the command-line overrides, type-checked: the raw settings.
     What depends on the world, the device or a technique is decided and checked once, where those
-    are known (`mop.resolve.resolve`)."""
+    are known (`mop.settle.settle`)."""
     config = Config()
     if path is not None:
         config = apply(config, read_toml(path))

@@ -24,8 +24,8 @@ from mop.data import DataError
 from mop.faults import CollectiveTimeout, PeerLost, Stopped, launch_failure, recorded_error, secondary
 from mop.models.hf import HFConversionError
 from mop.parallel.mesh import LayoutError
-from mop.resolve import ResolvedConfig
 from mop.run_dir import resolve_run_dir
+from mop.settle import ResolvedConfig
 from mop.train import NothingToTrain, train
 
 USER_ERRORS = (ConfigError, DataError, HFConversionError, LayoutError, NotImplementedError)

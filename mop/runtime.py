@@ -5,7 +5,7 @@ LOCAL_WORLD_SIZE in its environment and joins the others (`join`: gloo on CPU, N
 backend follows the device); once its caller has resolved the settings for that world
 (`mop.train.setup_runtime`), it builds the layout (`DistLayout`) of their degrees (`joined`).
 Without them it is the single process of the reference strategy. Also the reductions over all
-ranks that the loop and the evaluation share, and the memory a rank may use (`memory_budget`).
+ranks that the loop and the evaluation share.
 """
 
 from __future__ import annotations
@@ -57,73 +57,6 @@ def visible_gpus(device: str) -> int:
     if device == "cpu" or not torch.cuda.is_available():
         return 0
     return torch.cuda.device_count()
-
-
-GIB = 2**30
-_SIZE_UNITS = {"tib": 2**40, "gib": 2**30, "mib": 2**20, "kib": 2**10, "tb": 1e12, "gb": 1e9, "mb": 1e6, "kb": 1e3,
-               "b": 1}
-BUDGET_SHARE, BUDGET_RESERVE = 0.95, GIB  # of the device's (the host's) memory; the rest: context, libraries, slack
-
-
-def memory_budget(setting: str, device: str, local_ranks: int) -> tuple[int, str] | None:
-    """The bytes one rank may use under `train.memory_budget = setting` and how they were found;
-    None for "off". "auto": on CUDA the smallest visible GPU's memory, on the CPU the host's (the
-    smaller of physical memory and a cgroup limit) over the node's ranks, each x `BUDGET_SHARE`
-    less `BUDGET_RESERVE`: the same on every rank of a node and on every relaunch."""
-    size = check_memory_budget(setting)
-    if size is None:
-        return None
-    if size != "auto":
-        return size, f"train.memory_budget={setting}"
-    if visible_gpus(device):
-        total = min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
-        where = f"{total / GIB:.1f} GiB GPU memory"
-    else:
-        host = host_memory_bytes()
-        total = host // max(local_ranks, 1)
-        where = f"{host / GIB:.1f} GiB host memory / {local_ranks} ranks"
-    return int(total * BUDGET_SHARE - BUDGET_RESERVE), f"auto: {where} x {BUDGET_SHARE:g} less 1 GiB"
-
-
-def check_memory_budget(setting: str) -> int | str | None:
-    """`train.memory_budget` read without asking the device: bytes, "auto" or None ("off"); a bad
-    value raises ConfigError."""
-    text = setting.strip().lower()
-    return None if text == "off" else "auto" if text == "auto" else _parse_size(setting)
-
-
-def host_memory_bytes() -> int:
-    """Physical memory, or the process's cgroup limit when that is smaller (a container's share)."""
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            text = open(limit).read().strip()
-        except OSError:
-            continue
-        if text.isdigit():
-            total = min(total, int(text))
-    return total
-
-
-def _parse_size(text: str) -> int:
-    number = text.strip().lower()
-    unit = next((u for u in _SIZE_UNITS if number.endswith(u)), "")
-    try:
-        value = float(number.removesuffix(unit)) * _SIZE_UNITS.get(unit, 1)
-    except ValueError:
-        value = -1.0
-    if not value > 0 or value != value or value == float("inf"):
-        raise ConfigError("train.memory_budget", f"{text!r} is not a size; use e.g. '70GiB', '9.5GB', '12e9' (bytes), "
-                          "'auto' or 'off'")
-    return int(value)
-
-
-def smallest_limits(budget: int | None, host: int, device: torch.device) -> tuple[int | None, int]:
-    """The smallest memory budget and host memory of any rank (one all-reduce): every rank must fit
-    its layout to the same ones. `budget` is None ("off") on every rank alike."""
-    value = torch.tensor([budget or 0, host], dtype=torch.int64, device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MIN)
-    return (None if budget is None else int(value[0])), int(value[1])
 
 
 def check_ranks_fit_gpus(ranks: int, device: str, setting: str) -> None:

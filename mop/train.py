@@ -2,10 +2,11 @@
 
 One optimizer step reads `train.global_batch` sequences (the same ones for every layout, see
 `mop.data.loader`). Each data-parallel group takes its contiguous share and runs it in
-micro-batches of `train.micro_batch`, accumulating gradients. Each micro-batch contributes
-`ce_sum / global_targets + aux_coef * aux_sum / global_batch`, where `global_targets` is the
-step's count of non-ignored labels summed over all ranks before the first forward; the step's
-gradient is therefore the gradient of one global objective, whatever the layout or micro-batching.
+micro-batches of `train.micro_batch`, accumulating gradients. Each micro-batch contributes its
+share of the run's objective (`mop.objectives`: next-token prediction adds
+`ce_sum / global_targets + aux_coef * aux_sum / global_batch`), every term divided by a count of
+the whole step summed over all ranks before the first forward; the step's gradient is therefore
+the gradient of one global objective, whatever the layout or micro-batching.
 
 Then: global gradient-norm clipping, a skipped update when the norm is not finite, AdamW with
 the learning-rate schedule (`mop.optim.schedule`), and one metrics record per step (rank 0 writes it).
@@ -15,8 +16,9 @@ A step is numbered by the steps done after it, from 1, in its record, the checkp
 What is trained is built by `mop.build.build_run` (strategies: "reference" runs the plain model
 in one process; "mop" applies `parallelize`, each technique on its sub-group of ranks; "fsdp2"
 applies `parallelize_fsdp2`, the baseline from torch's own pieces). Processes are started by
-torchrun or by `mop.launch`; each joins the others in `mop.runtime` and resolves the settings for
-their world (`setup_runtime`).
+torchrun or by `mop.launch`; each joins the others in `mop.runtime` and settles the settings for
+their world (`mop.settle`, `setup_runtime`). The loop reaches the objective (next-token prediction,
+preference pairs) only through its interface (`mop.objectives.base`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ import time
 from contextlib import closing, nullcontext
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from mop import checkpoint
@@ -36,7 +37,7 @@ from mop.adapters import check_resume
 from mop.adapters import summary as adapters_summary
 from mop.build import TrainingRun, build_run
 from mop.config import Config, ConfigError
-from mop.data import Data, count_targets, to_device
+from mop.data import count_targets, to_device
 from mop.evaluation import evaluate
 from mop.faults import PEER_LOST, PeerLost, Stopped, StopRequest, collective_timeout, quiet_exit_code
 from mop.flops import attended_keys, peak_flops
@@ -49,32 +50,26 @@ from mop.metrics import (
     technique_metrics,
 )
 from mop.models.transformer import MoETransformer
+from mop.objectives import Objective, StepCounts, objective_for
 from mop.optim.optimizer import Optimizer
 from mop.optim.schedule import learning_rate
 from mop.parallel.mesh import TorchrunEnv
-from mop.plan.fit import fitted
-from mop.plan.fit import summary as fit_summary
-from mop.preference import reference
-from mop.preference.loss import StepTotals
-from mop.preference.step import PreferenceObjective, local_counts, step_record
 from mop.profiling import step_profile
 from mop.progress import StepProgress
-from mop.resolve import ResolvedConfig
 from mop.run_dir import shared_run_dir
 from mop.runtime import (
     Runtime,
-    host_memory_bytes,
     join,
     joined,
-    memory_budget,
     per_rank,
     pick_device,
-    smallest_limits,
     smallest_node,
     sum_over_ranks,
     sum_tensor_over_ranks,
     under_torchrun,
 )
+from mop.settle import MemoryBudget, ResolvedConfig, settle
+from mop.settle.fit import summary as fit_summary
 
 
 def step_memory(runtime: Runtime, offload_store) -> dict:
@@ -103,28 +98,11 @@ def worst_rank_state(run: TrainingRun, before_run: int) -> dict:
     return {**state, **{k: v if k.startswith("device_bytes_per_param") else int(v) for k, v in worst.items()}}
 
 
-class SupervisedObjective:
-    """`forward_backward`'s objective for next-token prediction: (loss, its float64 parts (ce, aux),
-    expert counts) of one micro-batch (`MoETransformer.objective`)."""
-
-    PARTS = ("ce_loss", "aux_loss")
-
-    def __init__(self, model: MoETransformer, global_targets: int, global_batch: int):
-        self.model, self.global_targets, self.global_batch = model, global_targets, global_batch
-
-    def __call__(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        terms = self.model.loss_terms(batch["input_ids"], batch["labels"], batch["position_ids"],
-                                      batch["document_ids"], batch.get("padding"))
-        loss = self.model.objective(terms, self.global_targets, self.global_batch)
-        ce = terms.ce_sum.detach().double() / max(self.global_targets, 1)
-        return loss, torch.stack([ce, loss.detach().double() - ce]), terms.expert_counts
-
-
 def forward_backward(model: MoETransformer, batches: list[dict], objective, runtime: Runtime,
                      autocast=nullcontext(), optimizer: Optimizer | None = None) -> list[float]:
     """Forward and backward of this rank's micro-batches, accumulating gradients; returns this
     rank's shares of the step loss's parts (`objective(batch)` gives a micro-batch's loss, its
-    float64 parts and its expert counts: `SupervisedObjective`, `mop.preference.step`).
+    float64 parts and its expert counts: `mop.objectives.base.MicroBatchLoss`).
 
     The optimizer (None: gradients are left on the parameters) is told the phases of the step
     (`mop.optim.optimizer`): the host optimizer's forward waits only for the parameters whose
@@ -152,34 +130,28 @@ def forward_backward(model: MoETransformer, batches: list[dict], objective, runt
     return totals.tolist()
 
 
+def objective_of(run: TrainingRun) -> Objective:
+    """The run's training objective (`mop.objectives`)."""
+    return objective_for(run.config)(run)
+
+
 def train_step(run: TrainingRun, batches: list[dict]) -> dict:
-    """Forward/backward over this rank's micro-batches of a step; returns the globally reduced
-    losses (and, for preference pairs, TRL's records: `mop.preference`), the step's targets, their
-    share of its token positions, its tokens that are data (not padding) and its model FLOPs
-    (`mop.flops`)."""
-    runtime, config = run.runtime, run.config
-    preference = config.data.format == "preference"
+    """Forward/backward over this rank's micro-batches of a step; returns the objective's record of
+    the globally reduced losses (`mop.objectives.base`), the step's targets, their share of its token
+    positions, its tokens that are data (not padding) and its model FLOPs (`mop.flops`)."""
+    runtime, objective = run.runtime, objective_of(run)
     local_targets = count_targets(batches)
     keys = run.spec.layer_keys(lambda window: sum(int(attended_keys(b["position_ids"], window).sum()) for b in batches))
     tokens = sum(b["input_ids"].numel() for b in batches)
     padding = sum(int(b["padding"].sum()) for b in batches if b.get("padding") is not None)
-    counts = sum_over_ranks([local_targets, keys, tokens, padding, *(local_counts(batches) if preference else [])],
-                            runtime)
+    counts = sum_over_ranks([local_targets, keys, tokens, padding, *objective.local_counts(batches)], runtime)
     global_targets, keys, tokens, padding = counts[:4]
-    if preference:
-        totals = StepTotals(int(counts[4]), int(counts[5]), config.train.global_batch)
-        objective = PreferenceObjective(run.model, config.dpo, totals, run.data.dataset.pairs_max)
-    else:
-        objective = SupervisedObjective(run.model, int(global_targets), config.train.global_batch)
-    parts = sum_over_ranks(forward_backward(run.model, batches, objective, runtime, run.autocast(), run.optimizer),
-                           runtime)
-    if preference:
-        losses = step_record(parts, config.dpo.nll_alpha, totals)
-    else:
-        losses = {"loss": sum(parts), **dict(zip(SupervisedObjective.PARTS, parts))}
+    step = StepCounts(int(global_targets), run.config.train.global_batch, tuple(counts[4:]))
+    parts = sum_over_ranks(forward_backward(run.model, batches, objective.micro_batch_loss(step), runtime,
+                                            run.autocast(), run.optimizer), runtime)
     # Every rank of a sequence group holds distinct tokens, so the sums count each token once.
     model_flops = run.spec.flops_per_token(keys / tokens) * tokens
-    return {**losses, "targets": int(global_targets), "target_share": global_targets / tokens,
+    return {**objective.record(parts, step), "targets": int(global_targets), "target_share": global_targets / tokens,
             "tokens": int(tokens - padding), "model_flops": model_flops}
 
 
@@ -194,44 +166,25 @@ class NothingToTrain(Exception):
     exit_code = 3
 
 
-def announce(config: Config, runtime: Runtime, run_dir: Path, data: Data, model: MoETransformer) -> None:
+def announce(run: TrainingRun, run_dir: Path) -> None:
     """Write the resolved configuration (every default filled in, the layout chosen) to the run
-    directory as `config.json`, and say in one line what runs."""
+    directory as `config.json`, and say in one line what runs (and in more what was fitted, what the
+    data holds that is odd, what a LoRA run trains)."""
+    config, runtime = run.config, run.runtime
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=1))
-    p = config.parallel
+    p, objective = config.parallel, objective_of(run)
     layout = f"D={p.sequence} Ep={p.expert} P={p.vocab}" if p.strategy != "reference" else "one process"
     print(f"mop: {p.strategy} on {runtime.world} rank(s) ({layout}, {runtime.device.type}), {config.train.dtype}, "
           f"{'host' if config.optim.offload else 'torch'} AdamW, {config.train.steps} steps of "
-          f"{config.train.global_batch} x {config.data.seq_len} tokens of {describe_data(config, data)}; "
+          f"{config.train.global_batch} x {config.data.seq_len} tokens of {objective.describe()}; "
           f"resolved settings in {run_dir / 'config.json'}")
     if config.fit is not None:
         print(f"mop: {fit_summary(config.fit)}")
-    degenerate = data.dataset.stats.get("data_degenerate_pairs", 0)
-    if degenerate:
-        where = ", ".join(data.dataset.corpus.degenerate_examples[:3])
-        print(f"mop: warning: {degenerate} preference pair(s) have the same chosen and rejected tokens"
-              f"{f' (e.g. {where})' if where else ''}: each adds a constant to the loss, no gradient and a miss to "
-              "rewards/accuracies; set data.skip_invalid = true to drop them", file=sys.stderr)
+    for warning in objective.warnings():
+        print(f"mop: warning: {warning}", file=sys.stderr)
     if config.adapters is not None:
-        print(f"mop: {adapters_summary(model, config)}")
-
-
-def describe_data(config: Config, data: Data) -> str:
-    """The start line's account of the data: its format, sequences and, for chat, what was left out."""
-    d, stats = config.data, data.dataset.stats
-    if d.format == "text":
-        return f"text ({data.stream.num_sequences} sequences)"
-    if d.format == "preference":
-        dpo = config.dpo
-        return (f"preference pairs, {dpo.loss} beta {dpo.beta}, reference {dpo.reference}, prompt "
-                f"{'shared' if d.shared_prompt else 'repeated'}, loss on {d.loss_on} ({stats['data_pairs']} pairs in "
-                f"{data.stream.num_sequences} sequences, {stats['data_padding_share']:.1%} padding; overlong: "
-                f"{stats['data_overlong_dropped']} dropped, {stats['data_overlong_truncated']} truncated; "
-                f"{stats['data_skipped_invalid']} invalid skipped; {stats['data_degenerate_pairs']} degenerate)")
-    return (f"chat, loss on {d.loss_on} ({stats['data_conversations']} conversations in {data.stream.num_sequences} "
-            f"sequences, {stats['data_padding_share']:.1%} padding; overlong: {stats['data_overlong_dropped']} dropped, "
-            f"{stats['data_overlong_truncated']} truncated; {stats['data_skipped_invalid']} invalid skipped)")
+        print(f"mop: {adapters_summary(run.model, config)}")
 
 
 class SkippedSteps:
@@ -264,19 +217,18 @@ def utilisation(model_flops: float, seconds: float, runtime: Runtime) -> dict:
 
 
 def setup_runtime(config: Config) -> tuple[ResolvedConfig, Runtime]:
-    """Join the ranks (under torchrun, `mop.runtime.join`), resolve the settings for that world
-    (`mop.resolve`: a config resolved for it already, as mop's launcher passes its ranks, is used as
-    it is) and build the layout; returns the resolved config and where this process sits."""
+    """Join the ranks (under torchrun, `mop.runtime.join`), settle the settings for that world
+    (`mop.settle`: a config settled for it already, as mop's launcher passes its ranks, is used as it
+    is) and build the layout; returns the settled config and where this process sits."""
     if not under_torchrun():
-        config = config if isinstance(config, ResolvedConfig) and config.world == 1 else fitted(config, world=1)
+        config = config if isinstance(config, ResolvedConfig) and config.world == 1 else settle(config, world=1)
         return config, Runtime(0, 1, pick_device(config, 0), None)
     env = TorchrunEnv.from_environ()
     device = join(config, env)
     if not (isinstance(config, ResolvedConfig) and config.world == env.world_size):
-        budget = memory_budget(config.train.memory_budget, config.train.device, env.local_world_size)
-        budget_bytes, host_bytes = smallest_limits(budget and budget[0], host_memory_bytes(), device)
-        config = fitted(config, world=env.world_size, local_world=smallest_node(env.local_world_size, device),
-                        budget_bytes=budget_bytes, host_bytes=host_bytes)
+        limits = MemoryBudget.read(config.train).limits(env.local_world_size).smallest_over_ranks(device)
+        config = settle(config, world=env.world_size, local_world=smallest_node(env.local_world_size, device),
+                        limits=limits)
     return config, joined(config, env, device)
 
 
@@ -341,7 +293,7 @@ def _steps(run: TrainingRun, run_dir: Path, stop: StopRequest, before: int) -> l
         raise NothingToTrain(f"the checkpoint resumed is at step {first_step} and train.steps is {config.train.steps}: "
                              f"nothing left to train; raise --train.steps to continue")
     if runtime.is_main:
-        announce(config, runtime, run_dir, run.data, run.model)
+        announce(run, run_dir)
 
     logger = None
     if runtime.is_main:
@@ -435,8 +387,8 @@ def save(run: TrainingRun, run_dir: Path, done: int) -> Path:
 
 
 def resume(run: TrainingRun, run_dir: Path) -> int:
-    """Load the checkpoint `checkpoint.resume` names, if any, and a DPO run's precomputed reference
-    log-probs (`mop.preference.reference`); returns the first step to run."""
+    """Load the checkpoint `checkpoint.resume` names, if any, and prepare what the objective needs
+    before its first step (a DPO run's precomputed reference log-probs); returns the first step to run."""
     config = run.config
     path = checkpoint.resolve_resume(config, run_dir)
     meta = None
@@ -450,6 +402,5 @@ def resume(run: TrainingRun, run_dir: Path) -> int:
         checkpoint.load(path, run.model, run.optimizer, run.views, meta=meta)
         if meta["data"] is not None:
             run.data.stream.load_state_dict(meta["data"])
-    if config.data.format == "preference" and config.dpo.reference == "precomputed":
-        run.reference = reference.attach(run, run_dir, meta)
+    run.reference = objective_of(run).prepare(run_dir, meta)
     return meta["step"] if meta is not None else 0

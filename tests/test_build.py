@@ -15,8 +15,8 @@ from mop.config import ConfigError, load_config
 from mop.models.transformer import build_model
 from mop.parallel import DistLayout, Layout
 from mop.parallel.views import GlobalViews
-from mop.resolve import resolve
 from mop.runtime import Runtime
+from mop.settle import settle
 from mop.testing import run_distributed
 from mop.testing.memory import ResidentGrowth
 from test_train import TINY_RUN
@@ -34,7 +34,7 @@ def _runtime(rank, world, config) -> Runtime:
 
 
 def _construction_growth(rank, world, args):
-    config = resolve(load_config(None, args), world)
+    config = settle(load_config(None, args), world, fit_memory=False)
     runtime = _runtime(rank, world, config)
     with ResidentGrowth() as growth:
         model, views = build_model_shards(config, runtime)
@@ -70,7 +70,7 @@ def _layout_args(strategy, sequence, expert, vocab, dtype):
 
 def _save_initial_weights(rank, world, base):
     for index, layout in enumerate(LAYOUTS):
-        config = resolve(load_config(None, _layout_args(*layout)), world)
+        config = settle(load_config(None, _layout_args(*layout)), world, fit_memory=False)
         run = build_run(config, _runtime(rank, world, config))
         dcp.save({name: run.views.of(p) for p, name in ((p, run.views.names[id(p)]) for p in run.model.parameters())},
                  checkpoint_id=f"{base}/{index}")
@@ -101,7 +101,7 @@ def test_initial_weights_of_every_layout_equal_the_reference_bit_for_bit(tmp_pat
 def _host_round_trip(rank, world, base):
     args = [*SMALL, "--parallel.strategy=mop", "--parallel.nproc=2", "--optim.offload=true", "--train.dtype=bfloat16",
             "--train.steps=2", f"--log.run_dir={base}/run"]
-    config = resolve(load_config(None, args), world)
+    config = settle(load_config(None, args), world, fit_memory=False)
     run = build_run(config, _runtime(rank, world, config))
     from mop.train import train_step, update
     for step in range(2):
@@ -168,7 +168,7 @@ def _load_hf_import(rank, world, imported, base):
 
     HFWeights.rows = counting_rows
     args = [*SMALL, "--parallel.strategy=mop", "--parallel.nproc=2", "--optim.offload=true", "--train.dtype=bfloat16"]
-    config = resolve(load_config(f"{imported}/model.toml", args), world)
+    config = settle(load_config(f"{imported}/model.toml", args), world, fit_memory=False)
     run = build_run(config, _runtime(rank, world, config))
     checkpoint.load(Path(imported), run.model, run.optimizer, run.views)
     views, params = run.views, list(run.model.parameters())

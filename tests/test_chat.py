@@ -18,12 +18,13 @@ from mop.data.prepared import ChatCorpus, ChatSettings, encode_source
 from mop.data.templates import Conversation
 from mop.models.moe import MoE
 from mop.models.transformer import IGNORE_INDEX, build_model
+from mop.objectives.next_token.objective import NextTokenLoss
 from mop.parallel import DistLayout, Layout
 from mop.parallel.checkpointing import canonical_name
-from mop.resolve import resolve
 from mop.runtime import Runtime
+from mop.settle import settle
 from mop.testing import run_distributed
-from mop.train import SupervisedObjective, forward_backward
+from mop.train import forward_backward
 
 QWEN3, GPT_OSS = "mop/data/assets/qwen3", "mop/data/assets/gpt-oss"
 CONVERSATIONS = Path("mop/data/corpus/conversations.jsonl")
@@ -236,7 +237,7 @@ def one_at_a_time(config, dataset: ChatDataset, sequences: list[int]):
     targets = count_targets(batches)
     total = 0.0
     for batch in batches:
-        loss, _, _ = SupervisedObjective(model, targets, len(sequences))(batch)
+        loss, _, _ = NextTokenLoss(model, targets, len(sequences))(batch)
         loss.backward()
         total += loss.item()
     return total, {canonical_name(n): p.grad for n, p in model.named_parameters()}
@@ -254,7 +255,7 @@ def packed_step(rank, world, config):
     batches = run.rank_batches(sequences, run.data.dataset)
     targets = torch.tensor(float(count_targets(batches)))
     torch.distributed.all_reduce(targets)
-    objective = SupervisedObjective(run.model, int(targets), config.train.global_batch)
+    objective = NextTokenLoss(run.model, int(targets), config.train.global_batch)
     ce, aux = forward_backward(run.model, batches, objective, run.runtime)
     loss = torch.tensor(ce + aux)
     torch.distributed.all_reduce(loss)
@@ -278,7 +279,7 @@ def full_gradient(views, param) -> torch.Tensor:
 def test_a_packed_batch_equals_its_conversations_one_at_a_time_in_the_reference(tmp_path):
     from mop.data import build_data
 
-    config = resolve(load_config(None, [*CHAT, f"--data.source={chat_source(tmp_path)}", "--parallel.strategy=reference"]), 1)
+    config = settle(load_config(None, [*CHAT, f"--data.source={chat_source(tmp_path)}", "--parallel.strategy=reference"]), 1, fit_memory=False)
     data = build_data(config.data.source, config.data.tokenizer, config.data.seq_len, 0,
                       chat=ChatSettings(config.data.tokenizer))
     sequences = data.stream.indices(0, 4)
@@ -286,7 +287,7 @@ def test_a_packed_batch_equals_its_conversations_one_at_a_time_in_the_reference(
     assert all(int(b["padding"].sum()) < 384 for b in packed) and max(int(b["document_ids"].max()) for b in packed) > 1
     model = build_model(config.model, seed=config.train.seed)
     batch = {key: torch.stack([b[key] for b in packed]) for key in packed[0]}
-    loss, _, _ = SupervisedObjective(model, count_targets([batch]), 4)(batch)
+    loss, _, _ = NextTokenLoss(model, count_targets([batch]), 4)(batch)
     loss.backward()
     expected_loss, expected = one_at_a_time(config, data.dataset, sequences)
     assert_close(loss.detach(), torch.tensor(expected_loss), atol=1e-6, rtol=1e-5)
@@ -300,7 +301,7 @@ def test_a_packed_batch_in_the_full_mop_layout_equals_its_conversations_one_at_a
               "--parallel.vocab=2", "--parallel.expert_balance=llep", "--parallel.llep_gate=1.0",
               "--parallel.llep_min_chunk=4", "--parallel.llep_chunks=2", "--parallel.attention_head_chunks=2",
               "--train.activation_checkpointing=full", "--train.offload_activations=true"]
-    config = resolve(load_config(None, [*CHAT, f"--data.source={chat_source(tmp_path)}", *layout]), 4)
+    config = settle(load_config(None, [*CHAT, f"--data.source={chat_source(tmp_path)}", *layout]), 4, fit_memory=False)
     results = run_distributed(packed_step, 4, config, timeout=600)
     sequences = results[0][2]
     from mop.data import build_data
@@ -323,7 +324,7 @@ def test_padding_is_left_out_of_the_router_statistics_in_the_full_mop_layout_as_
               "--parallel.vocab=1", "--parallel.expert_balance=llep", "--parallel.llep_gate=1.0",
               "--parallel.llep_min_chunk=4"]
     settings = [*CHAT, f"--data.source={chat_source(tmp_path)}", "--model.aux_loss_coef=0.1"]
-    config = resolve(load_config(None, [*settings, *layout]), 4)
+    config = settle(load_config(None, [*settings, *layout]), 4, fit_memory=False)
     results = run_distributed(packed_step, 4, config, timeout=600)
     from mop.data import build_data
 
@@ -335,7 +336,7 @@ def test_padding_is_left_out_of_the_router_statistics_in_the_full_mop_layout_as_
     batches = [{key: value.unsqueeze(0) for key, value in item.items()} for item in packed]
     targets, total = count_targets(batches), 0.0
     for batch in batches:
-        loss, _, _ = SupervisedObjective(model, targets, len(batches))(batch)
+        loss, _, _ = NextTokenLoss(model, targets, len(batches))(batch)
         loss.backward()
         total += loss.item()
     for loss, grads, _ in results:

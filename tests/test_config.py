@@ -12,7 +12,7 @@ import pytest
 from mop.cli import main
 from mop.config import Config, ConfigError, field_docs, load_config, sections
 from mop.parallel import LayoutError
-from mop.resolve import resolve
+from mop.settle import settle
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -79,7 +79,7 @@ def test_int_is_accepted_for_a_float():
 ])
 def test_bad_settings_name_the_key_and_the_fix(args, key, hint):
     with pytest.raises(ConfigError) as err:
-        resolve(load_config(None, args))
+        settle(load_config(None, args), fit_memory=False)
     assert err.value.key == key
     assert hint in str(err.value) and "\n" not in str(err.value)
 
@@ -87,7 +87,7 @@ def test_bad_settings_name_the_key_and_the_fix(args, key, hint):
 @pytest.mark.parametrize("setting", ["--parallel.sequence=3", "--parallel.vocab=3", "--parallel.expert=-2"])
 def test_impossible_layouts_name_the_setting_and_the_divisors(setting):
     with pytest.raises(LayoutError) as err:
-        resolve(load_config(None, ["--parallel.strategy=mop", "--parallel.nproc=4", setting]))
+        settle(load_config(None, ["--parallel.strategy=mop", "--parallel.nproc=4", setting]), fit_memory=False)
     assert setting.removeprefix("--").split("=")[0] in str(err.value) and "1, 2, 4" in str(err.value)
 
 
@@ -103,7 +103,7 @@ def test_missing_and_malformed_files(tmp_path):
 def test_validation_uses_the_real_world_size():
     config = load_config(None, ["--parallel.strategy=mop", "--parallel.nproc=2", "--parallel.sequence=2"])
     with pytest.raises(LayoutError, match="parallel.sequence"):
-        resolve(config, world=3)
+        settle(config, world=3, fit_memory=False)
 
 
 def test_every_field_has_a_docstring():
@@ -133,23 +133,23 @@ def test_cli_help_lists_every_setting():
 
 
 def test_automatic_settings_follow_the_strategy_and_the_world_size():
-    mop = resolve(load_config())  # the embedded default: the full layout on 2 local ranks
+    mop = settle(load_config(), fit_memory=False)  # the embedded default: the full layout on 2 local ranks
     p = mop.parallel
     assert (p.strategy, p.nproc, p.sequence, p.expert, p.vocab, p.expert_balance) == ("mop", 2, 2, 2, 2, "llep")
     assert mop.optim.offload is True
-    on_eight = resolve(load_config(), world=8).parallel  # 4 heads, 8 experts, seq_len 256
+    on_eight = settle(load_config(), world=8, fit_memory=False).parallel  # 4 heads, 8 experts, seq_len 256
     assert (on_eight.sequence, on_eight.expert, on_eight.vocab) == (4, 8, 8)
     # Two nodes of 4 ranks: the automatic groups stay inside a node; an explicit degree may cross.
-    two_nodes = resolve(load_config(), world=8, local_world=4).parallel
+    two_nodes = settle(load_config(), world=8, local_world=4, fit_memory=False).parallel
     assert (two_nodes.sequence, two_nodes.expert, two_nodes.vocab) == (4, 4, 4)
-    across = resolve(load_config(None, ["--parallel.nproc=8", "--parallel.expert=8"]), world=8, local_world=4).parallel
+    across = settle(load_config(None, ["--parallel.nproc=8", "--parallel.expert=8"]), world=8, local_world=4, fit_memory=False).parallel
     assert across.expert == 8
     for strategy, world in (("reference", 1), ("fsdp2", 2)):
-        config = resolve(load_config(None, [f"--parallel.strategy={strategy}"]))
+        config = settle(load_config(None, [f"--parallel.strategy={strategy}"]), fit_memory=False)
         p = config.parallel
         assert (p.nproc, p.sequence, p.expert, p.vocab, p.expert_balance) == (world, 1, 1, 1, "ep")
         assert config.optim.offload is False
-    explicit = resolve(load_config(None, ["--parallel.sequence=1", "--optim.offload=false"])).parallel
+    explicit = settle(load_config(None, ["--parallel.sequence=1", "--optim.offload=false"]), fit_memory=False).parallel
     assert (explicit.sequence, explicit.expert) == (1, 2)
 
 
@@ -164,23 +164,23 @@ def pretend_gpus(monkeypatch, count: int) -> None:
 @pytest.mark.parametrize("gpus", [1, 2, 4, 8])
 def test_automatic_nproc_is_one_rank_per_visible_gpu(monkeypatch, gpus):
     pretend_gpus(monkeypatch, gpus)
-    config = resolve(load_config())
+    config = settle(load_config(), fit_memory=False)
     assert config.parallel.nproc == gpus
     assert config.parallel.sequence == math.gcd(gpus, 4)  # the debug model's 4 heads
-    assert resolve(load_config(None, ["--train.device=cpu"])).parallel.nproc == 2  # the CPU's default
-    assert resolve(load_config(None, ["--parallel.strategy=reference"])).parallel.nproc == 1
+    assert settle(load_config(None, ["--train.device=cpu"]), fit_memory=False).parallel.nproc == 2  # the CPU's default
+    assert settle(load_config(None, ["--parallel.strategy=reference"]), fit_memory=False).parallel.nproc == 1
 
 
 def test_more_local_ranks_than_gpus_is_one_line_naming_nproc(monkeypatch, capsys):
     pretend_gpus(monkeypatch, 1)
     with pytest.raises(ConfigError, match=r"parallel.nproc: 2 ranks on this node but 1 visible GPU.*--parallel.nproc=1"):
-        resolve(load_config(None, ["--parallel.nproc=2"]))
+        settle(load_config(None, ["--parallel.nproc=2"]), fit_memory=False)
     assert main(["train", "--parallel.nproc=2"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "parallel.nproc" in err
     # The CPU takes any number of local ranks, and a world torchrun started is checked per node instead.
     assert load_config(None, ["--parallel.nproc=2", "--train.device=cpu"]).parallel.nproc == 2
-    assert resolve(load_config(None, ["--parallel.nproc=8", "--train.device=cpu"]), world=8).parallel.nproc == 8
+    assert settle(load_config(None, ["--parallel.nproc=8", "--train.device=cpu"]), world=8, fit_memory=False).parallel.nproc == 8
 
 
 def test_torchrun_with_more_ranks_on_a_node_than_gpus_names_nproc_per_node(monkeypatch):

@@ -2,7 +2,7 @@
 single-process model on the same global batch: the loss and every parameter gradient.
 
 Each rank takes its data group's share of the batch and its slice of every sequence, exactly as
-the trainer does (`group_slice`, `sequence_shard`, `SupervisedObjective`).
+the trainer does (`group_slice`, `sequence_shard`, `NextTokenLoss`).
 """
 
 import dataclasses
@@ -14,12 +14,12 @@ from torch.testing import assert_close
 from mop.config import Config, load_config
 from mop.data import group_slice, sequence_shard
 from mop.models.transformer import IGNORE_INDEX, build_model, document_positions
+from mop.objectives.next_token.objective import NextTokenLoss
 from mop.parallel import DistLayout, Layout
 from mop.parallel.checkpointing import canonical_name
 from mop.parallel.parallelize import apply_memory_options, parallelize
-from mop.resolve import resolve
+from mop.settle import settle
 from mop.testing import run_distributed
-from mop.train import SupervisedObjective
 
 MODEL = ["--model.vocab_size=64", "--model.hidden=32", "--model.layers=2", "--model.heads=4", "--model.kv_heads=2",
          "--model.head_dim=8", "--model.experts=4", "--model.expert_intermediate=16", "--model.dense_layers=1",
@@ -29,10 +29,10 @@ GLOBAL_BATCH = 4
 
 def make_config(world, *extra) -> Config:
     """The dense path alone: the other techniques explicitly off, `extra` switches what is tested on."""
-    return resolve(load_config(None, [*MODEL, "--parallel.strategy=mop", f"--parallel.nproc={world}",
+    return settle(load_config(None, [*MODEL, "--parallel.strategy=mop", f"--parallel.nproc={world}",
                                        "--parallel.sequence=1", "--parallel.expert=1", "--parallel.vocab=1",
                                        "--optim.offload=false", f"--train.global_batch={GLOBAL_BATCH}",
-                                       "--train.micro_batch=1", *extra]), world)
+                                       "--train.micro_batch=1", *extra]), world, fit_memory=False)
 
 
 def global_batch(seq_len):
@@ -52,7 +52,7 @@ def reference_gradients(config: Config):
     apply_memory_options(model, config, torch.device("cpu"))
     batch = global_batch(config.data.seq_len)
     targets = int((batch["labels"] != IGNORE_INDEX).sum())
-    loss, _, _ = SupervisedObjective(model, targets, GLOBAL_BATCH)(batch)
+    loss, _, _ = NextTokenLoss(model, targets, GLOBAL_BATCH)(batch)
     loss.backward()
     return loss.item(), {canonical_name(name): p.grad for name, p in model.named_parameters()}
 
@@ -67,7 +67,7 @@ def mop_gradients(rank, world, config: Config):
     total = torch.zeros(())
     for row in rows:  # micro-batches of one sequence, gradients accumulate
         micro = sequence_shard({k: v[row:row + 1] for k, v in batch.items()}, rank % p.sequence, p.sequence)
-        loss, _, _ = SupervisedObjective(model, targets, GLOBAL_BATCH)(micro)
+        loss, _, _ = NextTokenLoss(model, targets, GLOBAL_BATCH)(micro)
         loss.backward()
         total += loss.detach()
     torch.distributed.all_reduce(total)

@@ -13,11 +13,12 @@ from torch.testing import assert_close
 
 from mop.build import build_run
 from mop.config import load_config
+from mop.objectives.next_token.objective import NextTokenLoss
 from mop.parallel import DistLayout, Layout
-from mop.resolve import resolve
 from mop.runtime import Runtime
+from mop.settle import settle
 from mop.testing import run_distributed
-from mop.train import SupervisedObjective, forward_backward
+from mop.train import forward_backward
 from test_train import TINY
 
 LAYOUT = ["--parallel.strategy=mop", "--parallel.nproc=2", "--parallel.sequence=2", "--parallel.expert=2",
@@ -30,14 +31,14 @@ def _kind(p) -> str:
 
 
 def _one_step(rank, world, run_dir, foreach: bool):
-    config = resolve(load_config(None, [*TINY, *LAYOUT, f"--log.run_dir={run_dir}"]), world)
+    config = settle(load_config(None, [*TINY, *LAYOUT, f"--log.run_dir={run_dir}"]), world, fit_memory=False)
     runtime = Runtime(rank, world, torch.device("cpu"), DistLayout(Layout(world, 2, 2, 2), torch.device("cpu")))
     run = build_run(config, runtime)
     groups = run.optimizer.adamw.param_groups
     kinds = [sorted({_kind(p) for p in group["params"]}) for group in groups]
     for group in groups:
         group["foreach"] = foreach
-    forward_backward(run.model, run.next_batches(), SupervisedObjective(run.model, 100, config.train.global_batch),
+    forward_backward(run.model, run.next_batches(), NextTokenLoss(run.model, 100, config.train.global_batch),
                      runtime, run.autocast())
     run.optimizer.step(config.train.grad_clip)
     local = {name: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()

@@ -13,7 +13,7 @@ from mop.config import DpoConfig
 from mop.models.config import ModelConfig
 from mop.models.lora import LoraConfig, adapters_disabled
 from mop.models.transformer import IGNORE_INDEX, MoETransformer
-from mop.preference.loss import StepTotals, pair_losses, preference_loss, record_sums
+from mop.objectives.preference.loss import StepTotals, pair_losses, preference_loss, record_sums
 
 SHAPE = dict(family="qwen3_moe", vocab_size=61, hidden=32, layers=2, heads=4, kv_heads=2, head_dim=8, experts=4,
              top_k=2, expert_intermediate=16)

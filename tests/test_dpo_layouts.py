@@ -22,11 +22,11 @@ from torch.testing import assert_close
 from mop.build import build_run
 from mop.cli import main
 from mop.config import load_config
+from mop.objectives.preference import reference
 from mop.parallel import DistLayout, Layout
 from mop.parallel.checkpointing import canonical_name
-from mop.preference import reference
-from mop.resolve import resolve
 from mop.runtime import Runtime
+from mop.settle import settle
 from mop.testing import run_distributed
 from mop.train import train_step
 
@@ -56,7 +56,7 @@ def first_step(rank: int, world: int, overrides: list[str]) -> tuple[dict, dict]
     """The step over every pair in a layout: its record and every parameter's full gradient. The
     reference log-probs are the starting weights' (computed in the layout) moved by a per-pair
     offset, so the pairs' rewards differ."""
-    config = resolve(load_config(None, overrides), world)
+    config = settle(load_config(None, overrides), world, fit_memory=False)
     p = config.parallel
     layout = DistLayout(Layout(world, p.sequence, p.expert, p.vocab), torch.device("cpu")) if world > 1 else None
     run = build_run(config, Runtime(rank, world, torch.device("cpu"), layout))
@@ -110,7 +110,7 @@ def test_every_layout_gives_the_single_process_step(reference_steps, world, sequ
 def first_step_against_its_own_reference(rank: int, world: int, overrides: list[str]) -> dict:
     """The first step's record with the reference precomputed from the same weights, as `mop train`
     computes it (`reference.compute` then the stream's first global batch)."""
-    config = resolve(load_config(None, overrides), world)
+    config = settle(load_config(None, overrides), world, fit_memory=False)
     p = config.parallel
     layout = DistLayout(Layout(world, p.sequence, p.expert, p.vocab), torch.device("cpu"))
     run = build_run(config, Runtime(rank, world, torch.device("cpu"), layout))

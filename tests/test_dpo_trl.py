@@ -34,7 +34,7 @@ from mop.config import DpoConfig
 from mop.data import build_data
 from mop.data.prepared import ChatSettings
 from mop.models.hf import load_hf
-from mop.preference.loss import RECORDS, StepTotals, preference_loss, record_sums
+from mop.objectives.preference.loss import RECORDS, StepTotals, preference_loss, record_sums
 
 trl = pytest.importorskip("trl")
 transformers = pytest.importorskip("transformers")

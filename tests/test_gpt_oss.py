@@ -497,9 +497,9 @@ def test_the_debug_config_resolves_with_expert_parallelism():
     from pathlib import Path
 
     from mop.config import load_config
-    from mop.resolve import resolve
+    from mop.settle import settle
 
-    resolved = resolve(load_config(Path(__file__).resolve().parents[1] / "configs/debug-gpt-oss.toml", []))
+    resolved = settle(load_config(Path(__file__).resolve().parents[1] / "configs/debug-gpt-oss.toml", []), fit_memory=False)
     p = resolved.parallel
     assert (p.expert, p.sequence, p.vocab, p.expert_balance) == (2, 2, 2, "llep")
 

@@ -18,11 +18,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mop.build import build_run
 from mop.config import load_config
+from mop.objectives.next_token.objective import NextTokenLoss
 from mop.parallel import DistLayout, Layout
-from mop.resolve import resolve
 from mop.runtime import Runtime
+from mop.settle import settle
 from mop.testing import run_distributed
-from mop.train import SupervisedObjective, forward_backward
+from mop.train import forward_backward
 from test_train import TINY
 
 aten = torch.ops.aten
@@ -101,7 +102,7 @@ def syncs_of_one_step(config, runtime) -> dict:
                 syncs.counting = False
 
         monkeypatch.setattr(torch.Tensor, "backward", counted_backward)
-        objective = SupervisedObjective(run.model, targets, config.train.global_batch)
+        objective = NextTokenLoss(run.model, targets, config.train.global_batch)
         forward_backward(run.model, batches, objective, runtime, run.autocast(), run.optimizer)
     run.optimizer.synchronize()
     passes = len(batches) * (config.model.layers - config.model.dense_layers)
@@ -117,7 +118,7 @@ VARIANTS = {"llep": [], "chunked-llep+ac+offload": ["--parallel.llep_chunks=2", 
 
 
 def _mop_syncs(rank, world, run_dir, extra):
-    config = resolve(load_config(None, [*TINY, *MOP, *extra, f"--log.run_dir={run_dir}"]), world)
+    config = settle(load_config(None, [*TINY, *MOP, *extra, f"--log.run_dir={run_dir}"]), world, fit_memory=False)
     layout = DistLayout(Layout(world, 2, 2, 2), torch.device("cpu"))
     return syncs_of_one_step(config, Runtime(rank, world, torch.device("cpu"), layout))
 
@@ -128,7 +129,7 @@ def check(result: dict) -> None:
 
 
 def test_reference_reads_the_device_once_per_moe_layer(tmp_path):
-    config = resolve(load_config(None, [*TINY, f"--log.run_dir={tmp_path}"]), 1)
+    config = settle(load_config(None, [*TINY, f"--log.run_dir={tmp_path}"]), 1, fit_memory=False)
     result = syncs_of_one_step(config, Runtime(0, 1, torch.device("cpu"), None))
     check(result)
     assert result["reads"] == ["tolist"]  # the expert counts, for the grouped GEMM's groups

@@ -14,8 +14,8 @@ import torch
 
 from mop.config import load_config
 from mop.parallel import DistLayout, Layout
-from mop.resolve import resolve
 from mop.runtime import Runtime
+from mop.settle import settle
 from mop.testing import run_distributed
 from mop.train import _train
 from test_train import TINY, run
@@ -51,7 +51,7 @@ def _train_layouts(rank, world, base_dir, layouts, extra):
     results = {}
     for index, (sequence, expert, vocab) in layouts:
         args = [*FOUR, *layout_args(index, sequence, expert, vocab), *extra, f"--log.run_dir={base_dir}/{index}"]
-        config = resolve(load_config(None, args), world)
+        config = settle(load_config(None, args), world, fit_memory=False)
         layout = DistLayout(Layout(world, sequence, expert, vocab), torch.device("cpu"))
         results[(sequence, expert, vocab)] = curves(_train(config, Runtime(rank, world, torch.device("cpu"), layout)))
     return results

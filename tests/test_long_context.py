@@ -14,14 +14,15 @@ from mop.models.attention import Attention
 from mop.models.config import ModelConfig
 from mop.models.documents import PACK_TOKENS, Documents
 from mop.models.transformer import IGNORE_INDEX, build_model, document_positions
+from mop.objectives.next_token.objective import NextTokenLoss
 from mop.parallel import DistLayout, Layout
 from mop.parallel.checkpointing import canonical_name
 from mop.parallel.parallelize import parallelize
-from mop.resolve import resolve
 from mop.runtime import Runtime
+from mop.settle import settle
 from mop.testing import run_distributed
 from mop.testing.memory import PeakMemory
-from mop.train import SupervisedObjective, forward_backward
+from mop.train import forward_backward
 from test_train import losses, run
 
 
@@ -88,7 +89,7 @@ def packed_batch(seq: int) -> dict:
 
 def _count_passes(rank, world, extra):
     """One micro-batch's forward and backward, counting the attention kernel and expert-chunk calls."""
-    config = resolve(load_config(None, [*MODEL, *CHUNKED, *extra]), world)
+    config = settle(load_config(None, [*MODEL, *CHUNKED, *extra]), world, fit_memory=False)
     counts = {"attention": 0, "expert chunks": 0}
 
     def counted(name, fn):
@@ -106,7 +107,7 @@ def _count_passes(rank, world, extra):
     batch = packed_batch(config.data.seq_len)
     tokens = config.data.seq_len // world
     mine = {k: v[:, rank * tokens:(rank + 1) * tokens] for k, v in batch.items()}
-    forward_backward(model, [mine], SupervisedObjective(model, int((batch["labels"] != IGNORE_INDEX).sum()), 1),
+    forward_backward(model, [mine], NextTokenLoss(model, int((batch["labels"] != IGNORE_INDEX).sum()), 1),
                      Runtime(rank, world, layout.device, layout))
     grads = {canonical_name(n): (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
              for n, p in model.named_parameters()}

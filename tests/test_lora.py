@@ -1,4 +1,4 @@
-"""LoRA over a frozen base kept at its published precision (`mop.models.lora`, `mop.adapters`).
+"""LoRA over a frozen base kept at its published precision (`mop.models.lora`, `mop.settle.adapters`, `mop.adapters`).
 
 Oracles: PEFT on transformers' own models (the adapters mop writes load with
 `PeftModel.from_pretrained` and give mop's logits and adapter gradients), the base model itself

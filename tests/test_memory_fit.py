@@ -1,4 +1,4 @@
-"""Issue 40: `mop train` fits the settings left automatic to `train.memory_budget` (`mop.plan.fit`),
+"""Issue 40: `mop train` fits the settings left automatic to `train.memory_budget` (`mop.settle.fit`),
 and the per-token memory the fit relies on: RMSNorm saving its input and inverse rms only.
 
 The fit's choices are real configs (resolved as `mop train` checks them) whose predicted need fits
@@ -13,11 +13,10 @@ import dataclasses
 import pytest
 import torch
 
-from mop.config import Config, ConfigError, load_config
+from mop.config import Config, ConfigError, TrainConfig, load_config
+from mop.cost.memory import estimate
 from mop.models.layers import RMSNorm
-from mop.plan.fit import fitted
-from mop.plan.memory import estimate
-from mop.runtime import memory_budget
+from mop.settle import MemoryBudget, MemoryLimits, settle
 
 GIB = 2**30
 ANCHOR = ["--model.vocab_size=32000", "--model.hidden=256", "--model.layers=4", "--model.heads=8",
@@ -27,7 +26,7 @@ ANCHOR = ["--model.vocab_size=32000", "--model.hidden=256", "--model.layers=4", 
 
 
 def _resolve(*settings: str):
-    return fitted(load_config(None, [*ANCHOR, *settings]))
+    return settle(load_config(None, [*ANCHOR, *settings]))
 
 
 def _need(config) -> int:
@@ -35,17 +34,21 @@ def _need(config) -> int:
     return memory.peak_device_bytes + sum(memory.host_bytes_per_rank.values())
 
 
+def memory_budget(setting: str, local_ranks: int) -> MemoryLimits:
+    return MemoryBudget.read(TrainConfig(memory_budget=setting, device="cpu")).limits(local_ranks)
+
+
 def test_memory_budget_sizes_and_errors():
-    assert memory_budget("off", "cpu", 2) is None
-    assert memory_budget("10GiB", "cpu", 2)[0] == 10 * GIB
-    assert memory_budget("9.5GB", "cpu", 2)[0] == 9_500_000_000
-    assert memory_budget("12e9", "cpu", 2)[0] == 12_000_000_000
-    auto, source = memory_budget("auto", "cpu", 2)
-    one, _ = memory_budget("auto", "cpu", 1)
-    assert 0 < auto < one and "host memory / 2 ranks" in source
+    assert memory_budget("off", 2).budget_bytes is None
+    assert memory_budget("10GiB", 2).budget_bytes == 10 * GIB
+    assert memory_budget("9.5GB", 2).budget_bytes == 9_500_000_000
+    assert memory_budget("12e9", 2).budget_bytes == 12_000_000_000
+    auto = memory_budget("auto", 2)
+    one = memory_budget("auto", 1)
+    assert 0 < auto.budget_bytes < one.budget_bytes and "host memory / 2 ranks" in auto.source
     for bad in ("lots", "-3GiB", "0", "nanGB"):
         with pytest.raises(ConfigError, match=r"^train.memory_budget: .* is not a size; use e.g."):
-            memory_budget(bad, "cpu", 2)
+            memory_budget(bad, 2)
     with pytest.raises(ConfigError, match="train.memory_budget"):  # refused whatever the run
         _resolve("--train.memory_budget=plenty", "--parallel.strategy=fsdp2")
 
@@ -86,7 +89,7 @@ def test_a_long_context_is_fitted_to_the_budget_and_the_fit_is_recorded():
     assert not config.train.offload_activations  # on the CPU it moves nothing out of the same memory
     assert fit.budget_bytes == budget and "parallel.llep_chunks" in fit.searched
     # the fitted config is one `mop train` accepts as it is, and resolves to itself
-    again = fitted(Config(**{f.name: getattr(config, f.name) for f in dataclasses.fields(Config)}))
+    again = settle(Config(**{f.name: getattr(config, f.name) for f in dataclasses.fields(Config)}))
     assert again.parallel == config.parallel and again.train == config.train
 
 

@@ -7,7 +7,7 @@ optimizer or torch AdamW, micro-batches, contexts, the fsdp2 baseline with and w
 offload, dense layers and a shared expert). Each is trained for a warm-up step and a memory step by
 `mop.testing.step`'s `Trainer` (what `mop bench e2e` runs) and measured by its `step_memory` (the persistent state read from
 the tensors plus the step's transient peak from `PeakMemory`, less what lives in host memory on a
-GPU machine), worst rank; `mop.plan.memory.estimate` predicts it from the config alone. The
+GPU machine), worst rank; `mop.cost.memory.estimate` predicts it from the config alone. The
 predicted peak must be within 10% of the measured one, and the parameter shards' bytes equal.
 LLEP runs with llep_gate = 1 and llep_min_chunk = 1, so that every layer is balanced to its
 capacity (the model's assumption for LLEP: a rank computes at most llep_alpha x the mean load).
@@ -24,11 +24,11 @@ import torch
 
 from mop.cli import main
 from mop.config import load_config
+from mop.cost.cluster import make_cluster
+from mop.cost.memory import estimate, parameter_counts
 from mop.plan import CONFIGS, load_model, parse_tokens, presets
-from mop.plan.cluster import make_cluster
-from mop.plan.memory import estimate, parameter_counts
 from mop.plan.search import plan
-from mop.resolve import resolve
+from mop.settle import settle
 from mop.testing import run_distributed
 from mop.testing.step import Trainer, step_memory
 
@@ -97,7 +97,7 @@ CASES = [
 
 
 def _config(world: int, settings: list[str]):
-    return resolve(load_config(None, [*COMMON, f"--parallel.nproc={world}", *settings]), world)
+    return settle(load_config(None, [*COMMON, f"--parallel.nproc={world}", *settings]), world, fit_memory=False)
 
 
 def _measure_all(rank: int, world: int, cases: list[list[str]]) -> list[dict]:
@@ -157,7 +157,7 @@ def test_the_planners_choice_is_accepted_by_mop_train(preset):
     assert chosen.memory.peak_device_bytes <= cluster.budget_bytes
     # as `torchrun --nnodes 2 --nproc-per-node 8 -m mop.cli train <preset> <settings>` loads it
     config = load_config(CONFIGS / f"{preset}.toml", train_settings(chosen))
-    resolved = resolve(config, world=cluster.world, local_world=cluster.gpus_per_node)
+    resolved = settle(config, world=cluster.world, local_world=cluster.gpus_per_node, fit_memory=False)
     assert resolved.parallel == chosen.config.parallel
     assert estimate(resolved, cluster.world, 8).peak_device_bytes == chosen.memory.peak_device_bytes
 
@@ -259,7 +259,7 @@ def test_lora_keeps_the_published_base_and_fits_deepseek_v3_at_128k_on_one_h200_
     # the routed experts' shards as fp8 with fp32 128x128 block scales: about 1 byte per parameter
     assert chosen.memory.counts.experts <= adapters.bytes_by_category["experts"] < 1.02 * chosen.memory.counts.experts
     config = load_config(CONFIGS / "deepseek-v3.toml", train_settings(chosen))
-    resolved = resolve(config, world=cluster.world, local_world=cluster.gpus_per_node)
+    resolved = settle(config, world=cluster.world, local_world=cluster.gpus_per_node, fit_memory=False)
     assert resolved.lora == chosen.config.lora and resolved.parallel == chosen.config.parallel
     assert estimate(resolved, cluster.world, 8).peak_device_bytes == chosen.memory.peak_device_bytes
 
@@ -271,7 +271,7 @@ def test_dpo_plans_lora_with_the_bases_reference_forward_in_every_step(model_nam
     traffic to every step; full fine-tuning's reference is precomputed once, so its steps cost what
     supervised steps do. Qwen3-235B-A22B and gpt-oss-120b with LoRA fit 128K on one H200 node."""
     from mop.models.lora import LoraConfig
-    from mop.plan.candidates import evaluate
+    from mop.cost.candidates import evaluate
 
     cluster, model = make_cluster("h200", 1, 8), load_model(model_name)
     lora = LoraConfig(base_format=base)

@@ -19,8 +19,8 @@ from mop.metrics import read_metrics
 from mop.models.config import ModelConfig
 from mop.models.transformer import build_model
 from mop.progress import StepProgress
-from mop.resolve import resolve
 from mop.runtime import Runtime
+from mop.settle import settle
 from mop.testing import cuda_ranks_available
 from mop.train import _train
 from conftest import devices
@@ -283,9 +283,9 @@ def test_a_run_ended_by_an_error_has_ended_its_worker_threads(tmp_path):
     """The host optimizer's threads end with the run, however it ends (here: non-finite steps), even
     while the error's traceback still holds the run: a rank then exits with its one line and code 2,
     not with a thread still inside torch. Every step's record is kept."""
-    config = resolve(load_config(None, [*TINY, "--optim.offload=true", "--train.steps=6", "--optim.lr=1e30",
+    config = settle(load_config(None, [*TINY, "--optim.offload=true", "--train.steps=6", "--optim.lr=1e30",
                                          "--optim.warmup_steps=0", "--train.max_skipped_steps=2",
-                                         f"--log.run_dir={tmp_path}"]), 1)
+                                         f"--log.run_dir={tmp_path}"]), 1, fit_memory=False)
     with pytest.raises(ConfigError, match="train.max_skipped_steps") as stopped:
         _train(config, Runtime(0, 1, torch.device("cpu"), None))
     assert stopped.traceback  # the frames, and so the run, are still referenced here

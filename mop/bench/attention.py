@@ -32,12 +32,12 @@ from mop.data import build_data, sequence_shard
 from mop.models.config import ModelConfig
 from mop.models.documents import Documents
 from mop.models.transformer import Block, IGNORE_INDEX, build_model, init_weights
+from mop.objectives.next_token.objective import NextTokenLoss
 from mop.parallel import DistLayout, Layout
 from mop.parallel.checkpointing import apply_activation_checkpointing
 from mop.parallel.ulysses import UlyssesAttention, apply_sequence_parallel
 from mop.testing import run_distributed
 from mop.testing.memory import measure_step, preallocate_grads
-from mop.train import SupervisedObjective
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -109,7 +109,7 @@ def model_rank(rank, world, cfg: ModelConfig, seq_len: int, checkpointing: bool,
     targets = int((full["labels"] != IGNORE_INDEX).sum())
 
     def step():
-        loss, _, _ = SupervisedObjective(model, targets, 1)(batch)
+        loss, _, _ = NextTokenLoss(model, targets, 1)(batch)
         loss.backward()
 
     result = measure_step(step, repeats, exclude=(lambda: store.live_bytes) if store else (lambda: 0))

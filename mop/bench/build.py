@@ -26,8 +26,8 @@ from mop.config import load_config
 from mop.models.transformer import MoETransformer, build_model
 from mop.parallel import DistLayout, Layout
 from mop.parallel.parallelize import parallelize
-from mop.resolve import resolve
 from mop.runtime import Runtime
+from mop.settle import settle
 from mop.testing import run_distributed
 from mop.testing.memory import ResidentGrowth
 
@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _measure(rank: int, world: int, config_path: str, settings: list[str], path: str) -> dict:
-    config = resolve(load_config(config_path, settings), world)
+    config = settle(load_config(config_path, settings), world, fit_memory=False)
     p = config.parallel
     layout = DistLayout(Layout(world, p.sequence, p.expert, p.vocab), torch.device("cpu"))
     with ResidentGrowth() as growth:

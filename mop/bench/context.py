@@ -6,7 +6,7 @@ What runs (each a fresh set of the config's local CPU ranks, 2 in the preset, on
   --data.seq_len=S` on the anchor-shaped model (`mop.bench.shape.ANCHOR`: hidden 256, 4 blocks, 8
   heads / 2 kv heads of 32, 16 experts of 256 with 2 per token, vocabulary 32000), fp32, with its
   memory settings left automatic: the run fits them to `train.memory_budget` ("auto": the host's
-  memory shared by the ranks, `mop.plan.fit`). Every mop technique: Ulysses over both ranks, LLEP,
+  memory shared by the ranks, `mop.settle.fit`). Every mop technique: Ulysses over both ranks, LLEP,
   the vocabulary ring, the host optimizer, packed documents attended within themselves. Unlike the
   preset's 2 sequences per step, a step here is `--global-batch` (1) sequence, and `--steps` (1)
   steps run: a 1M-token step takes about a quarter of an hour on this machine. The data is the
@@ -56,7 +56,7 @@ import torch
 from mop.bench.report import table, write_json
 from mop.bench.shape import ANCHOR, add_shape_arguments, shape_overrides
 from mop.config import ConfigError, load_config
-from mop.resolve import resolve
+from mop.settle import settle
 
 PRESET = Path(__file__).resolve().parents[2] / "configs" / "long-context.toml"
 GB = 1e9
@@ -187,7 +187,7 @@ def hf_fsdp2(args, context: int, common: list[str]) -> dict:
         raise ConfigError("mop bench context", "the Hugging Face baseline needs transformers; install mop's test "
                           "extras (./mop.sh test does) or skip it with --compare-context=0") from None
     start = time.perf_counter()
-    world = resolve(load_config(str(args.config), [])).parallel.nproc  # the ranks mop's runs use
+    world = settle(load_config(str(args.config), []), fit_memory=False).parallel.nproc  # the ranks mop's runs use
     steps = args.compare_steps
     per_rank = run_distributed(hf_rank, world, str(args.config), [*common, f"--data.seq_len={context}"], steps,
                                timeout=args.timeout)

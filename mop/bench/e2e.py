@@ -102,7 +102,7 @@ import torch.distributed as dist
 from mop.bench.report import MIB, table, write_json
 from mop.bench.shape import add_shape_arguments
 from mop.config import ConfigError, load_config
-from mop.resolve import resolve
+from mop.settle import settle
 from mop.testing import run_distributed
 from mop.testing.step import Trainer, step_memory
 
@@ -210,7 +210,7 @@ def fsdp2_names(spec: str) -> list[str]:
 
 def measure_rank(rank: int, world: int, settings: list[str], documents: str, budget_bytes: int, steps: int) -> dict:
     """A warm-up step, a memory step, then `steps` timed steps if the worst rank fits the budget."""
-    trainer = Trainer(resolve(load_config(None, settings), world), rank, documents)
+    trainer = Trainer(settle(load_config(None, settings), world, fit_memory=False), rank, documents)
     result = step_memory(trainer)
     worst = torch.tensor(result["device"])
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
@@ -316,7 +316,7 @@ def configurations(args) -> list[Variant]:
               *(fsdp2_variant(name) for name in fsdp2_names(args.fsdp2_configs))]
     for variant in chosen:
         try:
-            resolve(load_config(None, [*base_settings(args), f"--data.seq_len={args.min_context}", *variant.settings]))
+            settle(load_config(None, [*base_settings(args), f"--data.seq_len={args.min_context}", *variant.settings]), fit_memory=False)
         except ConfigError as err:
             kind, name = variant.name.split(" ", 1)
             raise ConfigError(f"--{kind}-configs", f"{name!r} makes an invalid config ({err})") from None

@@ -3,7 +3,7 @@ short bf16 training of a real-shaped model, sized by the planner's memory model.
 
 Sizing (`plan`): CONFIG (default the Qwen3-30B-A3B preset), its parallel degrees resolved for
 world = the GPUs as `mop train` resolves them, keeps at each context of `--contexts` the most
-blocks (at most `--layers`) whose predicted peak device bytes per GPU (`mop.plan.memory.estimate`)
+blocks (at most `--layers`) whose predicted peak device bytes per GPU (`mop.cost.memory.estimate`)
 fit the device memory less `--reserve-gib` and whose predicted host bytes fit 80% of the host's:
 the node's host optimizer holds the whole model (fp32 master, moments, rollback copies,
 accumulator, pinned staging: about 30 bytes per parameter) and the offloaded activations, so on
@@ -49,11 +49,11 @@ import torch
 from mop.bench.context import mop_train
 from mop.bench.report import table, write_json
 from mop.config import ConfigError, load_config, load_model_config
+from mop.cost.candidates import Candidate, describe, evaluate
+from mop.cost.cluster import GIB, Cluster, make_cluster
 from mop.plan import parse_tokens
-from mop.plan.candidates import Candidate, describe, evaluate
-from mop.plan.cluster import GIB, Cluster, make_cluster
-from mop.resolve import resolve
-from mop.runtime import host_memory_bytes
+from mop.settle import settle
+from mop.settle.budget import host_memory_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 HOST_SHARE = 0.8  # of the host memory, for the plan
@@ -113,7 +113,7 @@ def settings(args, world: int, layers: int, offload: str) -> list[str]:
 def candidate(args, cluster: Cluster, context: int, layers: int, offload: str) -> Candidate:
     """The run's config as `mop train` resolves it on the cluster, with its predicted memory."""
     overrides = [f"--data.seq_len={context}", *settings(args, cluster.world, layers, offload)]
-    config = resolve(load_config(args.config, overrides), cluster.world, cluster.world)
+    config = settle(load_config(args.config, overrides), cluster.world, cluster.world, fit_memory=False)
     return evaluate(config, cluster)
 
 
@@ -233,7 +233,7 @@ def report(args, results: dict) -> None:
     rows = [[p["context"], name, *([r["layers"], r["parameters"] / 1e9, r["predicted_peak_device_bytes"] / GIB,
                                     r["predicted_host_bytes"] / GIB, r["layout"]] if (r := p[name]) else
                                    ["does not fit", "", "", "", ""])] for p in results["plans"] for name in RUNS]
-    print(table("plan (mop.plan.memory)", ["context", "run", "layers", "params B", "device GiB/GPU", "host GiB",
+    print(table("plan (mop.cost.memory)", ["context", "run", "layers", "params B", "device GiB/GPU", "host GiB",
                                            "layout"], rows))
     if tier := results.get("cuda_tier"):
         print(f"CUDA tier (./mop.sh test -m cuda): {tier['summary']}")

@@ -29,8 +29,8 @@ from pathlib import Path
 from mop.bench.report import MIB, table, write_json
 from mop.bench.shape import ANCHOR, add_shape_arguments, shape_overrides
 from mop.config import load_config
-from mop.plan.memory import estimate
-from mop.resolve import resolve
+from mop.cost.memory import estimate
+from mop.settle import settle
 from mop.testing import run_distributed
 from mop.testing.step import timed_steps
 
@@ -58,7 +58,7 @@ def settings(args, finetune: str) -> list[str]:
 
 
 def _config(overrides: list[str]):
-    return resolve(load_config(None, overrides), WORLD)
+    return settle(load_config(None, overrides), WORLD, fit_memory=False)
 
 
 def measure(args, finetune: str) -> dict:

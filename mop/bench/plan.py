@@ -17,7 +17,7 @@ import argparse
 from pathlib import Path
 
 from mop.bench.report import table, write_json
-from mop.plan.cluster import GIB
+from mop.cost.cluster import GIB
 
 CONTEXTS = [65536, 131072, 262144, 524288, 1048576]
 CLUSTERS = {"mop-120b": 2, "mop-600b": 8, "mop-1t": 12}
@@ -40,8 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> dict:
+    from mop.cost.cluster import make_cluster
     from mop.plan import document_tokens, load_model
-    from mop.plan.cluster import make_cluster
     from mop.plan.report import plan_json
     from mop.plan.search import plan
 

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from mop.data.chat_packing import Packing, PackedRow, pack
+from mop.data.chat_packing import PackedRow, Packing, pack
 from mop.data.errors import DataError
 from mop.data.prepared import PreferenceCorpus
 

@@ -15,7 +15,7 @@ Losses are returned as sums with their counts (`LossTerms`), never as per-rank m
 objective is `ce_sum / global_targets + aux_coef * aux_sum / global_sequences`, which any layout
 and any micro-batching reproduces exactly.
 
-Preference pairs (DPO, `mop.preference`): `preference_terms` sums each response's target
+Preference pairs (DPO, `mop.objectives.preference`): `preference_terms` sums each response's target
 log-probabilities over its tokens (`PreferenceTerms`), whichever rank holds them: a sixth seam,
 `MoETransformer.response_sums`, is the identity here and sums a sequence group's slices under
 sequence parallelism (its D ranks then each hold every response's sums, `copies` = D).

@@ -51,15 +51,11 @@ from mop.parallel.ulysses import apply_sequence_parallel
 from mop.parallel.vocab import apply_vocab_parallel
 
 
-def compute_dtype(config: Config) -> torch.dtype:
-    return torch.bfloat16 if config.train.dtype == "bfloat16" else torch.float32
-
-
 def gather_dtype(config: Config) -> torch.dtype | None:
     """The dtype FSDP2 gathers parameters in: the compute dtype, or each parameter's own under LoRA,
     whose frozen base is stored in the compute dtype or a published format that must reach the
     GEMM's dequantization as stored (and whose adapters autocast casts)."""
-    return None if config.adapters is not None else compute_dtype(config)
+    return None if config.adapters is not None else config.compute_dtype
 
 
 def apply_memory_options(model: MoETransformer, config: Config, device: torch.device) -> None:

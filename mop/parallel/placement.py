@@ -16,7 +16,7 @@ For every parameter of the unwrapped model (by name), a `Placement` says
 The strategies place alike: the mop strategy with its degrees; fsdp2 has no vocabulary ring
 (P = 1); the reference is one rank. Readers: the host optimizer and gradient clipping (replicas),
 the FSDP2 wrapping of the dense weights (what stays out of it), the checkpoints' global views
-(`mop.parallel.views`) and the planner's memory model (`mop.plan.memory`).
+(`mop.parallel.views`) and the planner's memory model (`mop.cost.memory`).
 """
 
 from __future__ import annotations

@@ -7,16 +7,18 @@ a TOML config (its `[model]` section) or a Hugging Face config.json (or its dire
 `--dpo` plans DPO: each sequence holds preference pairs packed with their prompt once (a 128K
 context is a 128K-token sequence, e.g. one pair of a 126K prompt and two 1K responses); with LoRA
 the step also runs the base's forward for the reference, full fine-tuning precomputes it once
-(`mop.plan.speed`).
+(`mop.cost.speed`).
 
 `--finetune lora` plans LoRA over the frozen base (`--lora-rank`, `--lora-targets`, `--base-format`):
 the base kept as MODEL is published (`--base-format auto`: a config.json's `quantization_config`,
 a preset's `[lora] base_format`), gradients and optimizer state for the adapters alone.
 
-Pieces: `mop.plan.memory` (per-rank device memory by the paper's Table 3 rows and host memory per
-node, from the trainer's own shape, dtype and option rules), `mop.plan.speed` (the roofline step
-time), `mop.plan.search` (the candidate layouts and the pick), `mop.plan.cluster` (node presets),
-`mop.plan.report` (tables and JSON).
+The command is thin: the cost model is the library `mop.cost`, which `mop train`'s fit
+(`mop.settle.fit`) uses too: `mop.cost.memory` (per-rank device memory by the paper's Table 3 rows
+and host memory per node, from the trainer's own shape, dtype and option rules), `mop.cost.speed`
+(the roofline step time), `mop.cost.candidates` (a layout scored, the pick), `mop.cost.cluster` (node
+presets). Here: the candidate layouts of a cluster (`mop.plan.search`) and the tables and JSON
+(`mop.plan.report`).
 """
 
 from __future__ import annotations
@@ -126,7 +128,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> dict:
-    from mop.plan.cluster import make_cluster
+    from mop.cost.cluster import make_cluster
     from mop.plan.report import plan_json
     from mop.plan.search import plan
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
-from mop.plan.activations import ROWS
-from mop.plan.candidates import Candidate, Choice, describe
-from mop.plan.cluster import GIB
+from mop.cost.activations import ROWS
+from mop.cost.candidates import Candidate, Choice, describe
+from mop.cost.cluster import GIB
 
 
 def layout(c: Candidate) -> dict:

@@ -13,7 +13,7 @@ one the trainer accepts.
 FSDP2 baseline candidates, the paper's Table 2 axes: context parallelism CP (Ulysses, the
 baseline's `parallel.sequence`), expert parallelism EP (standard, no LLEP), tensor parallelism TP
 (Megatron-style with sequence parallelism, which `mop train`'s fsdp2 strategy does not have: the
-planner models it, see `mop.plan.memory.shapes`), FSDP2's CPU offload, and activation
+planner models it, see `mop.cost.memory.shapes`), FSDP2's CPU offload, and activation
 checkpointing (without activation offload, which TorchTitan does not have); FSDP over the
 remaining ranks (W / (CP TP), TorchTitan's dp_shard).
 
@@ -27,12 +27,12 @@ from __future__ import annotations
 import itertools
 
 from mop.config import Config, ConfigError, apply
+from mop.cost.candidates import OPTIMIZERS, Choice, choose, divisors, evaluate
+from mop.cost.cluster import Cluster
 from mop.models.config import ModelConfig
 from mop.models.lora import LoraConfig
 from mop.parallel.mesh import LayoutError
-from mop.plan.candidates import OPTIMIZERS, Choice, choose, divisors, evaluate
-from mop.plan.cluster import Cluster
-from mop.resolve import resolve
+from mop.settle.rules import resolve
 
 CHUNKS = (1, 2, 4, 8)
 MEMORY_OPTIONS = {"none": ("none", False), "ac": ("full", False), "ac+offload": ("full", True)}

@@ -20,11 +20,10 @@ from torch.distributed.tensor import DTensor
 from mop.build import TrainingRun, build_run
 from mop.config import load_config
 from mop.parallel import DistLayout, Layout
-from mop.preference import reference
-from mop.resolve import resolve
 from mop.runtime import Runtime
+from mop.settle import settle
 from mop.testing.memory import PeakMemory
-from mop.train import train_step, update
+from mop.train import objective_of, train_step, update
 
 
 def rank_batches(run: TrainingRun, documents: str) -> list[dict]:
@@ -83,10 +82,9 @@ class Trainer:
         self.offload_store = self.run.offload_store
         self.host_gradients = HostGradients(self.run.model) if p.fsdp_cpu_offload else None
         self.optimizer_on_device = not (config.optim.offload or p.fsdp_cpu_offload)
-        if config.data.format == "preference" and config.dpo.reference == "precomputed":
-            # the starting weights' reference log-probs, computed once before the steps (not timed), in
-            # dpo.reference_dir (the ranks' shared folder; the caller sets it)
-            reference.attach(self.run, Path(config.dpo.reference_dir), None)
+        # what the objective needs before step 0 (not timed): a DPO run's precomputed reference
+        # log-probs in dpo.reference_dir (the ranks' shared folder; the caller sets it)
+        self.run.reference = objective_of(self.run).prepare(Path(config.dpo.reference_dir), None)
         self.batches = rank_batches(self.run, documents)
 
     def backward(self) -> None:
@@ -145,7 +143,7 @@ def timed_steps(rank: int, world: int, overrides: list[str], steps: int) -> dict
     """A benchmark's rank (one intra-op thread): the run `mop train` would build from `overrides` on
     `world` ranks, its memory (`step_memory`) and the median time of `steps` more steps."""
     torch.set_num_threads(1)
-    trainer = Trainer(resolve(load_config(None, overrides), world), rank, "packed")
+    trainer = Trainer(settle(load_config(None, overrides), world, fit_memory=False), rank, "packed")
     memory = step_memory(trainer)  # a warm-up step, then the memory step
     times = []
     for _ in range(steps):

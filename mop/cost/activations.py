@@ -1,4 +1,4 @@
-"""What activations a rank holds at the moments `mop.plan.memory` weighs, in bytes, per micro-batch.
+"""What activations a rank holds at the moments `mop.cost.memory` weighs, in bytes, per micro-batch.
 
 Each function reads one piece of the runtime and says which of its tensors are alive: what
 autograd saves per block (RMSNorm, attention with its q/k norms, RoPE tables and core, the router,
@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from mop.config import Config
 from mop.models.families import model_spec
 from mop.models.spec import FP32, norm_saved_bytes
-from mop.parallel.parallelize import compute_dtype
 from mop.parallel.vocab import default_token_block
 
 # The paper's Table 3 rows (plus the residual stream and norms, which the paper folds into attention).
@@ -56,7 +55,7 @@ def shapes(config: Config, routing_skew: float = 1.0, tp: int = 1) -> Shapes:
         computed = math.ceil(p.llep_alpha * assigned)
     else:
         computed = math.ceil(min(routing_skew, p.expert) * assigned) if p.expert > 1 else assigned
-    act = compute_dtype(config).itemsize
+    act = config.compute_dtype.itemsize
     # Tensor parallelism (planner baseline only) with sequence parallelism splits every activation of
     # a block over its tp ranks: along the tokens outside attention and the MLPs, along heads and the
     # expert width inside; either way each term below shrinks by tp, which dividing the tokens does.

@@ -4,9 +4,9 @@ Per micro-batch (every rank alike, so the collectives line up):
 1. the reference's per-response sums: with `dpo.reference = "base"` (LoRA) a forward of the frozen
    base with the adapters off (`mop.models.lora.adapters_disabled`) under no_grad, in the run's own
    layout and collectives; with "precomputed" the sums stored with the data (`reference_logps`,
-   `mop.preference.reference`), summed in the policy forward's one collective;
+   `mop.objectives.preference.reference`), summed in the policy forward's one collective;
 2. the policy's forward (`MoETransformer.preference_terms`) and the objective `dpo + nll_alpha x
-   nll + aux` (`mop.preference.loss`; the load-balancing term as in supervised training, over the
+   nll + aux` (`mop.objectives.preference.loss`; the load-balancing term as in supervised training, over the
    packed rows' tokens, the prompt once).
 
 The reference forward's expert counts never reach auxiliary-loss-free balancing (the run refuses
@@ -20,7 +20,7 @@ import torch
 from mop.config import DpoConfig
 from mop.models.lora import adapters_disabled
 from mop.models.transformer import IGNORE_INDEX, MoETransformer
-from mop.preference.loss import RECORDS, StepTotals, preference_loss, record_sums
+from mop.objectives.preference.loss import RECORDS, StepTotals, preference_loss, record_sums
 
 PARTS = ("dpo_loss", "nll_loss", "aux_loss", *RECORDS)
 
@@ -34,8 +34,8 @@ def local_counts(batches: list[dict]) -> list[int]:
     return [pairs, chosen]
 
 
-class PreferenceObjective:
-    """`forward_backward`'s objective for preference pairs: (loss, its float64 parts `PARTS`, the
+class PreferenceLoss:
+    """A micro-batch's loss for preference pairs: (loss, its float64 parts `PARTS`, the
     policy's expert counts) of one micro-batch."""
 
     def __init__(self, model: MoETransformer, dpo: DpoConfig, totals: StepTotals, pairs_max: int):

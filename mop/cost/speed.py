@@ -48,13 +48,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mop.build import step_micro_batches, storage_dtype
 from mop.config import Config
+from mop.cost.activations import FP32, Shapes
+from mop.cost.cluster import Cluster
+from mop.cost.memory import AdapterCounts, ParameterCounts, offloaded_activations
 from mop.flops import mean_attended_keys
 from mop.models.families import model_spec
-from mop.plan.activations import FP32, Shapes
-from mop.plan.cluster import Cluster
-from mop.plan.memory import AdapterCounts, ParameterCounts, offloaded_activations
 
 HOST_MEMORY_BYTES_PER_S = 400e9  # sustained memory bandwidth of a 2-socket DDR5 node (16 channels)
 # Host memory an AdamW update streams per parameter: read the fp32 gradient, master and moments and
@@ -106,7 +105,7 @@ def _share(n: int) -> float:
 def step_time(config: Config, cluster: Cluster, s: Shapes, counts: ParameterCounts, tp: int = 1,
               document_tokens: int = 0, adapters: AdapterCounts | None = None) -> StepTime:
     """`document_tokens`: the packed documents' length (0: one document per sequence); `adapters`:
-    a LoRA run's shards (`mop.plan.memory.AdapterCounts`)."""
+    a LoRA run's shards (`mop.cost.memory.AdapterCounts`)."""
     m, p, t = config.model, config.parallel, config.train
     world, seq = cluster.world, config.data.seq_len
     spec = model_spec(m)
@@ -173,8 +172,8 @@ def step_time(config: Config, cluster: Cluster, s: Shapes, counts: ParameterCoun
     exposed["all_to_all"] = a2a + expert_a2a
     # host link, per micro-batch
     local = counts.local if adapters is None else adapters.trained  # what the optimizer updates
-    mbs = step_micro_batches(config, world)
-    stored = storage_dtype(config).itemsize
+    mbs = config.micro_batches_per_step(world)
+    stored = config.storage_dtype.itemsize
     if config.optim.offload:  # every micro-batch's gradients down, the updated weights up once a step
         links["host"] += local * stored * (1 + 1 / mbs)
     if p.fsdp_cpu_offload:  # FSDP2 copies the shards up before their gathers, the gradients down

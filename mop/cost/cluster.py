@@ -110,7 +110,7 @@ CPU = Cluster(1, 1, "cpu", 0, 0, 5e9, 5e9, 10e9, 5e10, mfu=1.0, reserve_bytes=0,
 
 
 def local_cluster(device: str, world: int, node: int, budget_bytes: int, host_bytes: int) -> Cluster:
-    """The machine a `mop train` run is fitted to (`mop.plan.fit`): `world` ranks in nodes of `node`,
+    """The machine a `mop train` run is fitted to (`mop.settle.fit`): `world` ranks in nodes of `node`,
     `budget_bytes` per rank; CUDA GPUs priced as the H200 preset, except their memory."""
     kind = CPU if device == "cpu" else PRESETS["h200"]
     return dataclasses.replace(kind, nodes=world // node, gpus_per_node=node, device_bytes=budget_bytes,

@@ -3,23 +3,22 @@
 Searched axes, each only where the user left it automatic (a value written in the config or on the
 command line is kept, and the rest are searched around it): the degrees D, Ep and P, attention head
 chunks, LLEP chunks, activation checkpointing and its offload, and the micro-batch (up to 4
-sequences; the global batch is the user's). `fitted` decides them, from `mop.resolve`'s config:
+sequences; the global batch is the user's). `fit` decides them, from the plain rules' config (`mop.settle.rules`):
 1. today's layout (each automatic setting's plain rule: the largest degrees, no chunks, no
-   checkpointing, 4 sequences per micro-batch) is kept when `mop plan`'s memory model says it fits
+   checkpointing, 4 sequences per micro-batch) is kept when the memory model (`mop.cost`) says it fits
    the budget: nothing changes for a run that fits;
 2. otherwise every combination of the automatic axes is built as a real config, validated as
-   `mop train` validates it, and scored by the planner (`mop.plan.search.evaluate`: the memory
-   model and the roofline, on `mop.plan.cluster.local_cluster`); the fastest that fits runs (of
+   `mop train` validates it, and scored by the planner (`mop.cost.candidates.evaluate`: the memory
+   model and the roofline, on `mop.cost.cluster.local_cluster`); the fastest that fits runs (of
    those within the roofline's resolution, the one needing the least memory);
 3. nothing fits: one line naming the budget, the closest layout's need and what to change.
 On the CPU host and device are one memory: a rank's host bytes (the host optimizer's state) count
 against the budget, and activation offload, which only moves bytes within it, is not searched.
 
-The choice is recorded (`mop.resolve.FitRecord`) in the resolved config, so the start line prints it
-and the run's config.json keeps it. `mop train` resolves with `fitted` (the launcher, torchrun's
-ranks); `mop.resolve.resolve` alone keeps the plain rules (benchmarks and tests that pin a layout).
-Every rank resolves the same settings: the budget is the smallest rank's
-(`mop.runtime.smallest_limits`, with the host memory) and the search is deterministic.
+The choice is recorded (`mop.settle.resolved.FitRecord`) in the resolved config, so the start line
+prints it and the run's config.json keeps it. Every rank settles the same settings: the budget is
+the smallest rank's (`MemoryLimits.smallest_over_ranks`, with the host memory) and the search is
+deterministic.
 """
 
 from __future__ import annotations
@@ -29,17 +28,13 @@ import functools
 import itertools
 
 from mop.config import Config, ConfigError
+from mop.cost.candidates import Candidate, choose, describe, divisors, evaluate, over
+from mop.cost.cluster import GIB, local_cluster
 from mop.parallel.mesh import LayoutError
-from mop.plan.candidates import Candidate, choose, describe, divisors, evaluate, over
-from mop.plan.cluster import GIB, local_cluster
-from mop.resolve import (
-    MOST_SEQUENCES_PER_MICRO_BATCH,
-    FitRecord,
-    ResolvedConfig,
-    check_resolved,
-    resolve,
-)
-from mop.runtime import host_memory_bytes, memory_budget, visible_gpus
+from mop.runtime import visible_gpus
+from mop.settle.budget import MemoryLimits
+from mop.settle.resolved import FitRecord, ResolvedConfig
+from mop.settle.rules import MOST_SEQUENCES_PER_MICRO_BATCH, check_resolved
 
 # axis -> (section, field) of the setting it decides
 AXES = {"sequence": ("parallel", "sequence"), "expert": ("parallel", "expert"), "vocab": ("parallel", "vocab"),
@@ -57,20 +52,12 @@ def automatic_axes(config: Config) -> tuple[str, ...]:
     return tuple(axis for axis, (section, name) in AXES.items() if automatic(getattr(getattr(config, section), name)))
 
 
-def fitted(config: Config, world: int | None = None, local_world: int | None = None,
-           budget_bytes: int | None = None, host_bytes: int | None = None) -> ResolvedConfig:
-    """`config` resolved (`mop.resolve.resolve`) and, under "mop" with settings left automatic and a
-    memory budget, fitted to it (module docstring); `budget_bytes` and `host_bytes` (a node's): every
-    rank's smallest (None: this machine's `train.memory_budget` and host memory)."""
-    decided = resolve(config, world, local_world)
-    t = config.train
-    budget = memory_budget(t.memory_budget, t.device, decided.local_world)
-    axes = automatic_axes(config)
-    if decided.parallel.strategy != "mop" or not axes or budget is None:
+def fit(decided: ResolvedConfig, axes: tuple[str, ...], limits: MemoryLimits) -> ResolvedConfig:
+    """`decided` (the plain rules' config) with its automatic `axes` fitted to `limits` (module
+    docstring); as it is outside "mop", without automatic axes or without a budget."""
+    if decided.parallel.strategy != "mop" or not axes or limits.budget_bytes is None:
         return decided
-    if budget_bytes is not None:
-        budget = (budget_bytes, f"{budget[1]}; the smallest of every rank's")
-    chosen, record = _fit(decided, axes, budget, host_bytes or host_memory_bytes())
+    chosen, record = _fit(decided, axes, (limits.budget_bytes, limits.source), limits.host_bytes)
     return dataclasses.replace(chosen, fit=record)
 
 

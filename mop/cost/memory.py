@@ -6,9 +6,9 @@ The model is the trainer's own rules, read from the same code, not a separate sp
   `ceil(rows / ranks)` rows of a sharded tensor: FSDP2 pads dim 0 to a multiple of the ranks),
   expert partitions of E/Ep experts sharded over their W/Ep replicas, the vocabulary shard
   `ceil(V/P)` rows kept out of FSDP2;
-- dtypes: `mop.build.storage_dtype` for the stored weights, the compute dtype for gathered
+- dtypes: `Config.storage_dtype` for the stored weights, the compute dtype for gathered
   weights and activations (FSDP2's `param_dtype`), fp32 for gradients as FSDP2 reduces them;
-- the activations each option keeps (`mop.plan.activations`);
+- the activations each option keeps (`mop.cost.activations`);
 - LoRA (`train.finetune = "lora"`, `AdapterCounts`): the adapted model as `mop.build` makes it,
   each parameter in its own dtype (the frozen base as stored: fp8 with its scales, MXFP4, or the
   compute dtype; the adapters in the stored dtype); FSDP2 gathers them as stored, a GEMM
@@ -17,19 +17,16 @@ The model is the trainer's own rules, read from the same code, not a separate sp
   exist for the adapters alone. Not modelled: the adapters' own `[tokens, r]` intermediates
   (r / hidden of the inputs they share with the frozen GEMM) and dropout's masks (default off).
 
-Moments. A step's device peak is the persistent state plus the largest of four moments (only one
-micro-batch's activations live at a time):
-1. forward, the last block's expert GEMMs: every earlier block's saved activations (or, under
-   checkpointing, their inputs), this block's attention and router activations, the routed rows,
-   the expert intermediate, and the weights FSDP2 has gathered;
-2. the loss: every block's saved activations, the final norm's, and the loss's own working set
-   (one `[token_block, V/P]` logit tile and the travelling shards and gradient buffers under the
-   ring; the full `[T, V]` logits, their log-softmax and its gradient without it);
-3. backward, the last block's experts: the saved activations (recomputed for this block under
-   checkpointing) plus the expert backward's gradients and the unsharded gradients of the running
-   units;
-4. the update, with torch AdamW on the device: every gradient shard beside the weights and the
-   moments, and the foreach kernel's temporaries (about one fp32 copy of the shards).
+Moments. A step's device peak is the persistent state (the shards, torch AdamW's state, the
+gathered root unit) plus the largest of four moments (only one micro-batch's activations live at
+a time), each computed by its own function (which says what it holds):
+1. forward, the last block's expert GEMMs (`_forward`): the earlier blocks' saved activations, this
+   block's up to its experts and their working set, the weights FSDP2 has gathered;
+2. the loss (`_loss`): every block's saved activations and the loss's own working set;
+3. backward, the last block's experts (`_backward`): the saved activations, the expert backward's
+   gradients and the unsharded gradients of the running units;
+4. the update, with torch AdamW on the device (`_update`): every gradient shard and the foreach
+   kernel's temporaries.
 Each moment is reported by the paper's Table 3 rows (`ROWS`), which sum to its total.
 
 Not modelled: allocator fragmentation and caching (the prediction is what
@@ -46,14 +43,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mop.build import step_micro_batches, storage_dtype
 from mop.config import Config
-from mop.models.config import ModelConfig
-from mop.models.lora import LoraConfig, stored_tensors
-from mop.models.transformer import MoETransformer
-from mop.parallel.parallelize import compute_dtype
-from mop.parallel.placement import placements
-from mop.plan.activations import (
+from mop.cost.activations import (
     FP32,
     Shapes,
     add,
@@ -69,6 +60,10 @@ from mop.plan.activations import (
     rows,
     shapes,
 )
+from mop.models.config import ModelConfig
+from mop.models.lora import LoraConfig, stored_tensors
+from mop.models.transformer import MoETransformer
+from mop.parallel.placement import placements
 
 
 @dataclass(frozen=True)
@@ -140,7 +135,7 @@ class AdapterCounts:
 def adapter_counts(config: Config, world: int, tp: int = 1) -> AdapterCounts:
     p = config.parallel
     return _adapter_counts(config.model, config.adapters, world // tp, p.expert, p.vocab, tp,
-                           storage_dtype(config), compute_dtype(config))
+                           config.storage_dtype, config.compute_dtype)
 
 
 @functools.lru_cache(maxsize=256)
@@ -230,104 +225,169 @@ def estimate(config: Config, world: int, ranks_per_node: int, routing_skew: floa
              tp: int = 1) -> MemoryEstimate:
     """The device peak of one rank and the host memory of one node for the resolved `config` on
     `world` ranks (see the module docstring); `tp` > 1 only for the planner's TP baseline."""
-    m, p, t = config.model, config.parallel, config.train
+    p = config.parallel
     s = shapes(config, routing_skew, tp)
-    counts = parameter_counts(m, world, p.expert, p.vocab, tp)
-    stored = storage_dtype(config).itemsize
-    host_optimizer, fsdp_offload = config.optim.offload, p.fsdp_cpu_offload
+    counts = parameter_counts(config.model, world, p.expert, p.vocab, tp)
     lora = adapter_counts(config, world, tp) if config.adapters is not None else None
     trained = counts.local if lora is None else lora.trained
-    # Persistent: the shards (on the host under FSDP2's CPU offload), torch AdamW's moments, and
-    # its gradients once a micro-batch has made them (the host optimizer takes each at hand-over).
-    base = rows()
-    if not fsdp_offload:
+    persistent = _shards_and_optimizer_state(config, world, counts, lora, trained)
+    persistent["dense_weights"] += _gathered_root(config, s, tp)
+    moments = [_forward(config, s, counts, lora, persistent), _loss(config, s, persistent),
+               _backward(config, s, counts, lora, persistent)]
+    if _torch_adamw_on_device(config):
+        moments.append(_update(config, persistent, trained))
+    return MemoryEstimate(max(moments, key=lambda x: x.total), moments, host_bytes(config, trained, s), ranks_per_node,
+                          s, counts, lora)
+
+
+def _torch_adamw_on_device(config: Config) -> bool:
+    """Whether torch AdamW steps on the device: neither the host optimizer nor FSDP2's CPU offload."""
+    return not config.optim.offload and not config.parallel.fsdp_cpu_offload
+
+
+def _shards_and_optimizer_state(config: Config, world: int, counts: ParameterCounts, lora: AdapterCounts | None,
+                                trained: int) -> dict[str, int]:
+    """Persistent: the shards (on the host under FSDP2's CPU offload), torch AdamW's moments, and
+    its gradients once a micro-batch has made them (the host optimizer takes each at hand-over)."""
+    out = rows()
+    stored = config.storage_dtype.itemsize
+    if not config.parallel.fsdp_cpu_offload:
         shards = ({"dense": counts.dense * stored, "experts": counts.experts * stored, "vocab": counts.vocab * stored}
                   if lora is None else lora.bytes_by_category)
-        base["dense_weights"], base["expert_weights"], base["vocab_weights"] = (
+        out["dense_weights"], out["expert_weights"], out["vocab_weights"] = (
             shards["dense"], shards["experts"], shards["vocab"])
-        if not host_optimizer:
-            base["optimizer_state"] = 2 * trained * FP32
-            if step_micro_batches(config, world) > 1:
-                base["gradients"] = trained * stored
-    # Gathered by FSDP2 while the model runs: the root unit (embedding, final norm, and the output
-    # projection without vocabulary parallelism), which FSDP2 keeps unsharded from its forward to
-    # its backward, all step long; inside a block, its unit and the one prefetched, and the
-    # running layer's expert partition (plus one expert LLEP ships in); in the compute dtype, or as
-    # stored under LoRA, whose GEMMs dequantize one frozen weight at a time.
-    base["dense_weights"] += m.vocab_size * m.hidden * (1 if p.vocab > 1 or m.tie_embeddings else 2) // tp * s.act
-    in_block = rows()
-    ships = p.expert > 1 and p.expert_balance == "llep"
-    local_experts = m.experts // p.expert
+    if _torch_adamw_on_device(config):
+        out["optimizer_state"] = 2 * trained * FP32
+        if config.micro_batches_per_step(world) > 1:
+            out["gradients"] = trained * stored
+    return out
+
+
+def _gathered_root(config: Config, s: Shapes, tp: int) -> int:
+    """The root unit FSDP2 gathers (embedding, final norm, and the output projection without
+    vocabulary parallelism) and keeps unsharded from its forward to its backward, all step long."""
+    m = config.model
+    return m.vocab_size * m.hidden * (1 if config.parallel.vocab > 1 or m.tie_embeddings else 2) // tp * s.act
+
+
+def _gathered_in_block(config: Config, s: Shapes, counts: ParameterCounts,
+                       lora: AdapterCounts | None) -> dict[str, int]:
+    """Gathered by FSDP2 inside a block: its unit and the one prefetched, and the running layer's
+    expert partition (plus one expert LLEP ships in); in the compute dtype, or as stored under
+    LoRA, whose GEMMs dequantize one frozen weight at a time (`_dequantized`)."""
+    out = rows()
     if lora is None:
-        shipped = ships * counts.expert_partition // local_experts
-        in_block["dense_weights"] = 2 * counts.largest_dense_unit * s.act
-        in_block["expert_weights"] = (counts.expert_partition + shipped) * s.act
-        running_gradients = counts.expert_partition + counts.largest_dense_unit + shipped
+        out["dense_weights"] = 2 * counts.largest_dense_unit * s.act
+        out["expert_weights"] = _with_shipped_expert(config, counts.expert_partition) * s.act
     else:
-        in_block["dense_weights"] = 2 * lora.unit_bytes
-        in_block["expert_weights"] = lora.partition_bytes + ships * lora.partition_bytes // local_experts
-        running_gradients = lora.partition_trained + lora.unit_trained + ships * lora.partition_trained // local_experts
+        out["dense_weights"] = 2 * lora.unit_bytes
+        out["expert_weights"] = _with_shipped_expert(config, lora.partition_bytes)
+    return out
 
-    checkpointed = t.activation_checkpointing == "full"
-    moe_block = block_saved(s, config, moe=True)
-    dense_block = block_saved(s, config, moe=False)
-    kept = rows() if t.offload_activations else block_kept(s, config)  # on the device
 
-    def blocks(count_moe: int, count_dense: int) -> dict[str, int]:
-        out = rows()
-        if checkpointed:
-            add(out, kept, count_moe + count_dense)
-        else:
-            add(out, moe_block, count_moe)
-            add(out, dense_block, count_dense)
-        return out
+def _running_gradients(config: Config, counts: ParameterCounts, lora: AdapterCounts | None) -> int:
+    """The unsharded fp32 gradients of the running units in the backward: the block's dense unit and
+    its expert partition (plus the expert LLEP shipped in); under LoRA, of their adapters alone."""
+    if lora is None:
+        return (_with_shipped_expert(config, counts.expert_partition) + counts.largest_dense_unit) * FP32
+    return (_with_shipped_expert(config, lora.partition_trained) + lora.unit_trained) * FP32
 
-    moe_layers, dense_layers = m.moe_layers, m.dense_layers
-    last_is_moe = moe_layers > 0
-    # 1. forward, the last block's experts
-    forward = Moment("forward: last block's expert GEMMs", dict(base))
-    add(forward.rows, in_block)
-    add(forward.rows, blocks(moe_layers - last_is_moe, dense_layers - (not last_is_moe)))
-    current = dict(moe_block if last_is_moe else dense_block)
-    if checkpointed:  # only what the block's code still holds: nothing is saved inside a checkpoint
-        current = rows()
-        current["residual_and_norms"] = 3 * s.T * s.H * s.act
-        current["moe_activations"] = router_saved(s)
+
+def _with_shipped_expert(config: Config, partition: int) -> int:
+    """`partition`, one expert partition's bytes or elements, plus under LLEP the one expert it ships
+    in (its share of the partition's E/Ep experts)."""
+    p = config.parallel
+    ships = p.expert > 1 and p.expert_balance == "llep"
+    return partition + ships * partition // (config.model.experts // p.expert)
+
+
+def _saved_between_passes(config: Config, s: Shapes, moe_blocks: int, dense_blocks: int) -> dict[str, int]:
+    """What blocks whose forward has run keep on the device for their backward: their saved
+    activations, or under full checkpointing what it keeps (nothing here when offloaded to the host)."""
+    out = rows()
+    t = config.train
+    if t.activation_checkpointing == "full":
+        if not t.offload_activations:
+            add(out, block_kept(s, config), moe_blocks + dense_blocks)
     else:
-        current["moe_activations"] -= experts_saved(s, p.llep_chunks) if last_is_moe else 0
-    add(forward.rows, current)
-    if last_is_moe:
+        add(out, block_saved(s, config, moe=True), moe_blocks)
+        add(out, block_saved(s, config, moe=False), dense_blocks)
+    return out
+
+
+def _forward(config: Config, s: Shapes, counts: ParameterCounts, lora: AdapterCounts | None,
+             persistent: dict[str, int]) -> Moment:
+    """1. Forward, the last block's expert GEMMs: every earlier block's saved activations (or, under
+    checkpointing, their inputs), this block's attention and router activations, the routed rows,
+    the expert intermediate, and the weights FSDP2 has gathered."""
+    m, p = config.model, config.parallel
+    moe = m.moe_layers > 0  # the last block
+    forward = Moment("forward: last block's expert GEMMs", dict(persistent))
+    add(forward.rows, _gathered_in_block(config, s, counts, lora))
+    add(forward.rows, _saved_between_passes(config, s, m.moe_layers - moe, m.dense_layers - (not moe)))
+    add(forward.rows, _last_block_before_experts(config, s, moe))
+    if moe:
         forward.rows["moe_activations"] += experts_forward_peak(s, p.llep_chunks)
-    dequantized = _dequantized(lora, last_is_moe, s)
-    add(forward.rows, dequantized)
-    # 2. the loss
-    loss = Moment("loss: the vocabulary projection's backward", dict(base))
-    add(loss.rows, blocks(moe_layers, dense_layers))
+    add(forward.rows, _dequantized(lora, moe, s))
+    return forward
+
+
+def _last_block_before_experts(config: Config, s: Shapes, moe: bool) -> dict[str, int]:
+    """The last block's activations up to its expert GEMMs: its saved ones but the experts'; under
+    checkpointing only what the block's code still holds (its input, residual and normed input, and
+    the router's tensors): nothing is saved inside a checkpoint."""
+    if config.train.activation_checkpointing == "full":
+        out = rows()
+        out["residual_and_norms"] = 3 * s.T * s.H * s.act
+        out["moe_activations"] = router_saved(s)
+        return out
+    out = block_saved(s, config, moe)
+    if moe:
+        out["moe_activations"] -= experts_saved(s, config.parallel.llep_chunks)
+    return out
+
+
+def _loss(config: Config, s: Shapes, persistent: dict[str, int]) -> Moment:
+    """2. The loss: every block's saved activations, the final norm's, and the loss's own working set
+    (`loss_working_set`: one `[token_block, V/P]` logit tile and the travelling shards and gradient
+    buffers under the ring; the full `[T, V]` logits, their log-softmax and its gradient without it)."""
+    m = config.model
+    loss = Moment("loss: the vocabulary projection's backward", dict(persistent))
+    add(loss.rows, _saved_between_passes(config, s, m.moe_layers, m.dense_layers))
     loss.rows["residual_and_norms"] += s.T * s.H * s.act + norm(s, s.H)
     add(loss.rows, loss_working_set(s, config))
-    # 3. backward, the last block's experts: their saved tensors (recomputed under checkpointing),
-    # the gradients flowing through them, and the unsharded gradients of the gathered units
-    backward = Moment("backward: last block's experts", dict(base))
-    add(backward.rows, in_block)
-    add(backward.rows, blocks(moe_layers, dense_layers))
-    if checkpointed:  # the block recomputed from its kept input (back from the host with offload)
-        add(backward.rows, moe_block if last_is_moe else dense_block)
+    return loss
+
+
+def _backward(config: Config, s: Shapes, counts: ParameterCounts, lora: AdapterCounts | None,
+              persistent: dict[str, int]) -> Moment:
+    """3. Backward, the last block's experts: the saved activations (recomputed for this block under
+    checkpointing) plus the expert backward's gradients and the unsharded gradients of the running
+    units, and the weights FSDP2 has gathered (the GEMMs dequantize theirs again under LoRA)."""
+    m, p, t = config.model, config.parallel, config.train
+    moe = m.moe_layers > 0  # the last block
+    backward = Moment("backward: last block's experts", dict(persistent))
+    add(backward.rows, _gathered_in_block(config, s, counts, lora))
+    add(backward.rows, _saved_between_passes(config, s, m.moe_layers, m.dense_layers))
+    if t.activation_checkpointing == "full":  # the block recomputed from its kept input (from the host with offload)
+        add(backward.rows, block_saved(s, config, moe))
         backward.rows["residual_and_norms"] -= s.T * s.H * s.act  # the input is the kept one
         if t.offload_activations:
             add(backward.rows, block_kept(s, config))
-    if last_is_moe:
+    if moe:
         # autograd runs the later-created shared expert's backward first: its tensors are gone
         backward.rows["moe_activations"] += experts_backward_peak(s, p.llep_chunks) - mlp_saved(s, s.shared)
-        # the unsharded gradients of the running units, and of the expert LLEP shipped in
-        backward.rows["gradients"] += running_gradients * FP32
-    add(backward.rows, dequantized)  # the backward's GEMMs dequantize their weights again
-    moments = [forward, loss, backward]
-    if not host_optimizer and not fsdp_offload:  # 4. torch AdamW steps on the device
-        update = Moment("update: torch AdamW on the device", dict(base))
-        update.rows["gradients"] = trained * stored + trained * FP32
-        moments.append(update)
-    return MemoryEstimate(max(moments, key=lambda x: x.total), moments, host_bytes(config, trained, s), ranks_per_node,
-                          s, counts, lora)
+        backward.rows["gradients"] += _running_gradients(config, counts, lora)
+    add(backward.rows, _dequantized(lora, moe, s))
+    return backward
+
+
+def _update(config: Config, persistent: dict[str, int], trained: int) -> Moment:
+    """4. The update, with torch AdamW on the device: every gradient shard beside the weights and the
+    moments, and the foreach kernel's temporaries (about one fp32 copy of the shards)."""
+    update = Moment("update: torch AdamW on the device", dict(persistent))
+    update.rows["gradients"] = trained * config.storage_dtype.itemsize + trained * FP32
+    return update
 
 
 def _dequantized(lora: AdapterCounts | None, experts: bool, s: Shapes) -> dict[str, int]:
@@ -350,10 +410,10 @@ def host_bytes(config: Config, trained: int, s: Shapes) -> dict[str, int]:
     shards, their gradients and torch AdamW's moments. Offloaded activations: every block's kept
     tensors (`offloaded_activations`), pinned."""
     out = {"optimizer": 0, "parameters": 0, "activations": offloaded_activations(config, s)}
-    stored = storage_dtype(config).itemsize
+    stored = config.storage_dtype.itemsize
     if config.optim.offload:
         out["optimizer"] = trained * ((7 if config.optim.speculative else 4) * FP32 + stored)
-    if config.parallel.fsdp_cpu_offload:  # never under LoRA (`mop.adapters.check_settings`)
+    if config.parallel.fsdp_cpu_offload:  # never under LoRA (`mop.settle.adapters.check_settings`)
         out["parameters"] = trained * 2 * FP32
         out["optimizer"] = trained * 2 * FP32
     return out

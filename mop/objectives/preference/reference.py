@@ -37,19 +37,20 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from mop.build import TrainingRun
 from mop.config import ConfigError
 from mop.data import to_device
 from mop.models.lora import adapters_disabled
-from mop.preference.step import PreferenceObjective
+from mop.objectives.preference.step import PreferenceLoss
 
 LOGPS, MANIFEST = "logps.npy", "manifest.json"
 
 
-def folder_of(run, run_dir: Path) -> Path:
+def folder_of(run: TrainingRun, run_dir: Path) -> Path:
     return Path(run.config.dpo.reference_dir or run_dir / "reference")
 
 
-def starting_weights(run, meta: dict | None) -> dict:
+def starting_weights(run: TrainingRun, meta: dict | None) -> dict:
     """What the run's weights are before its first step: a LoRA run's base (adapters off), a step-0
     checkpoint it starts from (a Hugging Face import: its directory and fingerprint), or its
     initial values."""
@@ -63,7 +64,7 @@ def starting_weights(run, meta: dict | None) -> dict:
     return {"kind": "initial", "seed": run.config.train.seed, "init_std": run.config.model.init_std}
 
 
-def identity(run, meta: dict | None) -> dict:
+def identity(run: TrainingRun, meta: dict | None) -> dict:
     config = run.config
     return {"weights": starting_weights(run, meta), "data": run.data.dataset.fingerprint,
             "model": _digest(dataclasses.asdict(config.model)), "dtype": config.train.dtype}
@@ -73,7 +74,7 @@ def _digest(value) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def attach(run, run_dir: Path, meta: dict | None) -> dict:
+def attach(run: TrainingRun, run_dir: Path, meta: dict | None) -> dict:
     """Give the run's data its reference log-probs (module docstring); returns their identity, which
     checkpoints record. `meta`: the checkpoint the run resumed from (None: a fresh start)."""
     folder = folder_of(run, run_dir)
@@ -137,12 +138,12 @@ def write(folder: Path, table: np.ndarray, wanted: dict) -> None:
 
 
 @torch.no_grad()
-def compute(run) -> np.ndarray:
+def compute(run: TrainingRun) -> np.ndarray:
     """The `[pairs, 2]` float64 table of the starting weights' summed log-probs (module docstring)."""
     config, runtime, dataset = run.config, run.runtime, run.data.dataset
     count, d, size = len(dataset), config.parallel.sequence, config.train.global_batch
     table = torch.zeros(dataset.corpus_pairs, 2, dtype=torch.float64)
-    objective = PreferenceObjective(run.model, config.dpo, None, dataset.pairs_max)
+    objective = PreferenceLoss(run.model, config.dpo, None, dataset.pairs_max)
     leader = runtime.rank % d == 0  # the D ranks of a sequence group hold the same sums
     adapters_off = adapters_disabled(run.model) if config.adapters is not None else nullcontext()
     with adapters_off, run.autocast():

@@ -1,7 +1,7 @@
 """Scoring layouts: a config's predicted memory and step time on a cluster (`Candidate`), and the
 choice among them (`choose`): the fastest that fits; among those within `SPEED_RESOLUTION` of it
 (closer than a roofline can tell apart), the one needing the least memory. Shared by `mop plan`'s
-search (`mop.plan.search`) and `mop train`'s fit to its memory budget (`mop.plan.fit`).
+search (`mop.plan.search`) and `mop train`'s fit to its memory budget (`mop.settle.fit`).
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mop.config import Config
-from mop.plan.cluster import GIB, Cluster
-from mop.plan.memory import MemoryEstimate, estimate
-from mop.plan.speed import StepTime, step_time
+from mop.cost.cluster import GIB, Cluster
+from mop.cost.memory import MemoryEstimate, estimate
+from mop.cost.speed import StepTime, step_time
 
 SPEED_RESOLUTION = 0.02
 

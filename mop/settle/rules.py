@@ -1,23 +1,23 @@
-"""Raw settings in, one frozen resolved config out, built once where the world and device are known.
+"""The plain rules: raw settings in, one frozen resolved config out, for a world of ranks.
 
 `resolve(config, world, local_world)`:
-1. the model's shape is checked (`ModelConfig.validate`), then every automatic setting is
-   decided: a LoRA run's model and base format from its base (`mop.adapters.decide`),
+1. each feature's decisions: a LoRA run's model and base format from its base
+   (`mop.settle.adapters.decide`), every objective's automatic settings (`mop.objectives`: DPO's
+   reference); the model's shape is checked (`ModelConfig.validate`), then every automatic setting is
+   decided:
    `parallel.nproc` (one rank per visible GPU on CUDA, 2 on the CPU, 1 for the reference
    strategy), the degrees D, Ep and P (under "mop" the largest that fit the model and divide one
    node's ranks, so every group stays on a node's fast links; 1 otherwise),
    `parallel.expert_balance` and `optim.offload` (under "mop" the host optimizer, but for LoRA
-   adapters small enough for torch AdamW on the device, `mop.adapters.adapters_on_host`), and
+   adapters small enough for torch AdamW on the device, `mop.settle.adapters.adapters_on_host`), and
    the memory settings by their plain rules (no head or LLEP chunks, no checkpointing or offload,
    up to 4 sequences per micro-batch);
 2. each setting's own range (`mop.config.check_fields`), the launch (ranks against GPUs, the
    reference strategy's one process), the layout (`mop.parallel.mesh.Layout`), and each part's
-   own cross-field checks in its own module (`CHECKS`);
+   own cross-field checks in its own module (`checks`);
 3. the result is a `ResolvedConfig`: the frozen settings plus the world and node size they were
-   resolved for. A run uses it as it is (`mop.train.setup_runtime` resolves only a raw config)
-   and writes it to the run directory as `config.json`. A run's own resolution is
-   `mop.plan.fit.fitted`: this, then the layout settings left automatic fitted to
-   `train.memory_budget` (recorded in the config's `fit`).
+   resolved for. A run's own settling is `mop.settle.settle`: this, then the layout settings left
+   automatic fitted to `train.memory_budget` (`mop.settle.fit`, recorded in the config's `fit`).
 Every problem raises `ConfigError` (an impossible layout: `LayoutError`) naming the setting.
 """
 
@@ -26,66 +26,27 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from mop import adapters, build, evaluation, metrics
+from mop import evaluation, metrics
 from mop.config import Config, ConfigError, check_fields
+from mop.objectives import OBJECTIVES
 from mop.optim import optimizer, schedule
 from mop.parallel import baseline, checkpointing, llep, ulysses, vocab
 from mop.parallel.mesh import Layout
-from mop.preference import settings as preference
-from mop.runtime import check_memory_budget, check_ranks_fit_gpus, visible_gpus
+from mop.runtime import check_ranks_fit_gpus, visible_gpus
+from mop.settle import adapters
+from mop.settle.resolved import ResolvedConfig
 
 MOST_SEQUENCES_PER_MICRO_BATCH = 4  # the plain rule's cap on `train.micro_batch`
-# Each part's own cross-field checks, `check_settings(config, world)`, in this order.
-CHECKS = (checkpointing, vocab, llep, ulysses, baseline, optimizer, schedule, build, evaluation, metrics, adapters,
-          preference)
-
-
-@dataclasses.dataclass(frozen=True)
-class FitRecord:
-    """How `mop.plan.fit` fitted a run's automatic settings to its memory budget (the start line and
-    config.json)."""
-
-    budget_bytes: int
-    budget_source: str
-    searched: tuple[str, ...]
-    """The settings that were automatic."""
-    layout: str
-    """The chosen layout in a few words (`mop.plan.candidates.describe`)."""
-    kept_default: bool
-    """True when the plain layout fits and was kept without a search."""
-    predicted_peak_bytes: int
-    """The memory model's device peak for one rank."""
-    predicted_host_bytes: int
-    """Its host bytes for one rank."""
-    predicted_need_bytes: int
-    """What counts against the budget: the device peak (plus the host bytes on the CPU, one memory)."""
-    predicted_moment: str
-    predicted_tokens_per_s: float
-    """The roofline's tokens/s per rank (nominal on the CPU: for comparing layouts)."""
-    considered: int
-    binding: str
-    """Why nothing faster was chosen (`mop.plan.candidates.binding`)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ResolvedConfig(Config):
-    """Settings with every automatic value decided and every check passed, for `world` ranks."""
-
-    world: int = 0
-    """The ranks the settings were resolved for."""
-    local_world: int = 0
-    """The ranks of the smallest node, which the automatic degrees divide."""
-    fit: FitRecord | None = None
-    """How the automatic settings were fitted to train.memory_budget (`mop.plan.fit`); None: no fit."""
 
 
 def resolve(config: Config, world: int | None = None, local_world: int | None = None) -> ResolvedConfig:
     """`config` resolved (module docstring) for `world` ranks (None: the ranks mop's launcher starts,
     `parallel.nproc`, all on this node), whose smallest node runs `local_world` (default: all)."""
-    config = preference.decide(adapters.decide(config))  # a LoRA run's base gives the model
+    config = adapters.decide(config)  # a LoRA run's base gives the model
+    for objective in OBJECTIVES.values():
+        config = objective.decide(config)
     for key, message in config.model.validate():
         raise ConfigError(f"model.{key}", message)
-    check_memory_budget(config.train.memory_budget)
     decided = _decide(config, world, local_world)
     check_resolved(decided, launched=world is None)
     return decided
@@ -102,8 +63,8 @@ def check_resolved(config: ResolvedConfig, launched: bool) -> None:
         raise ConfigError("parallel.strategy", f"'reference' runs one process but the world size is {config.world}; "
                           "use --parallel.strategy=mop or --parallel.nproc=1")
     Layout(config.world, p.sequence, p.expert, p.vocab)  # raises LayoutError naming the setting
-    for part in CHECKS:
-        part.check_settings(config, config.world)
+    for check in checks():
+        check(config, config.world)
 
 
 def _decide(config: Config, world: int | None, local_world: int | None) -> ResolvedConfig:
@@ -149,3 +110,19 @@ def _decide(config: Config, world: int | None, local_world: int | None) -> Resol
 def plain_micro_batch(sequences_per_group: int, cap: int = MOST_SEQUENCES_PER_MICRO_BATCH) -> int:
     """The largest divisor of a data group's sequences per step up to `cap`."""
     return max((b for b in range(1, cap + 1) if sequences_per_group % b == 0), default=1)
+
+
+def checks() -> tuple:
+    """Each part's own cross-field checks, `check(config, world)`, in this order."""
+    parts = (checkpointing, vocab, llep, ulysses, baseline, optimizer, schedule)
+    return (*(part.check_settings for part in parts), check_batch, evaluation.check_settings, metrics.check_settings,
+            adapters.check_settings, *(objective.check_settings for objective in OBJECTIVES.values()))
+
+
+def check_batch(config: Config, world: int) -> None:
+    """A step's sequences split evenly over the data groups, then into micro-batches
+    (`TrainingRun.rank_batches`)."""
+    t, groups = config.train, world // config.parallel.sequence
+    if t.global_batch % (groups * t.micro_batch):
+        raise ConfigError("train.global_batch", f"{t.global_batch} must be a multiple of data groups ({groups}) x "
+                          f"train.micro_batch ({t.micro_batch}); e.g. {groups * t.micro_batch}")

@@ -1,6 +1,0 @@
-"""Preference optimisation (DPO and its variants) over packed pairs whose prompt is computed once.
-
-- `loss`: the per-pair losses, the step objective and TRL's records, from per-response sums.
-- `step`: one micro-batch's objective in a training step (the reference's log-probs included).
-- `reference`: the reference log-probs of full fine-tuning, computed once before the first step.
-"""
