@@ -152,7 +152,9 @@ class TrainingRun:
     data: object  # mop.data.Data
     held_out: HeldOut | None  # the sequences evaluations read (`mop.evaluation`), None without evaluation
     base: dict | None = None  # a LoRA run's base (`mop.adapters.base_identity`), None for full fine-tuning
-    reference: dict | None = None  # what a DPO run's precomputed reference log-probs are of (`mop.objectives.preference`)
+    reference: dict | None = None
+    """What its objective prepared before step 0 (`Objective.prepare`: what a DPO run's precomputed
+    reference log-probs are of), recorded in every checkpoint; None: nothing."""
 
     @property
     def spec(self) -> ModelSpec:

@@ -12,9 +12,9 @@ raises `ConfigError`, whose one-line message names the key and the fix; the comm
 into exit code 2. The loaded settings are raw: `mop.settle.settle` decides the automatic ones for
 the world and the device, runs the range and cross-field checks (each technique its own) and
 returns the one frozen config a run uses. What follows from settings alone, with no decision to
-make, is here with them (`Config.compute_dtype`, `storage_dtype`, `micro_batches_per_step`). This
-module depends on no other part of mop but the model's shape (`mop.models.config`) and its adapters
-(`mop.models.lora`).
+make, is here with them (a settled config's `compute_dtype`, `storage_dtype`, `data_groups`,
+`micro_batches_per_step`). This module depends on no other part of mop but the model's shape
+(`mop.models.config`) and its adapters (`mop.models.lora`).
 """
 
 from __future__ import annotations
@@ -342,6 +342,8 @@ class Config:
         """The LoRA settings the model is built with, None for full fine-tuning."""
         return self.lora if self.train.finetune == "lora" else None
 
+    # What follows from a settled config's values (`mop.settle`: no "auto" or 0 left in them).
+
     @property
     def compute_dtype(self) -> torch.dtype:
         """The dtype a step computes in: bf16 under `train.dtype = "bfloat16"` (autocast, FSDP2's
@@ -354,11 +356,14 @@ class Config:
         masters live in the host optimizer and the run computes in bf16, else fp32."""
         return torch.bfloat16 if self.train.dtype == "bfloat16" and self.optim.offload else torch.float32
 
+    def data_groups(self, world: int) -> int:
+        """The data-parallel groups of `world` ranks: the ranks of a sequence group share sequences."""
+        return world // self.parallel.sequence
+
     def micro_batches_per_step(self, world: int) -> int:
         """Forward passes per optimizer step on each of `world` ranks: its data group's share of the
-        global batch (ranks of a sequence group share sequences) in micro-batches."""
-        groups = world // self.parallel.sequence
-        return self.train.global_batch // groups // self.train.micro_batch
+        global batch in micro-batches."""
+        return self.train.global_batch // self.data_groups(world) // self.train.micro_batch
 
 
 def field_docs(cls) -> dict[str, str]:

@@ -50,7 +50,8 @@ from mop.metrics import (
     technique_metrics,
 )
 from mop.models.transformer import MoETransformer
-from mop.objectives import Objective, StepCounts, objective_for
+from mop.objectives import StepCounts, objective_for
+from mop.objectives.base import MicroBatchLoss
 from mop.optim.optimizer import Optimizer
 from mop.optim.schedule import learning_rate
 from mop.parallel.mesh import TorchrunEnv
@@ -98,11 +99,11 @@ def worst_rank_state(run: TrainingRun, before_run: int) -> dict:
     return {**state, **{k: v if k.startswith("device_bytes_per_param") else int(v) for k, v in worst.items()}}
 
 
-def forward_backward(model: MoETransformer, batches: list[dict], objective, runtime: Runtime,
-                     autocast=nullcontext(), optimizer: Optimizer | None = None) -> list[float]:
+def forward_backward(model: MoETransformer, batches: list[dict], micro_batch_loss: MicroBatchLoss,
+                     runtime: Runtime, autocast=nullcontext(), optimizer: Optimizer | None = None) -> list[float]:
     """Forward and backward of this rank's micro-batches, accumulating gradients; returns this
-    rank's shares of the step loss's parts (`objective(batch)` gives a micro-batch's loss, its
-    float64 parts and its expert counts: `mop.objectives.base.MicroBatchLoss`).
+    rank's shares of the step loss's parts (`micro_batch_loss(batch)`: a micro-batch's loss, its
+    float64 parts and its expert counts, `mop.objectives.base.MicroBatchLoss`).
 
     The optimizer (None: gradients are left on the parameters) is told the phases of the step
     (`mop.optim.optimizer`): the host optimizer's forward waits only for the parameters whose
@@ -116,7 +117,7 @@ def forward_backward(model: MoETransformer, batches: list[dict], objective, runt
     for index, batch in enumerate(batches):
         batch = to_device(batch, runtime.device)
         with autocast:
-            loss, parts, counts = objective(batch)
+            loss, parts, counts = micro_batch_loss(batch)
         if optimizer is not None:
             optimizer.before_backward(last=index == len(batches) - 1)
         loss.backward()
@@ -130,16 +131,11 @@ def forward_backward(model: MoETransformer, batches: list[dict], objective, runt
     return totals.tolist()
 
 
-def objective_of(run: TrainingRun) -> Objective:
-    """The run's training objective (`mop.objectives`)."""
-    return objective_for(run.config)(run)
-
-
 def train_step(run: TrainingRun, batches: list[dict]) -> dict:
     """Forward/backward over this rank's micro-batches of a step; returns the objective's record of
     the globally reduced losses (`mop.objectives.base`), the step's targets, their share of its token
     positions, its tokens that are data (not padding) and its model FLOPs (`mop.flops`)."""
-    runtime, objective = run.runtime, objective_of(run)
+    runtime, objective = run.runtime, objective_for(run)
     local_targets = count_targets(batches)
     keys = run.spec.layer_keys(lambda window: sum(int(attended_keys(b["position_ids"], window).sum()) for b in batches))
     tokens = sum(b["input_ids"].numel() for b in batches)
@@ -173,7 +169,7 @@ def announce(run: TrainingRun, run_dir: Path) -> None:
     config, runtime = run.config, run.runtime
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=1))
-    p, objective = config.parallel, objective_of(run)
+    p, objective = config.parallel, objective_for(run)
     layout = f"D={p.sequence} Ep={p.expert} P={p.vocab}" if p.strategy != "reference" else "one process"
     print(f"mop: {p.strategy} on {runtime.world} rank(s) ({layout}, {runtime.device.type}), {config.train.dtype}, "
           f"{'host' if config.optim.offload else 'torch'} AdamW, {config.train.steps} steps of "
@@ -402,5 +398,5 @@ def resume(run: TrainingRun, run_dir: Path) -> int:
         checkpoint.load(path, run.model, run.optimizer, run.views, meta=meta)
         if meta["data"] is not None:
             run.data.stream.load_state_dict(meta["data"])
-    run.reference = objective_of(run).prepare(run_dir, meta)
+    run.reference = objective_for(run).prepare(run_dir, meta)
     return meta["step"] if meta is not None else 0

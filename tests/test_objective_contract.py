@@ -16,7 +16,7 @@ from torch.testing import assert_close
 import mop.train
 from mop.build import build_run
 from mop.config import Config, DataConfig, load_config
-from mop.data import count_targets
+from mop.data import count_targets, load_batch
 from mop.objectives import OBJECTIVES, Objective, StepCounts, objective_for
 from mop.runtime import Runtime
 from mop.settle import settle
@@ -47,14 +47,17 @@ def test_each_data_format_has_exactly_one_registered_objective():
 
 
 def test_every_objective_decides_only_its_own_settings():
-    """`decide` fills in automatic values; on a config it has already decided it changes nothing."""
-    config = load_config()
-    for objective in OBJECTIVES.values():
-        decided = objective.decide(config)
-        assert isinstance(decided, Config)
-        assert objective.decide(decided) == decided
-        changed = {f.name for f in dataclasses.fields(Config) if getattr(decided, f.name) != getattr(config, f.name)}
-        assert changed <= {"dpo"}, (objective, changed)
+    """`decide` fills in automatic values of its own sections; on a config it has already decided it
+    changes nothing."""
+    for finetune in ("full", "lora"):
+        config = load_config(None, [f"--train.finetune={finetune}"])
+        for objective in OBJECTIVES.values():
+            decided = objective.decide(config)
+            assert isinstance(decided, Config)
+            assert objective.decide(decided) == decided
+            changed = {f.name for f in dataclasses.fields(Config)
+                       if getattr(decided, f.name) != getattr(config, f.name)}
+            assert changed <= set(objective.sections), (objective, changed)
 
 
 @pytest.mark.parametrize("data_format", sorted(RUNS))
@@ -64,12 +67,12 @@ def test_an_objective_gives_a_step_its_loss_parts_and_record(data_format, tmp_pa
     config = settle(load_config(None, [*TINY, *RUNS[data_format], f"--log.run_dir={tmp_path}"]), world=1,
                     fit_memory=False)
     run = build_run(config, Runtime(0, 1, torch.device("cpu"), None))
-    objective = objective_for(config)(run)
+    objective = objective_for(run)
     assert data_format in objective.formats
     assert isinstance(objective.describe(), str) and objective.describe()
     assert all(isinstance(line, str) for line in objective.warnings())
     recorded = objective.prepare(tmp_path, None)
-    assert recorded is None or isinstance(recorded, dict)
+    assert (recorded is not None) == (data_format == "preference"), recorded  # DPO's precomputed reference
     (batch,) = run.next_batches()
     own = objective.local_counts([batch])
     assert all(count >= 0 for count in own)
@@ -84,10 +87,42 @@ def test_an_objective_gives_a_step_its_loss_parts_and_record(data_format, tmp_pa
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in run.model.parameters())
 
 
+@pytest.mark.parametrize("data_format", sorted(RUNS))
+def test_an_objective_divides_by_the_whole_steps_counts(data_format, tmp_path):
+    """A step's sequences as one micro-batch or one micro-batch each, with the step's counts summed
+    over them: the same loss and the same record (so any layout and micro-batching optimise one
+    objective). An objective that divided by a micro-batch's own counts would differ."""
+    config = settle(load_config(None, [*TINY, *RUNS[data_format], f"--log.run_dir={tmp_path}"]), world=1,
+                    fit_memory=False)
+    run = build_run(config, Runtime(0, 1, torch.device("cpu"), None))
+    objective = objective_for(run)
+    objective.prepare(tmp_path, None)
+    order = run.data.stream.next_batch(config.train.global_batch)
+    whole, singles = load_batch(run.data.dataset, order), [load_batch(run.data.dataset, [i]) for i in order]
+    own = [sum(counts) for counts in zip(*(objective.local_counts([b]) for b in singles))]
+    assert own == objective.local_counts([whole])
+    counts = StepCounts(count_targets([whole]), config.train.global_batch, tuple(own))
+    loss = objective.micro_batch_loss(counts)
+    together, parts, _ = loss(whole)
+    apart = [loss(b) for b in singles]
+    assert_close(sum(a[0] for a in apart), together, rtol=1e-5, atol=1e-6)
+    summed = objective.record(sum(a[1] for a in apart).tolist(), counts)
+    assert summed.keys() == objective.record(parts.tolist(), counts).keys()
+    for key, value in objective.record(parts.tolist(), counts).items():
+        assert_close(torch.tensor(summed[key], dtype=torch.float64), torch.tensor(value, dtype=torch.float64),
+                     rtol=1e-5, atol=1e-6, msg=key)
+
+
 def test_the_training_loop_never_asks_which_objective_runs():
-    """mop/train.py reads no data format: it reaches the objective only through its interface."""
+    """mop/train.py reads no data format or objective's settings and imports no objective's module:
+    it reaches the objective only through the registry and its interface."""
     tree = ast.parse(Path(inspect.getsourcefile(mop.train)).read_text())
-    formats = [node for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr == "format"]
-    assert not formats, [ast.unparse(node) for node in formats]
+    sections = {section for objective in OBJECTIVES.values() for section in objective.sections}
+    read = [ast.unparse(node) for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and node.attr in {"format", *sections}]
+    assert not read, read
+    imported = [node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                and node.module.startswith("mop.objectives.") and node.module != "mop.objectives.base"]
+    assert not imported, imported
     names = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
     assert not names & {objective.__name__ for objective in OBJECTIVES.values()}

@@ -18,6 +18,7 @@ from importlib import import_module
 
 _OWNERS = {
     "ChatDataset": "chat_packing",
+    "describe_packed": "chat_packing",
     "DataError": "errors",
     "PreferenceDataset": "preference_packing",
     **dict.fromkeys(["Data", "SequenceStream", "build_data", "collate", "count_targets", "group_slice", "load_batch",

@@ -59,6 +59,13 @@ class Packing:
                 "data_padding_share": 1 - real / max(1, (len(self.bounds) - 1) * seq_len)}
 
 
+def describe_packed(stats: dict, unit: str, sequences: int) -> str:
+    """The start line's account of packed data from its `Packing.stats`."""
+    return (f"{stats[f'data_{unit}']} {unit} in {sequences} sequences, {stats['data_padding_share']:.1%} padding; "
+            f"overlong: {stats['data_overlong_dropped']} dropped, {stats['data_overlong_truncated']} truncated; "
+            f"{stats['data_skipped_invalid']} invalid skipped")
+
+
 def fitted_lengths(corpus: ChatCorpus, seq_len: int, overlong: str) -> tuple[np.ndarray, int, int]:
     """Each conversation's length as trained (0: dropped), and the dropped and truncated counts."""
     lengths = np.diff(corpus.offsets)

@@ -28,7 +28,7 @@ import torch
 from mop.build import TrainingRun
 from mop.config import Config
 
-MicroBatchLoss = Callable[[dict], "tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]"]
+MicroBatchLoss = Callable[[dict], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
 """A micro-batch's loss (the share of the step's objective it adds), its float64 parts (the
 record's terms, summed over forwards and ranks) and its expert counts (None: none)."""
 
@@ -52,10 +52,13 @@ class Objective(ABC):
 
     formats: tuple[str, ...] = ()
     """The `data.format` values whose rows it trains (each format has one objective)."""
+    sections: tuple[str, ...] = ()
+    """The config sections of its own settings (`[dpo]`), the only ones its `decide` may change."""
 
     @staticmethod
     def decide(config: Config) -> Config:
-        """Its automatic settings decided (every objective's, for every run: config.json shows them)."""
+        """Its automatic settings (in its `sections`) decided: every objective's, for every run, so
+        config.json shows them."""
         return config
 
     @staticmethod

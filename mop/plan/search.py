@@ -6,14 +6,15 @@ unless the global batch holds more): D over the divisors of the world that divid
 divisors of a node's GPUs (expert and vocabulary groups stay on NVLink, as the runtime's automatic
 degrees do), attention head chunks and LLEP chunks in {1, 2, 4, 8}, activation checkpointing
 none / full / full + offload, the host optimizer on or off (torch AdamW on the device), and the
-micro-batch. Every candidate is a real `Config`, resolved and validated by `mop.config.validate`
-for the world size and a node's ranks, exactly as `mop train` checks it, so the chosen layout is
-one the trainer accepts.
+micro-batch. Every candidate is a real `Config`, resolved and validated by the plain rules
+(`mop.settle.rules.resolve`: every check `mop train` runs, without the fit to a memory budget, which
+is what this search replaces) for the world size and a node's ranks, so the chosen layout is one
+the trainer accepts.
 
 FSDP2 baseline candidates, the paper's Table 2 axes: context parallelism CP (Ulysses, the
 baseline's `parallel.sequence`), expert parallelism EP (standard, no LLEP), tensor parallelism TP
 (Megatron-style with sequence parallelism, which `mop train`'s fsdp2 strategy does not have: the
-planner models it, see `mop.cost.memory.shapes`), FSDP2's CPU offload, and activation
+planner models it, see `mop.cost.activations.shapes`), FSDP2's CPU offload, and activation
 checkpointing (without activation offload, which TorchTitan does not have); FSDP over the
 remaining ranks (W / (CP TP), TorchTitan's dp_shard).
 

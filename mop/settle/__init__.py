@@ -9,7 +9,7 @@ torchrun's ranks, the benches, the tests):
 2. the memory a rank may use: `train.memory_budget` parsed once, first (`budget.MemoryBudget`: a bad
    value is refused whatever the run), then measured on this machine (`budget.MemoryLimits`; under
    torchrun the caller passes every rank's smallest);
-3. the fit (`fit`): under "mop", the layout settings left automatic fitted to that memory by the
+3. the fit (`fit.fit_to_memory`): under "mop", the layout settings left automatic fitted to that memory by the
    cost model (`mop.cost`), recorded in the config's `fit` (`resolved.FitRecord`).
 With `fit_memory=False` step 3 is skipped: the plain rules alone, for benches and tests that pin a layout.
 Every problem is one `ConfigError` (an impossible layout: `LayoutError`) naming the setting.
@@ -22,11 +22,11 @@ from __future__ import annotations
 
 from mop.config import Config
 from mop.settle.budget import MemoryBudget, MemoryLimits
-from mop.settle.fit import automatic_axes, fit
-from mop.settle.resolved import FitRecord, ResolvedConfig
+from mop.settle.fit import automatic_axes, fit_to_memory
+from mop.settle.resolved import ResolvedConfig
 from mop.settle.rules import resolve
 
-__all__ = ["FitRecord", "MemoryBudget", "MemoryLimits", "ResolvedConfig", "settle"]
+__all__ = ["MemoryBudget", "MemoryLimits", "ResolvedConfig", "settle"]
 
 
 def settle(config: Config, world: int | None = None, local_world: int | None = None,
@@ -37,5 +37,8 @@ def settle(config: Config, world: int | None = None, local_world: int | None = N
     False keeps the plain rules."""
     budget = MemoryBudget.read(config.train) if limits is None else None
     decided = resolve(config, world, local_world)
-    limits = limits or budget.limits(decided.local_world)
-    return fit(decided, automatic_axes(config), limits) if fit_memory else decided
+    if not fit_memory:
+        return decided
+    if limits is None:
+        limits = budget.limits(decided.local_world)
+    return fit_to_memory(decided, automatic_axes(config), limits)

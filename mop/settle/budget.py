@@ -1,4 +1,5 @@
-"""The memory one rank may use (`train.memory_budget`), read once into a value: `MemoryLimits`.
+"""The memory one rank may use: `train.memory_budget` parsed once (`MemoryBudget`), then measured on
+this machine (`MemoryLimits`).
 
 `MemoryBudget.read(train)` parses the setting once (a size such as "70GiB", "9.5GB" or "12e9"
 bytes, "auto" or "off"; anything else is one `ConfigError` naming the setting), before anything
@@ -24,9 +25,9 @@ import torch
 import torch.distributed as dist
 
 from mop.config import ConfigError, TrainConfig
+from mop.cost.cluster import GIB
 from mop.runtime import visible_gpus
 
-GIB = 2**30
 _SIZE_UNITS = {"tib": 2**40, "gib": 2**30, "mib": 2**20, "kib": 2**10, "tb": 1e12, "gb": 1e9, "mb": 1e6, "kb": 1e3,
                "b": 1}
 BUDGET_SHARE, BUDGET_RESERVE = 0.95, GIB  # of the device's (the host's) memory; the rest: context, libraries, slack
@@ -81,8 +82,8 @@ class MemoryBudget:
         else:
             total = host // max(local_ranks, 1)
             where = f"{host / GIB:.1f} GiB host memory / {local_ranks} ranks"
-        return MemoryLimits(int(total * BUDGET_SHARE - BUDGET_RESERVE), f"auto: {where} x {BUDGET_SHARE:g} less 1 GiB",
-                            host)
+        source = f"auto: {where} x {BUDGET_SHARE:g} less {BUDGET_RESERVE / GIB:g} GiB"
+        return MemoryLimits(int(total * BUDGET_SHARE - BUDGET_RESERVE), source, host)
 
 
 def parse_budget(setting: str) -> int | str | None:

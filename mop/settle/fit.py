@@ -3,7 +3,8 @@
 Searched axes, each only where the user left it automatic (a value written in the config or on the
 command line is kept, and the rest are searched around it): the degrees D, Ep and P, attention head
 chunks, LLEP chunks, activation checkpointing and its offload, and the micro-batch (up to 4
-sequences; the global batch is the user's). `fit` decides them, from the plain rules' config (`mop.settle.rules`):
+sequences; the global batch is the user's). `fit_to_memory` decides them, from the plain rules'
+config (`mop.settle.rules`):
 1. today's layout (each automatic setting's plain rule: the largest degrees, no chunks, no
    checkpointing, 4 sequences per micro-batch) is kept when the memory model (`mop.cost`) says it fits
    the budget: nothing changes for a run that fits;
@@ -52,7 +53,7 @@ def automatic_axes(config: Config) -> tuple[str, ...]:
     return tuple(axis for axis, (section, name) in AXES.items() if automatic(getattr(getattr(config, section), name)))
 
 
-def fit(decided: ResolvedConfig, axes: tuple[str, ...], limits: MemoryLimits) -> ResolvedConfig:
+def fit_to_memory(decided: ResolvedConfig, axes: tuple[str, ...], limits: MemoryLimits) -> ResolvedConfig:
     """`decided` (the plain rules' config) with its automatic `axes` fitted to `limits` (module
     docstring); as it is outside "mop", without automatic axes or without a budget."""
     if decided.parallel.strategy != "mop" or not axes or limits.budget_bytes is None:
@@ -102,10 +103,6 @@ def _candidates(default: ResolvedConfig, axes: tuple[str, ...], world: int, node
         if (config.parallel.sequence == 1 and config.parallel.attention_head_chunks > 1) or \
                 (config.parallel.expert == 1 and config.parallel.llep_chunks > 1):
             continue  # the same run as one chunk
-        if "micro_batch" in axes:
-            groups = world // config.parallel.sequence
-            if config.train.global_batch % (groups * config.train.micro_batch):
-                continue
         try:
             check_resolved(config, launched=False)
         except (ConfigError, LayoutError):

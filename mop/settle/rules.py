@@ -122,7 +122,7 @@ def checks() -> tuple:
 def check_batch(config: Config, world: int) -> None:
     """A step's sequences split evenly over the data groups, then into micro-batches
     (`TrainingRun.rank_batches`)."""
-    t, groups = config.train, world // config.parallel.sequence
+    t, groups = config.train, config.data_groups(world)
     if t.global_batch % (groups * t.micro_batch):
         raise ConfigError("train.global_batch", f"{t.global_batch} must be a multiple of data groups ({groups}) x "
                           f"train.micro_batch ({t.micro_batch}); e.g. {groups * t.micro_batch}")

@@ -19,11 +19,12 @@ from torch.distributed.tensor import DTensor
 
 from mop.build import TrainingRun, build_run
 from mop.config import load_config
+from mop.objectives import objective_for
 from mop.parallel import DistLayout, Layout
 from mop.runtime import Runtime
 from mop.settle import settle
 from mop.testing.memory import PeakMemory
-from mop.train import objective_of, train_step, update
+from mop.train import train_step, update
 
 
 def rank_batches(run: TrainingRun, documents: str) -> list[dict]:
@@ -84,7 +85,7 @@ class Trainer:
         self.optimizer_on_device = not (config.optim.offload or p.fsdp_cpu_offload)
         # what the objective needs before step 0 (not timed): a DPO run's precomputed reference
         # log-probs in dpo.reference_dir (the ranks' shared folder; the caller sets it)
-        self.run.reference = objective_of(self.run).prepare(Path(config.dpo.reference_dir), None)
+        self.run.reference = objective_for(self.run).prepare(Path(config.dpo.reference_dir), None)
         self.batches = rank_batches(self.run, documents)
 
     def backward(self) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from mop.data import describe_packed
 from mop.models.transformer import MoETransformer
 from mop.objectives.base import Objective, StepCounts
 
@@ -45,8 +46,5 @@ class NextToken(Objective):
         d, data = self.run.config.data, self.run.data
         if d.format == "text":
             return f"text ({data.stream.num_sequences} sequences)"
-        stats = data.dataset.stats
-        return (f"chat, loss on {d.loss_on} ({stats['data_conversations']} conversations in "
-                f"{data.stream.num_sequences} sequences, {stats['data_padding_share']:.1%} padding; overlong: "
-                f"{stats['data_overlong_dropped']} dropped, {stats['data_overlong_truncated']} truncated; "
-                f"{stats['data_skipped_invalid']} invalid skipped)")
+        return (f"chat, loss on {d.loss_on} "
+                f"({describe_packed(data.dataset.stats, 'conversations', data.stream.num_sequences)})")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mop.data import describe_packed
 from mop.objectives.base import Objective, StepCounts
 from mop.objectives.preference import reference, settings
 from mop.objectives.preference.loss import StepTotals
@@ -15,6 +16,7 @@ class Preference(Objective):
     """DPO and its variants on preference pairs (`[dpo]`)."""
 
     formats = ("preference",)
+    sections = ("dpo",)
     decide = staticmethod(settings.decide)
     check_settings = staticmethod(settings.check_settings)
 
@@ -28,7 +30,8 @@ class Preference(Objective):
         return local_counts(batches)
 
     def micro_batch_loss(self, counts: StepCounts) -> PreferenceLoss:
-        return PreferenceLoss(self.run.model, self.run.config.dpo, self._totals(counts), self.run.data.dataset.pairs_max)
+        run = self.run
+        return PreferenceLoss(run.model, run.config.dpo, self._totals(counts), run.data.dataset.pairs_max)
 
     def record(self, parts: list[float], counts: StepCounts) -> dict:
         return step_record(parts, self.run.config.dpo.nll_alpha, self._totals(counts))
@@ -42,10 +45,9 @@ class Preference(Objective):
         d, dpo, data = self.run.config.data, self.run.config.dpo, self.run.data
         stats = data.dataset.stats
         return (f"preference pairs, {dpo.loss} beta {dpo.beta}, reference {dpo.reference}, prompt "
-                f"{'shared' if d.shared_prompt else 'repeated'}, loss on {d.loss_on} ({stats['data_pairs']} pairs in "
-                f"{data.stream.num_sequences} sequences, {stats['data_padding_share']:.1%} padding; overlong: "
-                f"{stats['data_overlong_dropped']} dropped, {stats['data_overlong_truncated']} truncated; "
-                f"{stats['data_skipped_invalid']} invalid skipped; {stats['data_degenerate_pairs']} degenerate)")
+                f"{'shared' if d.shared_prompt else 'repeated'}, loss on {d.loss_on} "
+                f"({describe_packed(stats, 'pairs', data.stream.num_sequences)}; "
+                f"{stats['data_degenerate_pairs']} degenerate)")
 
     def warnings(self) -> list[str]:
         """Pairs whose chosen and rejected tokens are the same (`data.skip_invalid` drops them)."""
