@@ -1,0 +1,139 @@
+"""GRPO-family losses from per-token log-probs, every aggregation a per-token weight counted over
+the whole step (so one objective in every layout and micro-batching).
+
+Per completion token t of rollout i, with the live policy's log-prob `p_t`, the log-prob before
+this batch's updates `o_t` (a no-grad pass; `p_t` itself, detached, on the first update), the
+rollout's advantage `A_i` (or a token's own) and TRL 1.16's `GRPOTrainer._compute_loss` at
+`importance_sampling_level = "token"`:
+- ratio `r_t = exp(p_t - o_t)`;
+- "grpo", "bnpo", "dr_grpo", "dapo": `l_t = -min(min(r_t, delta) A, clip(r_t, 1 - eps, 1 + eps_high) A)`
+  (`delta`: two-sided clipping, none by default);
+- "cispo": `l_t = -sg(min(r_t, eps_high)) A p_t`;
+- the train-inference correction `c_t` (`correction`: the old pass's log-probs against the engine's
+  sampling ones, per token or summed per rollout, truncated to `[cap_min, cap_max]` or masked to 0
+  outside it) multiplies `l_t`;
+- with `beta > 0` the k3 KL to the reference log-prob `q_t`, `k_t = exp(q_t - p_t) - (q_t - p_t) - 1`,
+  times `r_t` (`kl_bias_correction`, TRL's `use_bias_correction_kl`), adds `beta k_t`.
+The step's loss is `sum_t w_t l_t` over its completion tokens (`aggregation_weights`):
+- "grpo": `w_t = 1 / (n_i S)`: each rollout's token mean, then the mean over the step's S rollouts;
+- "bnpo", "dapo", "cispo": `w_t = 1 / N`: the mean over the step's N completion tokens;
+- "dr_grpo": `w_t = 1 / (S L)`, L = `max_completion_length`.
+n_i, S and N are counted over every rank and micro-batch before the first forward. TRL counts
+"bnpo" per micro-batch and process (a mean of means), the others as here; on one micro-batch of one
+process every loss type equals TRL's.
+
+Every function works on flat `[T]` token tensors (the completion's tokens of any rows, in any
+order), reads nothing back to the host and keeps `p_t`'s graph only where TRL's loss does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+LossType = Literal["grpo", "dr_grpo", "dapo", "bnpo", "cispo"]
+CorrectionMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """A loss type and its coefficients (TRL's names and defaults)."""
+
+    loss_type: LossType = "dapo"
+    epsilon: float = 0.2
+    """The ratio's lower clip `1 - epsilon`."""
+    epsilon_high: float | None = None
+    """The ratio's upper clip `1 + epsilon_high` (CISPO: the ratio's cap); None: `epsilon`."""
+    delta: float | None = None
+    """Two-sided clipping: the unclipped ratio capped at `delta`; None: no cap."""
+    beta: float = 0.0
+    """The k3 KL's coefficient (0: no KL, no reference)."""
+    kl_bias_correction: bool = True
+    """Weigh the KL by the ratio (TRL's `use_bias_correction_kl`)."""
+    max_completion_length: int = 512
+    """Dr. GRPO's constant normaliser L."""
+
+    def __post_init__(self):
+        if self.loss_type not in ("grpo", "dr_grpo", "dapo", "bnpo", "cispo"):
+            raise ValueError(f"loss_type {self.loss_type!r} is none of grpo, dr_grpo, dapo, bnpo, cispo")
+
+    @property
+    def high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+
+def aggregation_weights(loss: PolicyLoss, rollout_tokens: torch.Tensor, step_rollouts: int,
+                        step_tokens: int) -> torch.Tensor:
+    """Each completion token's weight `w_t` (module docstring); `rollout_tokens`: `[T]`, the
+    completion tokens of each token's rollout (n_i); `step_rollouts`, `step_tokens`: S and N."""
+    if loss.loss_type == "grpo":
+        return 1.0 / (rollout_tokens.clamp(min=1) * max(step_rollouts, 1))
+    if loss.loss_type == "dr_grpo":
+        scale = 1.0 / (max(step_rollouts, 1) * loss.max_completion_length)
+    else:
+        scale = 1.0 / max(step_tokens, 1)
+    return torch.full_like(rollout_tokens, scale, dtype=torch.float32)
+
+
+def correction(old: torch.Tensor, sampling: torch.Tensor, rollout: torch.Tensor, mode: CorrectionMode,
+               cap_min: float | None, cap_max: float | None) -> torch.Tensor:
+    """The train-inference correction `c_t` `[T]` of the old pass's log-probs `old` against the
+    engine's `sampling` ones (NaN: unknown, no correction): per token, or per rollout (`rollout`:
+    each token's rollout index) from the rollout's summed differences; truncated to
+    `[cap_min, cap_max]`, or 0 outside it. Computed without a graph, before the update."""
+    with torch.no_grad():
+        difference = torch.nan_to_num(old.float() - sampling.float(), nan=0.0)
+        if mode.startswith("sequence"):
+            sums = torch.zeros(int(rollout.max()) + 1 if rollout.numel() else 0, dtype=difference.dtype,
+                               device=difference.device).index_add_(0, rollout, difference)
+            difference = sums[rollout]
+        ratio = difference.exp()
+        if mode.endswith("truncate"):
+            return ratio.clamp(min=cap_min, max=cap_max)
+        low = -float("inf") if cap_min is None else cap_min
+        high = float("inf") if cap_max is None else cap_max
+        return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+
+
+def token_losses(loss: PolicyLoss, logps: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor,
+                 reference: torch.Tensor | None = None,
+                 corrections: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`l_t` `[T]` (module docstring), the ratio `r_t` and the k3 KL `k_t` (None without `beta`)."""
+    ratio = (logps - old).exp()
+    if loss.loss_type == "cispo":
+        losses = -ratio.clamp(max=loss.high).detach() * advantages * logps
+    else:
+        clipped = ratio.clamp(1 - loss.epsilon, 1 + loss.high)
+        unclipped = ratio if loss.delta is None else ratio.clamp(max=loss.delta)
+        losses = -torch.min(unclipped * advantages, clipped * advantages)
+    if corrections is not None:
+        losses = losses * corrections
+    kl = None
+    if loss.beta:
+        gap = reference - logps
+        kl = gap.exp() - gap - 1
+        if loss.kl_bias_correction:
+            kl = kl * ratio
+        losses = losses + loss.beta * kl
+    return losses, ratio, kl
+
+
+@torch.no_grad()
+def record_sums(loss: PolicyLoss, ratio: torch.Tensor, advantages: torch.Tensor, kl: torch.Tensor | None,
+                entropy: torch.Tensor, scale: float) -> dict[str, torch.Tensor]:
+    """TRL's token-mean records' sums times `scale` (1 / the step's completion tokens: summed over
+    forwards and ranks they are the step's means): kl, entropy and, for the clipped losses,
+    clip_ratio/low_mean, high_mean, region_mean (CISPO: cispo_clip_ratio)."""
+    sums = {"entropy": entropy.double().sum() * scale}
+    if kl is not None:
+        sums["kl"] = kl.double().sum() * scale
+    if loss.loss_type == "cispo":
+        sums["cispo_clip_ratio"] = ((ratio > loss.high) & (advantages > 0)).double().sum() * scale
+        return sums
+    low = (ratio < 1 - loss.epsilon) & (advantages < 0)
+    high = (ratio > 1 + loss.high) & (advantages > 0)
+    sums.update({"clip_ratio/low_mean": low.double().sum() * scale, "clip_ratio/high_mean": high.double().sum() * scale,
+                 "clip_ratio/region_mean": (low | high).double().sum() * scale})
+    return sums
