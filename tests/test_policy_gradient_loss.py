@@ -39,7 +39,8 @@ def trl_loss(loss: PolicyLoss, logps, old, reference, advantages, mask, correcti
     """TRL's `_compute_loss` on one micro-batch of one process, its forward replaced by `logps`."""
     trainer = GRPOTrainer.__new__(GRPOTrainer)
     trainer.__dict__.update(
-        top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level="token",
+        top_entropy_quantile=1.0, off_policy_mask_threshold=None,
+        importance_sampling_level=loss.importance_sampling_level,
         beta=loss.beta, loss_type=loss.loss_type, epsilon_low=loss.epsilon, epsilon_high=loss.high,
         use_vllm=corrections is not None, vllm_importance_sampling_correction=corrections is not None,
         model=SimpleNamespace(training=True), current_gradient_accumulation_steps=1,
@@ -66,9 +67,10 @@ def mop_loss(loss: PolicyLoss, logps, old, reference, advantages, mask, correcti
     per_token_advantages = advantages[rows]
     losses, ratio, kl = token_losses(loss, logps[kept], old[kept], per_token_advantages,
                                      reference[kept] if loss.beta else None,
-                                     corrections[kept] if corrections is not None else None)
+                                     corrections[kept] if corrections is not None else None, rows, rollout_tokens)
     weights = aggregation_weights(loss, rollout_tokens, ROWS, int(mask.sum()))
-    sums = record_sums(loss, ratio, per_token_advantages, kl, entropies[kept], 1 / float(mask.sum()))
+    sums = record_sums(loss, ratio, per_token_advantages, kl, entropies[kept], 1 / float(mask.sum()),
+                       1.0 / (rollout_tokens * ROWS))
     return (weights * losses).sum(), {k: float(v) for k, v in sums.items()}
 
 
@@ -86,15 +88,17 @@ def _inputs(seed: int):
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "bnpo", "cispo"])
-@pytest.mark.parametrize("variant", ["plain", "kl+correction", "delta+high"])
+@pytest.mark.parametrize("variant", ["plain", "kl+correction", "delta+high", "sequence+kl+correction"])
 def test_each_loss_type_equals_trls_loss_records_and_gradient(loss_type, variant):
-    beta = 0.04 if variant == "kl+correction" else 0.0
+    """Token-level ratios, and sequence-level ones (GSPO: each rollout's mean log-ratio)."""
+    beta = 0.04 if "kl" in variant else 0.0
     loss = PolicyLoss(loss_type, epsilon=0.2, epsilon_high=(5.0 if loss_type == "cispo" else 0.28)
                       if variant == "delta+high" else None, delta=1.5 if variant == "delta+high" else None,
-                      beta=beta, max_completion_length=LENGTH)
+                      beta=beta, max_completion_length=LENGTH,
+                      importance_sampling_level="sequence" if variant.startswith("sequence") else "token")
     logps, old, reference, advantages, mask, sampling = _inputs(seed=len(loss_type) + len(variant))
     corrections = None
-    if variant == "kl+correction":
+    if "correction" in variant:
         kept = mask.bool()
         rows = torch.arange(ROWS).unsqueeze(1).expand_as(mask)[kept]
         corrections = torch.ones(ROWS, LENGTH)

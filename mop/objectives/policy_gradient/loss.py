@@ -4,8 +4,9 @@ the whole step (so one objective in every layout and micro-batching).
 Per completion token t of rollout i, with the live policy's log-prob `p_t`, the log-prob before
 this batch's updates `o_t` (a no-grad pass; `p_t` itself, detached, on the first update), the
 rollout's advantage `A_i` (or a token's own) and TRL 1.16's `GRPOTrainer._compute_loss` at
-`importance_sampling_level = "token"`:
-- ratio `r_t = exp(p_t - o_t)`;
+`importance_sampling_level` "token" or "sequence" (GSPO):
+- ratio `r_t = exp(p_t - o_t)`, or at the sequence level the rollout's `exp(mean_t (p_t - o_t))` on
+  each of its tokens;
 - "grpo", "bnpo", "dr_grpo", "dapo": `l_t = -min(min(r_t, delta) A, clip(r_t, 1 - eps, 1 + eps_high) A)`
   (`delta`: two-sided clipping, none by default);
 - "cispo": `l_t = -sg(min(r_t, eps_high)) A p_t`;
@@ -23,7 +24,9 @@ n_i, S and N are counted over every rank and micro-batch before the first forwar
 process every loss type equals TRL's.
 
 Every function works on flat `[T]` token tensors (the completion's tokens of any rows, in any
-order), reads nothing back to the host and keeps `p_t`'s graph only where TRL's loss does.
+order), reads nothing back to the host and keeps `p_t`'s graph only where TRL's loss does. The
+sequence-level ratio needs all of a rollout's tokens: under sequence parallelism its rollout sums
+must first be reduced over the sequence group (as DPO's response sums are), not done here yet.
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ class PolicyLoss:
     """Weigh the KL by the ratio (TRL's `use_bias_correction_kl`)."""
     max_completion_length: int = 512
     """Dr. GRPO's constant normaliser L."""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """The ratio per token, or per rollout from its tokens' mean log-ratio (GSPO: with "grpo")."""
 
     def __post_init__(self):
         if self.loss_type not in ("grpo", "dr_grpo", "dapo", "bnpo", "cispo"):
@@ -98,10 +103,17 @@ def correction(old: torch.Tensor, sampling: torch.Tensor, rollout: torch.Tensor,
 
 
 def token_losses(loss: PolicyLoss, logps: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor,
-                 reference: torch.Tensor | None = None,
-                 corrections: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """`l_t` `[T]` (module docstring), the ratio `r_t` and the k3 KL `k_t` (None without `beta`)."""
-    ratio = (logps - old).exp()
+                 reference: torch.Tensor | None = None, corrections: torch.Tensor | None = None,
+                 rollout: torch.Tensor | None = None,
+                 rollout_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`l_t` `[T]` (module docstring), the ratio `r_t` and the k3 KL `k_t` (None without `beta`);
+    at the sequence level `rollout` (each token's rollout index) and `rollout_tokens` (its n_i) give
+    each rollout's mean log-ratio (here, over the tokens given: all of a rollout's)."""
+    log_ratio = logps - old
+    if loss.importance_sampling_level == "sequence":
+        sums = log_ratio.new_zeros(int(rollout.max()) + 1 if rollout.numel() else 0).index_add(0, rollout, log_ratio)
+        log_ratio = sums[rollout] / rollout_tokens.clamp(min=1)
+    ratio = log_ratio.exp()
     if loss.loss_type == "cispo":
         losses = -ratio.clamp(max=loss.high).detach() * advantages * logps
     else:
@@ -122,18 +134,25 @@ def token_losses(loss: PolicyLoss, logps: torch.Tensor, old: torch.Tensor, advan
 
 @torch.no_grad()
 def record_sums(loss: PolicyLoss, ratio: torch.Tensor, advantages: torch.Tensor, kl: torch.Tensor | None,
-                entropy: torch.Tensor, scale: float) -> dict[str, torch.Tensor]:
-    """TRL's token-mean records' sums times `scale` (1 / the step's completion tokens: summed over
-    forwards and ranks they are the step's means): kl, entropy and, for the clipped losses,
-    clip_ratio/low_mean, high_mean, region_mean (CISPO: cispo_clip_ratio)."""
+                entropy: torch.Tensor, scale: float,
+                rollout_weights: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """TRL's mean records as sums that, summed over forwards and ranks, are the step's means: kl and
+    entropy over its completion tokens (`scale`: 1 / their count) and, for the clipped losses,
+    clip_ratio/low_mean, high_mean, region_mean (CISPO: cispo_clip_ratio), over tokens or, at the
+    sequence level, over rollouts (`rollout_weights`: each token's 1 / (n_i S))."""
     sums = {"entropy": entropy.double().sum() * scale}
     if kl is not None:
         sums["kl"] = kl.double().sum() * scale
+    weights = rollout_weights.double() if loss.importance_sampling_level == "sequence" else scale
+
+    def mean(indicator: torch.Tensor) -> torch.Tensor:
+        return (indicator.double() * weights).sum()
+
     if loss.loss_type == "cispo":
-        sums["cispo_clip_ratio"] = ((ratio > loss.high) & (advantages > 0)).double().sum() * scale
+        sums["cispo_clip_ratio"] = mean((ratio > loss.high) & (advantages > 0))
         return sums
     low = (ratio < 1 - loss.epsilon) & (advantages < 0)
     high = (ratio > 1 + loss.high) & (advantages > 0)
-    sums.update({"clip_ratio/low_mean": low.double().sum() * scale, "clip_ratio/high_mean": high.double().sum() * scale,
-                 "clip_ratio/region_mean": (low | high).double().sum() * scale})
+    sums.update({"clip_ratio/low_mean": mean(low), "clip_ratio/high_mean": mean(high),
+                 "clip_ratio/region_mean": mean(low | high)})
     return sums
