@@ -82,18 +82,22 @@ def aggregation_weights(loss: PolicyLoss, rollout_tokens: torch.Tensor, step_rol
     return torch.full_like(rollout_tokens, scale, dtype=torch.float32)
 
 
+def rollout_sums(values: torch.Tensor, rollout: torch.Tensor) -> torch.Tensor:
+    """Each token's rollout's sum of `values` `[T]`, on each of its tokens; `rollout`: each token's
+    rollout, numbered from 0 among the rollouts of these tokens (so below T: no host read for a size)."""
+    return values.new_zeros(values.shape).index_add(0, rollout, values)[rollout]
+
+
 def correction(old: torch.Tensor, sampling: torch.Tensor, rollout: torch.Tensor, mode: CorrectionMode,
                cap_min: float | None, cap_max: float | None) -> torch.Tensor:
     """The train-inference correction `c_t` `[T]` of the old pass's log-probs `old` against the
     engine's `sampling` ones (NaN: unknown, no correction): per token, or per rollout (`rollout`:
-    each token's rollout index) from the rollout's summed differences; truncated to
+    as `rollout_sums` takes it) from the rollout's summed differences; truncated to
     `[cap_min, cap_max]`, or 0 outside it. Computed without a graph, before the update."""
     with torch.no_grad():
         difference = torch.nan_to_num(old.float() - sampling.float(), nan=0.0)
         if mode.startswith("sequence"):
-            sums = torch.zeros(int(rollout.max()) + 1 if rollout.numel() else 0, dtype=difference.dtype,
-                               device=difference.device).index_add_(0, rollout, difference)
-            difference = sums[rollout]
+            difference = rollout_sums(difference, rollout)
         ratio = difference.exp()
         if mode.endswith("truncate"):
             return ratio.clamp(min=cap_min, max=cap_max)
@@ -107,12 +111,11 @@ def token_losses(loss: PolicyLoss, logps: torch.Tensor, old: torch.Tensor, advan
                  rollout: torch.Tensor | None = None,
                  rollout_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`l_t` `[T]` (module docstring), the ratio `r_t` and the k3 KL `k_t` (None without `beta`);
-    at the sequence level `rollout` (each token's rollout index) and `rollout_tokens` (its n_i) give
+    at the sequence level `rollout` (as `rollout_sums` takes it) and `rollout_tokens` (its n_i) give
     each rollout's mean log-ratio (here, over the tokens given: all of a rollout's)."""
     log_ratio = logps - old
     if loss.importance_sampling_level == "sequence":
-        sums = log_ratio.new_zeros(int(rollout.max()) + 1 if rollout.numel() else 0).index_add(0, rollout, log_ratio)
-        log_ratio = sums[rollout] / rollout_tokens.clamp(min=1)
+        log_ratio = rollout_sums(log_ratio, rollout) / rollout_tokens.clamp(min=1)
     ratio = log_ratio.exp()
     if loss.loss_type == "cispo":
         losses = -ratio.clamp(max=loss.high).detach() * advantages * logps
