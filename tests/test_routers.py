@@ -33,7 +33,7 @@ def test_group_limited_sigmoid_router_chooses_and_weighs_like_deepseek_v3(expert
     x = torch.randn(64, hidden, generator=g)
 
     _, their_weights, their_ids = theirs(x)
-    scores, weights, ids = mine(x)
+    scores, weights, ids, _ = mine(x)
     # both take top-k unsorted or sorted: compare each token's (expert, weight) pairs in expert order
     order, their_order = ids.argsort(-1), their_ids.argsort(-1)
     assert torch.equal(ids.gather(-1, order), their_ids.gather(-1, their_order))

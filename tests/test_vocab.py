@@ -113,6 +113,38 @@ def test_ring_token_logprobs_match_full_logits(world, vocab, vocab_size, token_b
     assert (results[1][0] == 0).all()  # the all-ignored rank
 
 
+def entropy_rank(rank, world, vocab_size, vocab, token_block):
+    device = rank_device()
+    layout = DistLayout(Layout(world, vocab=vocab), device)
+    head, hidden, labels = problem(world, vocab_size, 0.0)
+    parallel = VocabParallelHead(head, layout, token_block, 0.0).to(device)
+    h = hidden[rank].to(device).requires_grad_()
+    logprobs, entropy = parallel.token_logprobs_and_entropy(h, labels[rank].to(device))
+    logprobs.sum().backward()
+    return to_cpu((logprobs.detach(), entropy, h.grad))
+
+
+@pytest.mark.parametrize("world, vocab, vocab_size, token_block", [(2, 2, 12, 0), (4, 4, 13, 2)])
+def test_ring_entropy_matches_full_logits(world, vocab, vocab_size, token_block):
+    """Each token's entropy from the ring (no full logits; a shard of padding columns included)
+    equals the entropy of its full next-token distribution, and equals the head's; the log-probs
+    and their gradient are those of `token_logprobs`."""
+    results = run_distributed(entropy_rank, world, vocab_size, vocab, token_block)
+    head, hidden, labels = problem(world, vocab_size, 0.0)
+    h = torch.cat(hidden).requires_grad_()
+    logits = head(h).detach()
+    want = torch.distributions.Categorical(logits=logits).entropy()
+    logprobs, entropy = head.token_logprobs_and_entropy(h, torch.cat(labels))
+    assert_close(entropy, want, atol=1e-5, rtol=1e-5)
+    logprobs.sum().backward()
+    offsets = [0, *torch.tensor(rank_tokens(world)).cumsum(0).tolist()]
+    for rank, (ring_logprobs, ring_entropy, h_grad) in enumerate(results):
+        mine = slice(offsets[rank], offsets[rank + 1])
+        assert_close(ring_entropy, want[mine], atol=1e-5, rtol=1e-5)
+        assert_close(ring_logprobs, logprobs.detach()[mine], atol=1e-5, rtol=1e-5)
+        assert_close(h_grad, h.grad[mine], atol=1e-5, rtol=1e-5)
+
+
 def test_head_token_logprobs_are_the_negative_cross_entropy():
     head, hidden, labels = problem(1, 11, 0.0)
     logprobs = head.token_logprobs(hidden[0], labels[0])

@@ -40,11 +40,14 @@ class RouterStats:
     `assignments[b, e]`: token-expert assignments of row b to expert e (top-k picks, no grad).
     `prob_sum[b, e]`: sum over row b's tokens of the router probability of expert e (has grad).
     `rows[b]`: token-layer pairs that contributed (tokens of row b x MoE layers).
+    `replay`: one layer's routing replay (`replay_counts`; None: nothing replayed), per layer only:
+    a sum over layers keeps none (`MoETransformer.hidden_states` collects it layer by layer).
     """
 
     assignments: torch.Tensor
     prob_sum: torch.Tensor
     rows: torch.Tensor
+    replay: torch.Tensor | None = None
 
     def __add__(self, other: "RouterStats") -> "RouterStats":
         return RouterStats(self.assignments + other.assignments, self.prob_sum + other.prob_sum, self.rows + other.rows)
@@ -64,6 +67,22 @@ def load_balancing_loss(stats: RouterStats) -> torch.Tensor:
     return per_sequence.sum()
 
 
+def replayed_selection(own: torch.Tensor, forced: torch.Tensor | None) -> torch.Tensor:
+    """The experts a layer runs `[T, k]`: the recorded ones (`forced`, routing replay) where a token has
+    them (-1: none), else the router's own top-k `own`."""
+    if forced is None:
+        return own
+    return torch.where(forced[:, :1] >= 0, forced.to(own.dtype), own)
+
+
+def replay_counts(own: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:
+    """`[2]` float64: the replayed tokens whose own top-k (as a set) differs from the recorded one, and
+    the replayed tokens (those with a recorded selection)."""
+    replayed = forced[:, 0] >= 0
+    differs = (own.sort(-1).values != forced.to(own.dtype).sort(-1).values).any(-1) & replayed
+    return torch.stack([differs.sum(), replayed.sum()]).double()
+
+
 class Router(nn.Module):
     def __init__(self, cfg: ModelShape):
         super().__init__()
@@ -71,13 +90,18 @@ class Router(nn.Module):
         self.top_k = cfg.top_k
         self.norm_topk_prob = cfg.norm_topk_prob
 
-    def forward(self, x: torch.Tensor):
-        """`x [T, H]` -> (fp32 probabilities [T, E], top-k weights [T, k], top-k expert ids [T, k])."""
+    def forward(self, x: torch.Tensor, forced: torch.Tensor | None = None):
+        """`x [T, H]` -> (fp32 probabilities [T, E], weights [T, k], expert ids [T, k], own top-k ids
+        [T, k]); the ids are `forced`'s where given (`replayed_selection`), weighed by their live
+        probabilities, so the router's gradient flows as for its own choice."""
         probs = F.softmax(F.linear(x, self.weight).float(), dim=-1)
-        weights, expert_ids = torch.topk(probs, self.top_k, dim=-1)
+        weights, own = torch.topk(probs, self.top_k, dim=-1)
+        expert_ids = replayed_selection(own, forced)
+        if forced is not None:
+            weights = probs.gather(-1, expert_ids)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return probs, weights, expert_ids
+        return probs, weights, expert_ids, own
 
 
 @dataclass(frozen=True)
@@ -139,8 +163,10 @@ class GroupLimitedSigmoidRouter(nn.Module):
         with torch.no_grad():
             self.score_correction_bias.zero_()
 
-    def forward(self, x: torch.Tensor):
-        """`x [T, H]` -> (normalised fp32 scores [T, E], top-k weights [T, k], top-k expert ids [T, k])."""
+    def forward(self, x: torch.Tensor, forced: torch.Tensor | None = None):
+        """`x [T, H]` -> (normalised fp32 scores [T, E], weights [T, k], expert ids [T, k], own top-k
+        ids [T, k]); `forced` (routing replay, `replayed_selection`) replaces the selection only: the
+        weights are the live scores of the experts run."""
         scores = F.linear(x.float(), self.weight.float()).sigmoid()
         choice = scores + self.score_correction_bias
         per_group = choice.shape[-1] // self.groups
@@ -148,11 +174,12 @@ class GroupLimitedSigmoidRouter(nn.Module):
         best_groups = group_scores.topk(self.groups_per_token, dim=-1).indices
         kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(-1, best_groups, True)
         choice = choice.masked_fill(~kept.repeat_interleave(per_group, dim=-1), float("-inf"))
-        expert_ids = choice.topk(self.top_k, dim=-1).indices
+        own = choice.topk(self.top_k, dim=-1).indices
+        expert_ids = replayed_selection(own, forced)
         weights = scores.gather(-1, expert_ids)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return scores / scores.sum(dim=-1, keepdim=True), weights * self.scaling, expert_ids
+        return scores / scores.sum(dim=-1, keepdim=True), weights * self.scaling, expert_ids, own
 
 
 def expert_order(expert_ids: torch.Tensor, experts: int):
@@ -306,16 +333,22 @@ class MoE(nn.Module):
         self.experts = experts(cfg)
         self.shared = SwiGLU(cfg.hidden, cfg.shared_expert_intermediate) if cfg.shared_expert_intermediate else None
 
-    def forward(self, x: torch.Tensor, padding: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, padding: torch.Tensor | None = None, routes: torch.Tensor | None = None):
         """`x [B, S, H]` -> (output [B, S, H], RouterStats for the B rows over the tokens not flagged
-        in `padding [B, S]`)."""
+        in `padding [B, S]`). `routes [B, S, k]` (None: none) replays recorded selections (-1: a token
+        without one routes itself): the experts run are those, the stats count them, and
+        `RouterStats.replay` says how many differ from the router's own choice."""
         batch, seq, hidden = x.shape
         flat = x.reshape(-1, hidden)
-        probs, weights, expert_ids = self.router(flat)
+        forced = None if routes is None else routes.reshape(batch * seq, -1)
+        probs, weights, expert_ids, own = self.router(flat, forced)
         out = self.experts(flat, expert_ids, weights)
         if self.shared is not None:
             out = out + self.shared(flat)
-        return out.view(batch, seq, hidden), self._stats(probs, expert_ids, batch, padding)
+        stats = self._stats(probs, expert_ids, batch, padding)
+        if forced is not None:
+            stats.replay = replay_counts(own, forced)
+        return out.view(batch, seq, hidden), stats
 
     @staticmethod
     def _stats(probs: torch.Tensor, expert_ids: torch.Tensor, batch: int, padding: torch.Tensor | None) -> RouterStats:

@@ -79,12 +79,30 @@ class Block(nn.Module):
         self.mlp = (MoE(cfg, family.router, family.experts) if self.is_moe
                     else SwiGLU(cfg.hidden, cfg.dense_intermediate))
 
-    def forward(self, h, position_ids, documents: Documents | None, padding: torch.Tensor | None = None):
+    def forward(self, h, position_ids, documents: Documents | None, padding: torch.Tensor | None = None,
+                routes: torch.Tensor | None = None):
+        """`routes [B, S, k]` (an MoE block's, None: none): the selections it replays (`MoE.forward`);
+        an argument of the block, so a checkpointed block's recomputation replays the same ones."""
         h = h + self.attention(self.attn_norm(h), position_ids, documents)
         if not self.is_moe:
             return h + self.mlp(self.mlp_norm(h)), None
-        out, stats = self.mlp(self.mlp_norm(h), padding)
+        out, stats = self.mlp(self.mlp_norm(h), padding, routes)
         return h + out, stats
+
+
+@dataclass
+class Trunk:
+    """What the blocks of a forward give the head (`MoETransformer.hidden_states`)."""
+
+    hidden: torch.Tensor
+    """Final-norm hidden states `[B, S, H]`."""
+    router: RouterStats | None
+    """The router sums of every MoE layer (None without MoE layers)."""
+    expert_counts: torch.Tensor | None
+    """Each MoE layer's expert counts `[moe_layers, E]` (None without MoE layers)."""
+    replay: torch.Tensor | None = None
+    """Each MoE layer's routing replay `[moe_layers, 2]` (`mop.models.moe.replay_counts`: tokens whose own
+    top-k differs from the replayed one, tokens replayed), None without routes."""
 
 
 @dataclass
@@ -101,6 +119,21 @@ class PreferenceTerms:
     router: RouterStats | None
     sequences: int
     expert_counts: torch.Tensor | None = None
+
+
+@dataclass
+class PolicyTerms:
+    """Per-token terms of a forward pass over packed rollouts (`mop.objectives.policy_gradient`)."""
+
+    logps: torch.Tensor
+    """`[B, S]` each token's fp32 log-probability of its label (with gradient; 0 where ignored)."""
+    entropy: torch.Tensor
+    """`[B, S]` the entropy of each token's next-token distribution (fp32, no gradient)."""
+    router: RouterStats | None
+    sequences: int
+    expert_counts: torch.Tensor | None = None
+    replay: torch.Tensor | None = None
+    """`[moe_layers, 2]` the routing replay's counts (`Trunk.replay`), None without routes."""
 
 
 class RouterSums(nn.Module):
@@ -141,6 +174,16 @@ class LMHead(nn.Module):
         logits = self(h).float()
         picked = logits.log_softmax(-1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
         return torch.where(labels != IGNORE_INDEX, picked, torch.zeros_like(picked))
+
+    def token_logprobs_and_entropy(self, h: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`token_logprobs` and each token's entropy of its next-token distribution `[B, S]` (fp32,
+        no gradient: a record)."""
+        logits = self(h).float()
+        logps = logits.log_softmax(-1)
+        picked = logps.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        with torch.no_grad():
+            entropy = -(logps.exp() * logps).sum(-1)
+        return torch.where(labels != IGNORE_INDEX, picked, torch.zeros_like(picked)), entropy
 
     def loss_sum(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Sum over non-ignored targets of cross-entropy + z_loss_coef * logsumexp(logits)^2."""
@@ -209,35 +252,39 @@ class MoETransformer(nn.Module):
             if module is not self and hasattr(module, "reset_buffers"):
                 module.reset_buffers()
 
-    def hidden_states(self, input_ids, position_ids=None, document_ids=None, padding=None, prefix_lengths=None):
-        """Final-norm hidden states `[B, S, H]`, the router sums of every MoE layer, and each MoE
-        layer's expert counts `[moe_layers, E]` (None without MoE layers); tokens flagged in
-        `padding [B, S]` (bool, None: none) are computed but left out of the router sums and counts.
-        `prefix_lengths [B, S]` (None: none) makes branches (`mop.models.documents`): a document
-        that also attends to the first tokens of the one before it, its positions continuing theirs."""
+    def hidden_states(self, input_ids, position_ids=None, document_ids=None, padding=None, prefix_lengths=None,
+                      routes=None) -> Trunk:
+        """The blocks' outputs (`Trunk`); tokens flagged in `padding [B, S]` (bool, None: none) are
+        computed but left out of the router sums and counts. `prefix_lengths [B, S]` (None: none)
+        makes branches (`mop.models.documents`): a document that also attends to the first tokens of
+        the one before it, its positions continuing theirs. `routes [B, S, moe_layers, k]` (None:
+        none) are the experts each MoE layer replays for each token (routing replay; -1: none)."""
         if position_ids is None:
             position_ids = document_positions(document_ids, prefix_lengths) if document_ids is not None else (
                 torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids))
         documents = self.documents(document_ids, prefix_lengths)  # once per forward, shared by every layer
         h = self.embed(input_ids)
-        router, counts = None, []
-        for block in self.layers:
-            h, stats = block(h, position_ids, documents, padding)
+        router, counts, replay = None, [], []
+        for layer, block in enumerate(self.layers):
+            moe = layer - self.cfg.dense_layers  # the MoE layers' index (Block.is_moe)
+            layer_routes = None if routes is None or moe < 0 else routes[:, :, moe]
+            h, stats = block(h, position_ids, documents, padding, layer_routes)
             if stats is not None:
                 router = stats if router is None else router + stats
                 counts.append(stats.assignments.sum(0))
-        return self.norm(h), router, torch.stack(counts) if counts else None
+                replay.append(stats.replay)
+        return Trunk(self.norm(h), router, torch.stack(counts) if counts else None,
+                     torch.stack(replay) if routes is not None and counts else None)
 
     def loss_terms(self, input_ids, labels, position_ids=None, document_ids=None, padding=None,
                    prefix_lengths=None) -> LossTerms:
         """Summed losses; `labels [B, S]` are the already-shifted next-token targets (IGNORE_INDEX skips);
         `padding [B, S]` flags tokens that are no data, `prefix_lengths` branches (`hidden_states`)."""
-        h, router, counts = self.hidden_states(input_ids, position_ids, document_ids, padding, prefix_lengths)
+        trunk = self.hidden_states(input_ids, position_ids, document_ids, padding, prefix_lengths)
         with vocabulary_scope():  # a profiled step's phase (`mop.profiling`)
-            ce_sum = self.lm_head.loss_sum(h, labels)
-        router = self.router_sums(router) if router is not None else None
+            ce_sum = self.lm_head.loss_sum(trunk.hidden, labels)
         targets = int((labels != IGNORE_INDEX).sum())
-        return LossTerms(ce_sum, targets, router, input_ids.shape[0], counts)
+        return LossTerms(ce_sum, targets, self._router_sums(trunk), input_ids.shape[0], trunk.expert_counts)
 
     def preference_terms(self, input_ids, labels, response_ids, pairs_max: int, position_ids=None, document_ids=None,
                          padding=None, prefix_lengths=None, reference_logps=None) -> PreferenceTerms:
@@ -245,9 +292,9 @@ class MoETransformer(nn.Module):
         `2 * j + side` on the tokens whose label lies in pair j's response `side` of their row (-1
         elsewhere); `pairs_max`: the slots per row; `reference_logps [B, S]` (None: none): each
         response's reference sum on one of its tokens, summed into the slots alongside."""
-        h, router, counts = self.hidden_states(input_ids, position_ids, document_ids, padding, prefix_lengths)
+        trunk = self.hidden_states(input_ids, position_ids, document_ids, padding, prefix_lengths)
         with vocabulary_scope():
-            logp = self.lm_head.token_logprobs(h, labels)
+            logp = self.lm_head.token_logprobs(trunk.hidden, labels)
         rows, slots = input_ids.shape[0], 2 * pairs_max
         in_response = response_ids >= 0
         trained = in_response & (labels != IGNORE_INDEX)
@@ -263,9 +310,22 @@ class MoETransformer(nn.Module):
         # Copies, not views of one tensor: FSDP2 hooks a wrapped model's outputs and warns on views.
         sums = self.response_sums(torch.stack(parts)).view(len(parts), rows * pairs_max, 2).unbind(0)
         logps, targets, *reference = (part.clone() for part in sums)
-        router = self.router_sums(router) if router is not None else None
-        return PreferenceTerms(logps, targets.detach(), reference[0].detach() if reference else None, router, rows,
-                               counts)
+        return PreferenceTerms(logps, targets.detach(), reference[0].detach() if reference else None,
+                               self._router_sums(trunk), rows, trunk.expert_counts)
+
+    def _router_sums(self, trunk: Trunk) -> RouterStats | None:
+        """The forward's router sums over its sequences (the `router_sums` seam)."""
+        return self.router_sums(trunk.router) if trunk.router is not None else None
+
+    def policy_terms(self, input_ids, labels, position_ids=None, document_ids=None, padding=None,
+                     routes=None) -> PolicyTerms:
+        """Each token's target log-probability and entropy (`PolicyTerms`), the experts of `routes
+        [B, S, moe_layers, k]` replayed (`hidden_states`; None: the router's own)."""
+        trunk = self.hidden_states(input_ids, position_ids, document_ids, padding, routes=routes)
+        with vocabulary_scope():
+            logps, entropy = self.lm_head.token_logprobs_and_entropy(trunk.hidden, labels)
+        return PolicyTerms(logps, entropy, self._router_sums(trunk), input_ids.shape[0], trunk.expert_counts,
+                           trunk.replay)
 
     @torch.no_grad()
     def update_router_biases(self, expert_counts: torch.Tensor) -> None:
@@ -302,8 +362,8 @@ class MoETransformer(nn.Module):
     def forward(self, input_ids, labels=None, position_ids=None, document_ids=None, prefix_lengths=None):
         """Logits `[B, S, V]` without labels; with labels, the mean loss over this batch's targets."""
         if labels is None:
-            h, _, _ = self.hidden_states(input_ids, position_ids, document_ids, prefix_lengths=prefix_lengths)
-            return self.lm_head(h)
+            return self.lm_head(self.hidden_states(input_ids, position_ids, document_ids,
+                                                   prefix_lengths=prefix_lengths).hidden)
         terms = self.loss_terms(input_ids, labels, position_ids, document_ids, prefix_lengths=prefix_lengths)
         return self.objective(terms, terms.targets, terms.sequences)
 

@@ -104,9 +104,11 @@ def _ring_step(ring: Ring, step: int, shard: torch.Tensor, labels: torch.Tensor)
     return _Step(incoming, works, labels - j * rows, valid_columns, blocks)
 
 
-def _forward_pass(hidden, weight, labels, ring: Ring) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
+def _forward_pass(hidden, weight, labels, ring: Ring,
+                  entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.dtype, torch.Tensor | None]:
     """The forward ring: each token's fp32 log-sum-exp over the vocabulary and its target's logit
-    (0 where the target is ignored), and the compute dtype the logits ran in."""
+    (0 where the target is ignored), the compute dtype the logits ran in and, with `entropy`, each
+    token's entropy `log Z - sum_v p_v (z_v - m)` with `m` the running max (`_fold_entropy`)."""
     tokens, rows = hidden.shape[0], weight.shape[0]
     # The logits matmul's dtype, as `LMHead`'s `F.linear` would run; autograd runs the backward
     # outside autocast, so the forward's choice is saved and reused there.
@@ -114,6 +116,7 @@ def _forward_pass(hidden, weight, labels, ring: Ring) -> tuple[torch.Tensor, tor
     running_max = hidden.new_full((tokens,), float("-inf"), dtype=torch.float32)
     running_sum = hidden.new_zeros(tokens, dtype=torch.float32)
     target = hidden.new_zeros(tokens, dtype=torch.float32)
+    running_weighted = hidden.new_zeros(tokens, dtype=torch.float32) if entropy else None
     # The shard travels in the compute dtype (half the bytes in bf16).
     compute_hidden, shard = hidden.detach().to(dtype), weight.detach().to(dtype)
     for step in range(ring.size):
@@ -124,15 +127,31 @@ def _forward_pass(hidden, weight, labels, ring: Ring) -> tuple[torch.Tensor, tor
             picked = logits.gather(1, now.local[block].clamp(0, rows - 1).unsqueeze(1)).squeeze(1)
             target[block] = torch.where(mine, picked, target[block])
             new_max = torch.maximum(running_max[block], logits.max(dim=1).values)
+            logits.sub_(new_max.unsqueeze(1))
+            if entropy:
+                running_weighted[block] = _fold_entropy(running_weighted[block], running_sum[block],
+                                                        running_max[block], new_max, logits)
             # In place on the tile: one [block, V/P] tensor is all this step allocates.
-            tile_sum = logits.sub_(new_max.unsqueeze(1)).exp_().sum(dim=1)
+            tile_sum = logits.exp_().sum(dim=1)
             running_sum[block] = running_sum[block] * torch.exp(running_max[block] - new_max) + tile_sum
             running_max[block] = new_max
             del logits
         wait_for(now.works)
         if now.incoming is not None:
             shard = now.incoming[0]
-    return running_max + torch.log(running_sum), target, dtype
+    lse = running_max + torch.log(running_sum)
+    return lse, target, dtype, (torch.log(running_sum) - running_weighted / running_sum) if entropy else None
+
+
+def _fold_entropy(weighted: torch.Tensor, total: torch.Tensor, old_max: torch.Tensor, new_max: torch.Tensor,
+                  shifted: torch.Tensor) -> torch.Tensor:
+    """The running `sum_v e^(z_v - m) (z_v - m)` moved from max `old_max` to `new_max` and with the
+    tile's shifted logits `shifted = z - new_max` added (padding columns -inf add nothing); `total` is
+    the running `sum_v e^(z_v - m)` at the old max. Entropy is then `log total - weighted / total`."""
+    step = old_max - new_max
+    moved = torch.where(total > 0, (weighted + step * total) * step.exp(), torch.zeros_like(weighted))
+    tile = shifted.exp() * shifted.masked_fill(torch.isinf(shifted), 0.0)
+    return moved + tile.sum(dim=1)
 
 
 def _backward_pass(hidden, weight, labels, lse, ring: Ring, dtype: torch.dtype, softmax_scale: torch.Tensor,
@@ -176,7 +195,7 @@ def _backward_pass(hidden, weight, labels, lse, ring: Ring, dtype: torch.dtype, 
 class _RingCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, ring: Ring):
-        lse, target, dtype = _forward_pass(hidden, weight, labels, ring)
+        lse, target, dtype, _ = _forward_pass(hidden, weight, labels, ring)
         valid = labels != IGNORE_INDEX
         loss = torch.where(valid, lse - target + ring.z_loss * lse.square(), torch.zeros_like(lse)).sum()
         ctx.save_for_backward(hidden, weight, labels, lse)
@@ -194,23 +213,28 @@ class _RingCrossEntropy(torch.autograd.Function):
 
 class _RingTokenLogProbs(torch.autograd.Function):
     """Each token's target log-probability `logit_target - lse` (fp32, 0 where ignored), any
-    gradient per token flowing back: what a preference loss sums per response."""
+    gradient per token flowing back: what a preference loss sums per response; with `entropy`, each
+    token's entropy too (no gradient: a record)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, ring: Ring):
-        lse, target, dtype = _forward_pass(hidden, weight, labels, ring)
+    def forward(ctx, hidden, weight, labels, ring: Ring, entropy: bool):
+        lse, target, dtype, entropies = _forward_pass(hidden, weight, labels, ring, entropy)
         ctx.save_for_backward(hidden, weight, labels, lse)
         ctx.ring, ctx.dtype = ring, dtype
-        return torch.where(labels != IGNORE_INDEX, target - lse, torch.zeros_like(lse))
+        logps = torch.where(labels != IGNORE_INDEX, target - lse, torch.zeros_like(lse))
+        if entropies is None:
+            return logps
+        ctx.mark_non_differentiable(entropies)
+        return logps, entropies
 
     @staticmethod
-    def backward(ctx, grad_logprobs):
+    def backward(ctx, grad_logprobs, grad_entropy=None):
         hidden, weight, labels, lse = ctx.saved_tensors
         # d (target - lse) / d logits = onehot - softmax, times each token's incoming gradient
         upstream = torch.where(labels != IGNORE_INDEX, grad_logprobs.float(), torch.zeros_like(lse))
         grads = _backward_pass(hidden, weight, labels, lse, ctx.ring, ctx.dtype, -upstream, -upstream,
                                ctx.needs_input_grad[1])
-        return *grads, None, None
+        return *grads, None, None, None
 
 
 def default_token_block(shard_rows: int) -> int:
@@ -243,8 +267,14 @@ class VocabParallelHead(nn.Module):
 
     def token_logprobs(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """`LMHead.token_logprobs` over the ring, without full logits."""
-        flat = _RingTokenLogProbs.apply(h.reshape(-1, h.shape[-1]), self.weight, labels.reshape(-1), self.ring)
+        flat = _RingTokenLogProbs.apply(h.reshape(-1, h.shape[-1]), self.weight, labels.reshape(-1), self.ring, False)
         return flat.view(labels.shape)
+
+    def token_logprobs_and_entropy(self, h: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`LMHead.token_logprobs_and_entropy` over the ring, without full logits."""
+        logps, entropy = _RingTokenLogProbs.apply(h.reshape(-1, h.shape[-1]), self.weight, labels.reshape(-1),
+                                                  self.ring, True)
+        return logps.view(labels.shape), entropy.view(labels.shape)
 
 
 def apply_vocab_parallel(model, layout: DistLayout, token_block: int) -> None:

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mop.models.moe import ExpertKind, StackedProjection, row_product
+from mop.models.moe import ExpertKind, StackedProjection, replayed_selection, row_product
 from mop.models.projections import Groups, device_ints
 from mop.models.shape import ModelShape
 
@@ -50,11 +50,16 @@ class GptOssRouter(nn.Module):
         self.bias = nn.Parameter(torch.empty(cfg.experts))
         self.top_k = cfg.top_k
 
-    def forward(self, x: torch.Tensor):
-        """`x [T, H]` -> (fp32 probabilities [T, E], top-k weights [T, k], top-k expert ids [T, k])."""
+    def forward(self, x: torch.Tensor, forced: torch.Tensor | None = None):
+        """`x [T, H]` -> (fp32 probabilities [T, E], weights [T, k], expert ids [T, k], own top-k ids
+        [T, k]): the softmax of the chosen experts' logits; `forced` (routing replay,
+        `mop.models.moe.replayed_selection`) replaces the choice, its logits live."""
         logits = F.linear(x, self.weight, self.bias)
-        top, expert_ids = torch.topk(logits, self.top_k, dim=-1)
-        return F.softmax(logits.float(), dim=-1), F.softmax(top, dim=-1), expert_ids
+        top, own = torch.topk(logits, self.top_k, dim=-1)
+        expert_ids = replayed_selection(own, forced)
+        if forced is not None:
+            top = logits.gather(-1, expert_ids)
+        return F.softmax(logits.float(), dim=-1), F.softmax(top, dim=-1), expert_ids, own
 
 
 def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
