@@ -49,6 +49,8 @@ from mop.adapters import base_identity
 from mop.checkpoint import read_buffers
 from mop.config import Config, ConfigError
 from mop.data import (
+    RolloutSettings,
+    RouteShape,
     build_data,
     group_slice,
     load_batch,
@@ -222,11 +224,20 @@ class TrainingRun:
                 **{f"device_bytes_per_param_{k}": v / count for k, v in device.items()}}
 
 
+def rollout_settings(config: Config) -> RolloutSettings | None:
+    """What recorded rollouts are checked against (the model's routing shape) and scaled by (None:
+    the run trains on other data)."""
+    if config.data.format != "rollouts":
+        return None
+    m = config.model
+    return RolloutSettings(RouteShape(m.layers, m.dense_layers, m.experts, m.top_k), config.rl.scale_rewards)
+
+
 def build_run(config: Config, runtime: Runtime) -> TrainingRun:
     """Data, model shards, optimizer and gradient feed of one rank (see the module docstring)."""
     d = config.data
     data = build_data(d.source, d.tokenizer, d.seq_len, config.train.seed, eos_token=d.eos_token or None,
-                      **source_options(d))
+                      **source_options(d, rollout_settings(config)))
     data, evaluation = held_out(config, data)
     if data.tokenizer.vocab_size > config.model.vocab_size:
         raise ConfigError("model.vocab_size", f"{config.model.vocab_size} is smaller than the tokenizer's "

@@ -120,13 +120,15 @@ class DataConfig:
     """The document separator of a Hugging Face tokenizer ("" : its tokenizer_config.json's eos_token,
     else a conventional end-of-text token it defines). Plain preference responses end with the tokenizer's
     own EOS instead, as TRL's do."""
-    format: Literal["text", "chat", "preference"] = "text"
+    format: Literal["text", "chat", "preference", "rollouts"] = "text"
     """"text": documents concatenated and cut every seq_len tokens, every token a target; "chat":
     conversations (`messages` or ShareGPT `conversations`) rendered with the tokenizer's chat template,
     each packed whole into one sequence, the loss on data.loss_on (mop.data.templates); "preference":
     TRL's preference pairs (`prompt`/`chosen`/`rejected` message lists or strings; the prompt may be
     implicit), each pair packed whole, its prompt once (data.shared_prompt), the targets its responses'
-    (data.loss_on; mop.data.preferences, mop.data.preference_packing)."""
+    (data.loss_on; mop.data.preferences, mop.data.preference_packing); "rollouts": recorded RL rollouts (prompt and
+    completion token ids or messages, the engine's sampling log-probs, advantages or rewards with groups, routed
+    experts), each packed whole, the targets its generated tokens ([rl]; mop.data.rollouts)."""
     chat_template: str = ""
     """With data.format = "chat" or "preference": a Jinja template file used instead of data.tokenizer's chat
     template (plain-text preference pairs need none)."""
@@ -315,6 +317,49 @@ class DpoConfig:
 
 
 @dataclass(frozen=True)
+class RlConfig:
+    """Policy-gradient training on recorded rollouts (data.format = "rollouts"); TRL 1.16's GRPOConfig names
+    and defaults (mop.objectives.policy_gradient)."""
+
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo", "cispo"] = "dapo"
+    """The loss and its aggregation: "grpo" each rollout's token mean, then the mean over rollouts; "dapo" and
+    "bnpo" the mean over the step's generated tokens; "dr_grpo" the sum over rollouts x max_completion_length;
+    "cispo" the clipped importance weight, stopped, times the log-prob, over the step's tokens."""
+    epsilon: float = 0.2
+    """The ratio's lower clip 1 - epsilon."""
+    epsilon_high: float = 0.0
+    """The ratio's upper clip 1 + epsilon_high (CISPO: the ratio's cap); 0: epsilon."""
+    delta: float = 0.0
+    """Two-sided clipping: the unclipped ratio capped at delta (> 1 + epsilon_high); 0: none."""
+    beta: float = 0.0
+    """The k3 KL to the reference's coefficient (0: no KL, no reference forward)."""
+    kl_bias_correction: bool = True
+    """Weigh the KL by the importance ratio (TRL's use_bias_correction_kl)."""
+    max_completion_length: int = 512
+    """Dr. GRPO's normaliser: the engine's completion length limit."""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """The ratio per token, or per rollout from its tokens' mean log-ratio (GSPO: with loss_type "grpo")."""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """With rewards in the rollouts: advantages (reward - group mean) divided by the group's std + 1e-4, by the
+    source's, or by nothing."""
+    correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "sequence_mask"
+    """The train-inference correction against the engine's sampling log-probs (TRL's vllm_importance_sampling_mode):
+    exp(old - sampling) per token or summed over the rollout, truncated to [correction_min, correction_max] or
+    zeroed outside it; "none": no correction."""
+    correction_min: float = 0.0
+    """The correction's lower bound (0: none)."""
+    correction_max: float = 3.0
+    """The correction's upper bound (0: none)."""
+    replay: Literal["auto", "rollout", "off"] = "auto"
+    """Routing replay: "rollout" (R3) forces the experts the engine recorded in the rollouts' routed_experts on
+    every forward (the router's weights for them live); "off" routes freely; "auto": "rollout" when the rollouts
+    carry routes."""
+    reference: Literal["auto", "base", "none"] = "auto"
+    """The KL's reference (with beta > 0): "base", the frozen base with the adapters off (train.finetune = "lora");
+    "auto": base with LoRA, "none" without beta."""
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     """Architecture of the MoE transformer."""
@@ -336,6 +381,8 @@ class Config:
     """LoRA fine-tuning (with train.finetune = "lora")."""
     dpo: DpoConfig = field(default_factory=DpoConfig)
     """Preference optimisation (with data.format = "preference")."""
+    rl: RlConfig = field(default_factory=RlConfig)
+    """Policy-gradient training on recorded rollouts (with data.format = "rollouts")."""
 
     @property
     def adapters(self) -> LoraConfig | None:

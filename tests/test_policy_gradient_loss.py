@@ -6,6 +6,7 @@ train-inference correction."""
 from __future__ import annotations
 
 import math
+from functools import partial
 from collections import defaultdict
 from types import SimpleNamespace
 
@@ -13,7 +14,14 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from mop.objectives.policy_gradient.loss import PolicyLoss, aggregation_weights, correction, record_sums, token_losses
+from mop.objectives.policy_gradient.loss import (
+    PolicyLoss,
+    aggregation_weights,
+    correction,
+    record_sums,
+    rollout_sums,
+    token_losses,
+)
 
 trl = pytest.importorskip("trl")
 from trl.trainer.grpo_trainer import GRPOTrainer  # noqa: E402  (after the skip)
@@ -67,9 +75,10 @@ def mop_loss(loss: PolicyLoss, logps, old, reference, advantages, mask, correcti
     per_token_advantages = advantages[rows]
     losses, ratio, kl = token_losses(loss, logps[kept], old[kept], per_token_advantages,
                                      reference[kept] if loss.beta else None,
-                                     corrections[kept] if corrections is not None else None, rows, rollout_tokens)
+                                     corrections[kept] if corrections is not None else None,
+                                     partial(rollout_sums, rollout=rows), rollout_tokens)
     weights = aggregation_weights(loss, rollout_tokens, ROWS, int(mask.sum()))
-    sums = record_sums(loss, ratio, per_token_advantages, kl, entropies[kept], 1 / float(mask.sum()),
+    sums = record_sums(loss, ratio, per_token_advantages, kl, entropies[kept], torch.full_like(ratio, 1 / mask.sum()),
                        1.0 / (rollout_tokens * ROWS))
     return (weights * losses).sum(), {k: float(v) for k, v in sums.items()}
 
@@ -102,7 +111,7 @@ def test_each_loss_type_equals_trls_loss_records_and_gradient(loss_type, variant
         kept = mask.bool()
         rows = torch.arange(ROWS).unsqueeze(1).expand_as(mask)[kept]
         corrections = torch.ones(ROWS, LENGTH)
-        corrections[kept] = correction(old[kept], sampling[kept], rows, "token_truncate", None, 2.0)
+        corrections[kept] = correction(old[kept], sampling[kept], None, "token_truncate", None, 2.0)
     expected, metrics, entropies = trl_loss(loss, logps, old, reference, advantages, mask, corrections)
     (expected_grad,) = torch.autograd.grad(expected, logps)
     got, sums = mop_loss(loss, logps, old, reference, advantages, mask, corrections, entropies)
@@ -119,7 +128,7 @@ def test_the_correction_per_token_and_per_rollout():
     rollout; truncated into the caps, or 0 outside them; an unknown sampling log-prob corrects nothing."""
     old = torch.tensor([-1.0, -2.0, -0.5, -3.0])
     sampling = torch.tensor([-1.5, -1.0, float("nan"), -2.0])
-    rollout = torch.tensor([0, 0, 1, 1])
+    rollout = partial(rollout_sums, rollout=torch.tensor([0, 0, 1, 1]))
     token = torch.tensor([0.5, -1.0, 0.0, -1.0]).exp()
     assert_close(correction(old, sampling, rollout, "token_truncate", 0.5, 1.5), token.clamp(0.5, 1.5))
     assert_close(correction(old, sampling, rollout, "token_mask", None, 1.5),

@@ -6,7 +6,8 @@ with each prompt once).
 ``build_data(source, tokenizer, seq_len, seed)`` wires the pieces: a tokenizer
 (``tokenizer``), the packed token stream of a source (``sources``, ``packing``; for chat,
 ``conversations``, ``templates`` with ``turns``, ``prepared``, ``chat_packing``; for preference
-pairs, ``preferences`` and ``preference_packing``) and the order in which training reads it
+pairs, ``preferences`` and ``preference_packing``; for recorded rollouts, ``rollouts`` and
+``rollout_packing``) and the order in which training reads it
 (``loader``); ``inspection`` shows what training sees of chat and preference data. Each module's
 docstring states its invariants.
 
@@ -21,6 +22,8 @@ _OWNERS = {
     "describe_packed": "chat_packing",
     "DataError": "errors",
     "PreferenceDataset": "preference_packing",
+    "RolloutDataset": "rollout_packing",
+    **dict.fromkeys(["RolloutSettings", "RouteShape"], "rollouts"),
     **dict.fromkeys(["Data", "SequenceStream", "build_data", "collate", "count_targets", "group_slice", "load_batch",
                      "load_dataset", "micro_batches", "sequence_shard", "source_options", "to_device"], "loader"),
     **dict.fromkeys(["IGNORE_INDEX", "ConcatTokens", "PackedDataset", "fingerprint", "pack_documents"], "packing"),

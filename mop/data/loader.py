@@ -26,6 +26,8 @@ from mop.data.errors import DataError
 from mop.data.packing import IGNORE_INDEX, PackedDataset
 from mop.data.preference_packing import PreferenceDataset
 from mop.data.prepared import ChatSettings, is_prepared, load_corpus, other_format, prepared_kind
+from mop.data.rollout_packing import RolloutDataset
+from mop.data.rollouts import RolloutRows, RolloutSettings, read_rollouts
 from mop.data.sources import load_token_stream
 from mop.data.tokenizer import AnyTokenizer, load_tokenizer
 
@@ -121,12 +123,13 @@ def micro_batches(indices: list[int], micro_batch: int) -> list[list[int]]:
 
 
 def sequence_shard(batch: dict[str, torch.Tensor], index: int, parts: int) -> dict[str, torch.Tensor]:
-    """Rank ``index`` of a sequence group's slice ``[index*N, (index+1)*N)`` of every row, N = seq_len/parts.
+    """Rank ``index`` of a sequence group's slice ``[index*N, (index+1)*N)`` of every row (dim 1: a
+    value per token may have more dims, a rollout's routes), N = seq_len/parts.
 
     Positions and document ids are sliced with the tokens, so they stay global (per document); a
     None entry (no document ids) stays None.
     """
-    return {key: None if value is None else value.chunk(parts, dim=-1)[index].contiguous()
+    return {key: None if value is None else value.chunk(parts, dim=1)[index].contiguous()
             for key, value in batch.items()}
 
 
@@ -154,25 +157,31 @@ class Data(NamedTuple):
     """What ``build_data`` returns; unpacks as ``tokenizer, dataset, stream``."""
 
     tokenizer: AnyTokenizer
-    dataset: PackedDataset | ChatDataset | PreferenceDataset
+    dataset: PackedDataset | ChatDataset | PreferenceDataset | RolloutDataset
     stream: SequenceStream
 
 
-def source_options(d) -> dict:
-    """The ``load_dataset`` keywords that a run's data settings (``mop.config.DataConfig``) give."""
+def source_options(d, rollouts: RolloutSettings | None = None) -> dict:
+    """The ``load_dataset`` keywords that a run's data settings (``mop.config.DataConfig``) give;
+    ``rollouts``: what recorded rollouts are checked against and scaled by (data.format "rollouts")."""
     chat = None if d.format == "text" else ChatSettings(d.tokenizer, d.chat_template, d.skip_invalid, d.format)
     return {"text_field": d.text_field, "bin_dtype": d.bin_dtype, "chat": chat, "overlong": d.overlong,
-            "loss_on": d.loss_on, "shared_prompt": d.shared_prompt}
+            "loss_on": d.loss_on, "shared_prompt": d.shared_prompt, "rollouts": rollouts}
 
 
 def load_dataset(source: str, tok: AnyTokenizer, seq_len: int, seed: int, *, text_field: str = "text",
                  bin_dtype: str = "uint16", chat: ChatSettings | None = None, overlong: str = "drop",
-                 loss_on: str = "assistant", shared_prompt: bool = True):
+                 loss_on: str = "assistant", shared_prompt: bool = True, rollouts: RolloutSettings | None = None):
     """The packed sequences of a source: text cut every ``seq_len`` tokens (``PackedDataset``); with
     ``chat`` whole conversations packed by best-fit decreasing (``ChatDataset``), or, where its kind
     is "preference", whole preference pairs (``PreferenceDataset``, each prompt once unless not
-    ``shared_prompt``). All carry a ``fingerprint`` of what they hold and ``stats``, the counts a run
-    reports."""
+    ``shared_prompt``), or with ``rollouts`` whole recorded rollouts (``RolloutDataset``). All carry a
+    ``fingerprint`` of what they hold and ``stats``, the counts a run reports."""
+    if rollouts is not None:
+        template = chat.template(required=False)
+        encoder = RolloutRows(tok if template is None else template.tokenizer, template, rollouts.shape)
+        corpus = read_rollouts(source, encoder, rollouts.scale_rewards, chat.skip_invalid)
+        return RolloutDataset(corpus, seq_len, seed, tok.pad_id)
     if chat is None:
         if is_prepared(source):
             raise other_format(source, prepared_kind(source))
@@ -187,7 +196,7 @@ def load_dataset(source: str, tok: AnyTokenizer, seq_len: int, seed: int, *, tex
 def build_data(source: str, tokenizer: str, seq_len: int, seed: int, *,
                text_field: str = "text", bin_dtype: str = "uint16",
                eos_token: str | None = None, chat: ChatSettings | None = None, overlong: str = "drop",
-               loss_on: str = "assistant", shared_prompt: bool = True) -> Data:
+               loss_on: str = "assistant", shared_prompt: bool = True, rollouts: RolloutSettings | None = None) -> Data:
     """Tokenizer, packed dataset and sequence stream from plain settings.
 
     ``source``: ``"builtin"`` or a local file/directory (see ``sources``; with ``chat``, a conversation
@@ -200,10 +209,10 @@ def build_data(source: str, tokenizer: str, seq_len: int, seed: int, *,
     preference pairs, its kind "preference") become tokens and targets (None: text); ``overlong``:
     "drop" or "truncate" conversations or pairs longer than ``seq_len``; ``loss_on``: the targets of a
     conversation or response, "assistant" or "all"; ``shared_prompt``: pack a pair's prompt once
-    (``mop.data.preference_packing``).
+    (``mop.data.preference_packing``); ``rollouts``: recorded rollouts' settings (``mop.data.rollouts``).
     """
     tok = load_tokenizer(tokenizer, eos_token)
     dataset = load_dataset(source, tok, seq_len, seed, text_field=text_field, bin_dtype=bin_dtype, chat=chat,
-                           overlong=overlong, loss_on=loss_on, shared_prompt=shared_prompt)
+                           overlong=overlong, loss_on=loss_on, shared_prompt=shared_prompt, rollouts=rollouts)
     stream = SequenceStream(len(dataset), seed, seq_len, dataset.fingerprint)
     return Data(tok, dataset, stream)

@@ -74,8 +74,9 @@ class ChatSettings:
     skip_invalid: bool = False
     """Count and skip a row that cannot be used, instead of stopping with its error (and a degenerate
     preference pair, `mop.data.preferences.same_responses`, instead of keeping it)."""
-    kind: Literal["chat", "preference"] = "chat"
-    """What the rows hold: conversations, or preference pairs (`mop.data.preferences`)."""
+    kind: Literal["chat", "preference", "rollouts"] = "chat"
+    """What the rows hold: conversations, preference pairs (`mop.data.preferences`) or recorded rollouts
+    (`mop.data.rollouts`, read by their own encoder: they are never prepared)."""
 
     def template(self, required: bool = True) -> ChatTemplate | None:
         """The chat template; without `required`, None where data.tokenizer has none and

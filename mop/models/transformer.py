@@ -208,6 +208,9 @@ def document_positions(document_ids: torch.Tensor, prefix_lengths: torch.Tensor 
 
 
 class MoETransformer(nn.Module):
+    FORWARD_METHODS = ("loss_terms", "preference_terms", "policy_terms")
+    """The entry points an objective calls instead of `forward` (FSDP2 gathers the root's weights for each)."""
+
     def __init__(self, cfg: ModelConfig, lora: LoraConfig | None = None):
         """`lora`: LoRA fine-tuning's adapters over a frozen base (`mop.models.lora.add_adapters`); the
         settings are kept as `self.lora` (None: every parameter trains)."""
@@ -324,7 +327,8 @@ class MoETransformer(nn.Module):
         trunk = self.hidden_states(input_ids, position_ids, document_ids, padding, routes=routes)
         with vocabulary_scope():
             logps, entropy = self.lm_head.token_logprobs_and_entropy(trunk.hidden, labels)
-        return PolicyTerms(logps, entropy, self._router_sums(trunk), input_ids.shape[0], trunk.expert_counts,
+        # Copies, not views: FSDP2 hooks a wrapped model's outputs and warns on views.
+        return PolicyTerms(logps.clone(), entropy.clone(), self._router_sums(trunk), input_ids.shape[0], trunk.expert_counts,
                            trunk.replay)
 
     @torch.no_grad()

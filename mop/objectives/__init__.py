@@ -11,11 +11,13 @@ from __future__ import annotations
 from mop.build import TrainingRun
 from mop.objectives.base import Objective, StepCounts
 from mop.objectives.next_token.objective import NextToken
+from mop.objectives.policy_gradient.objective import PolicyGradient
 from mop.objectives.preference.objective import Preference
 
 OBJECTIVES: dict[str, type[Objective]] = {
     "next_token": NextToken,
     "preference": Preference,
+    "policy_gradient": PolicyGradient,
 }
 
 __all__ = ["OBJECTIVES", "Objective", "StepCounts", "objective_for"]

@@ -66,9 +66,9 @@ def shard_dense(model: MoETransformer, layout: DistLayout, compute_dtype: torch.
     # nats on the debug model).
     fully_shard(model, ignored_params=set(ignored) or None, **{**options, "mp_policy": mixed_precision(
         compute_dtype, cast_inputs=False)})
-    # The trainer calls loss_terms (or preference_terms), not forward; FSDP2 gathers the root's weights for them too.
-    register_fsdp_forward_method(model, "loss_terms")
-    register_fsdp_forward_method(model, "preference_terms")
+    # The objectives call the model's terms methods, not forward; FSDP2 gathers the root's weights for them too.
+    for method in MoETransformer.FORWARD_METHODS:
+        register_fsdp_forward_method(model, method)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             sum_gradients(module)

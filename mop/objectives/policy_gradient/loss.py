@@ -24,20 +24,24 @@ n_i, S and N are counted over every rank and micro-batch before the first forwar
 process every loss type equals TRL's.
 
 Every function works on flat `[T]` token tensors (the completion's tokens of any rows, in any
-order), reads nothing back to the host and keeps `p_t`'s graph only where TRL's loss does. The
-sequence-level ratio needs all of a rollout's tokens: under sequence parallelism its rollout sums
-must first be reduced over the sequence group (as DPO's response sums are), not done here yet.
+order), reads nothing back to the host and keeps `p_t`'s graph only where TRL's loss does. What needs
+all of a rollout's tokens (the sequence-level ratio and correction) takes a `RolloutSum`: each
+token's rollout's sum of a per-token tensor. `rollout_sums` is it where the tokens are all of their
+rollouts' (one rank); under sequence parallelism the objective's step gives one that also sums over
+the sequence group (`mop.objectives.policy_gradient.step`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 
 LossType = Literal["grpo", "dr_grpo", "dapo", "bnpo", "cispo"]
 CorrectionMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+RolloutSum = Callable[[torch.Tensor], torch.Tensor]
+"""`[T]` per-token values -> `[T]`: each token's rollout's sum of them (with gradient)."""
 
 
 @dataclass(frozen=True)
@@ -88,16 +92,16 @@ def rollout_sums(values: torch.Tensor, rollout: torch.Tensor) -> torch.Tensor:
     return values.new_zeros(values.shape).index_add(0, rollout, values)[rollout]
 
 
-def correction(old: torch.Tensor, sampling: torch.Tensor, rollout: torch.Tensor, mode: CorrectionMode,
+def correction(old: torch.Tensor, sampling: torch.Tensor, rollout_sum: RolloutSum | None, mode: CorrectionMode,
                cap_min: float | None, cap_max: float | None) -> torch.Tensor:
     """The train-inference correction `c_t` `[T]` of the old pass's log-probs `old` against the
-    engine's `sampling` ones (NaN: unknown, no correction): per token, or per rollout (`rollout`:
-    as `rollout_sums` takes it) from the rollout's summed differences; truncated to
-    `[cap_min, cap_max]`, or 0 outside it. Computed without a graph, before the update."""
+    engine's `sampling` ones (NaN: unknown, no correction): per token, or per rollout from the
+    rollout's summed differences (`rollout_sum`); truncated to `[cap_min, cap_max]`, or 0 outside
+    it. Computed without a graph, before the update."""
     with torch.no_grad():
         difference = torch.nan_to_num(old.float() - sampling.float(), nan=0.0)
         if mode.startswith("sequence"):
-            difference = rollout_sums(difference, rollout)
+            difference = rollout_sum(difference)
         ratio = difference.exp()
         if mode.endswith("truncate"):
             return ratio.clamp(min=cap_min, max=cap_max)
@@ -108,14 +112,14 @@ def correction(old: torch.Tensor, sampling: torch.Tensor, rollout: torch.Tensor,
 
 def token_losses(loss: PolicyLoss, logps: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor,
                  reference: torch.Tensor | None = None, corrections: torch.Tensor | None = None,
-                 rollout: torch.Tensor | None = None,
+                 rollout_sum: RolloutSum | None = None,
                  rollout_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`l_t` `[T]` (module docstring), the ratio `r_t` and the k3 KL `k_t` (None without `beta`);
-    at the sequence level `rollout` (as `rollout_sums` takes it) and `rollout_tokens` (its n_i) give
-    each rollout's mean log-ratio (here, over the tokens given: all of a rollout's)."""
+    at the sequence level `rollout_sum` and `rollout_tokens` (its n_i) give each rollout's mean
+    log-ratio."""
     log_ratio = logps - old
     if loss.importance_sampling_level == "sequence":
-        log_ratio = rollout_sums(log_ratio, rollout) / rollout_tokens.clamp(min=1)
+        log_ratio = rollout_sum(log_ratio) / rollout_tokens.clamp(min=1)
     ratio = log_ratio.exp()
     if loss.loss_type == "cispo":
         losses = -ratio.clamp(max=loss.high).detach() * advantages * logps
@@ -137,16 +141,18 @@ def token_losses(loss: PolicyLoss, logps: torch.Tensor, old: torch.Tensor, advan
 
 @torch.no_grad()
 def record_sums(loss: PolicyLoss, ratio: torch.Tensor, advantages: torch.Tensor, kl: torch.Tensor | None,
-                entropy: torch.Tensor, scale: float,
-                rollout_weights: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                entropy: torch.Tensor, token_weights: torch.Tensor,
+                rollout_weights: torch.Tensor) -> dict[str, torch.Tensor]:
     """TRL's mean records as sums that, summed over forwards and ranks, are the step's means: kl and
-    entropy over its completion tokens (`scale`: 1 / their count) and, for the clipped losses,
-    clip_ratio/low_mean, high_mean, region_mean (CISPO: cispo_clip_ratio), over tokens or, at the
-    sequence level, over rollouts (`rollout_weights`: each token's 1 / (n_i S))."""
-    sums = {"entropy": entropy.double().sum() * scale}
+    entropy over its completion tokens (`token_weights`: 1 / their count on each, 0 on other tokens)
+    and, for the clipped losses, clip_ratio/low_mean, high_mean, region_mean (CISPO:
+    cispo_clip_ratio), over tokens or, at the sequence level, over rollouts (`rollout_weights`: each
+    token's 1 / (n_i S), 0 on other tokens)."""
+    token_weights = token_weights.double()
+    sums = {"entropy": (entropy.double() * token_weights).sum()}
     if kl is not None:
-        sums["kl"] = kl.double().sum() * scale
-    weights = rollout_weights.double() if loss.importance_sampling_level == "sequence" else scale
+        sums["kl"] = (kl.double() * token_weights).sum()
+    weights = rollout_weights.double() if loss.importance_sampling_level == "sequence" else token_weights
 
     def mean(indicator: torch.Tensor) -> torch.Tensor:
         return (indicator.double() * weights).sum()

@@ -1,0 +1,82 @@
+"""Recorded rollouts packed into training sequences, each whole (issue 47).
+
+Each rollout of a `RolloutCorpus` (`mop.data.rollouts`) is one document, its prompt then its
+completion, packed as conversations are (`chat_packing.pack`: best-fit decreasing, sequences in an
+order drawn from the seed). A rollout longer than `data.seq_len` is dropped and counted: cutting it
+would train on a trajectory the engine never sampled (the settings refuse data.overlong =
+"truncate").
+
+`RolloutDataset[i]` holds, as [S] tensors, what `ChatDataset` does (`input_ids`, `labels`: the token
+before each generated completion token predicts it, `position_ids`, `document_ids`, `padding`) and,
+on each position whose label is a generated token (0, NaN or -1 elsewhere):
+- `advantages` (float32) and `sampling_logps` (float32, NaN: unknown) of that token;
+- `rollout_ids` (int64): the rollout's number in its sequence (0, 1, ... in packing order), the slot
+  its per-rollout sums go to; `rollout_tokens` (float32): the rollout's generated tokens n_i;
+- `rollout_starts` (bool): its first such position, so any slice of the row counts each rollout once
+  (`loader.sequence_shard`); `rewards` (float32, NaN but at a start: the rollout's reward, NaN when
+  it has none) and `zero_std` (bool, at a start: `RolloutCorpus.zero_std`);
+- with routes, `routes` (int16 `[S, moe_layers, top_k]`): each input token's recorded experts (-1:
+  none; no shift: token t's routes are its own), what the MoE layers replay.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from mop.data.chat_packing import PackedRow, Packing, pack
+from mop.data.errors import DataError
+from mop.data.rollouts import RolloutCorpus
+
+
+class RolloutDataset(Dataset):
+    """Packed sequence i of recorded rollouts as a dict of tensors (the module docstring)."""
+
+    def __init__(self, corpus: RolloutCorpus, seq_len: int, seed: int, pad_id: int):
+        self.corpus, self.seq_len, self.pad_id = corpus, seq_len, pad_id
+        lengths = np.diff(corpus.offsets)
+        kept = np.where(lengths <= seq_len, lengths, 0)
+        items, bounds = pack(kept, seq_len, seed)
+        self.packing = Packing(items, kept[items], bounds, int((kept == 0).sum()), 0)
+        self.rollouts_max = int(np.diff(bounds).max(initial=1))
+        self.fingerprint = f"{corpus.fingerprint}/{seq_len}/{seed}"
+        self.stats = self.packing.stats("rollouts", seq_len, corpus.skipped)
+        if len(self) == 0:
+            raise DataError(f"data.source: no rollout fits data.seq_len = {seq_len} ({self.packing.dropped} dropped as "
+                            "overlong); raise data.seq_len")
+
+    def __len__(self) -> int:
+        return len(self.packing.bounds) - 1
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        if not 0 <= i < len(self):
+            raise IndexError(f"sequence {i} out of range [0, {len(self)})")
+        c, p, s = self.corpus, self.packing, self.seq_len
+        row = PackedRow(s, self.pad_id)
+        extra = {"advantages": np.zeros(s, np.float32), "sampling_logps": np.full(s, np.nan, np.float32),
+                 "rollout_ids": np.full(s, -1, np.int64), "rollout_tokens": np.zeros(s, np.float32),
+                 "rollout_starts": np.zeros(s, bool), "rewards": np.full(s, np.nan, np.float32),
+                 "zero_std": np.zeros(s, bool)}
+        if c.routes is not None:
+            extra["routes"] = np.full((s, *c.routes.shape[1:]), -1, np.int16)
+        for j, k in enumerate(range(p.bounds[i], p.bounds[i + 1])):
+            item = int(p.items[k])
+            part = slice(int(c.offsets[item]), int(c.offsets[item + 1]))
+            trained = np.array(c.targets[part], dtype=bool)
+            trained[:1] = False  # nothing of the rollout precedes its first token
+            start = row.document(c.tokens[part], trained)
+            n = part.stop - part.start
+            here = slice(start, start + n - 1)  # position t predicts token t + 1
+            labelled = trained[1:]
+            extra["advantages"][here] = np.where(labelled, c.advantages[part][1:], 0)
+            extra["sampling_logps"][here] = np.where(labelled, c.sampling[part][1:], np.nan)
+            extra["rollout_ids"][here] = np.where(labelled, j, -1)
+            extra["rollout_tokens"][here] = np.where(labelled, labelled.sum(), 0)
+            first = start + int(np.argmax(labelled))
+            extra["rollout_starts"][first] = True
+            extra["rewards"][first] = c.rewards[item]
+            extra["zero_std"][first] = c.zero_std[item]
+            if c.routes is not None:
+                extra["routes"][start:start + n] = c.routes[part]
+        return row.tensors(**extra)

@@ -1,0 +1,56 @@
+"""Policy-gradient training on recorded rollouts as a training objective: the plug-in `mop train`
+steps with under `data.format = "rollouts"` (the pieces: `loss`, `step`, `settings`)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mop.config import ConfigError
+from mop.data import describe_packed
+from mop.objectives.base import Objective, StepCounts
+from mop.objectives.policy_gradient import settings
+from mop.objectives.policy_gradient.step import COUNTS, PolicyGradientLoss, local_counts, part_names, policy_loss, step_record
+
+
+class PolicyGradient(Objective):
+    """GRPO and its family on recorded rollouts (`[rl]`), with routing replay."""
+
+    formats = ("rollouts",)
+    sections = ("rl",)
+    decide = staticmethod(settings.decide)
+    check_settings = staticmethod(settings.check_settings)
+
+    def __init__(self, run):
+        super().__init__(run)
+        has_routes = run.data.dataset.corpus.routes is not None
+        if run.config.rl.replay == "rollout" and not has_routes:
+            raise ConfigError("rl.replay", f"'rollout' replays the rollouts' routed_experts, and none of "
+                              f"{run.config.data.source}'s rows has them; record them (vLLM/SGLang: "
+                              "--enable-return-routed-experts) or set --rl.replay=auto")
+        self.replay = has_routes and run.config.rl.replay != "off"
+        cfg = run.config.model
+        self.moe_layers = cfg.layers - cfg.dense_layers
+
+    def local_counts(self, batches: list[dict]) -> list[int]:
+        return local_counts(batches)
+
+    def micro_batch_loss(self, counts: StepCounts) -> PolicyGradientLoss:
+        run = self.run
+        return PolicyGradientLoss(run.model, run.config.rl, self._counts(counts), counts.sequences,
+                                  run.data.dataset.rollouts_max, self.replay, self.moe_layers)
+
+    def record(self, parts: list[float], counts: StepCounts) -> dict:
+        names = part_names(policy_loss(self.run.config.rl), self.run.config.rl, self.replay, self.moe_layers)
+        return step_record(parts, names, self._counts(counts), self.moe_layers)
+
+    @staticmethod
+    def _counts(counts: StepCounts) -> dict[str, int]:
+        return dict(zip(COUNTS, (int(c) for c in counts.own)))
+
+    def describe(self) -> str:
+        rl, data = self.run.config.rl, self.run.data
+        rewarded = not np.isnan(data.dataset.corpus.rewards).all()
+        signal = f"advantages from rewards (scaled by {rl.scale_rewards})" if rewarded else "given advantages"
+        return (f"rollouts, {rl.loss_type} with {rl.importance_sampling_level}-level ratios, correction "
+                f"{rl.correction}, routing replay {'on' if self.replay else 'off'}, {signal} "
+                f"({describe_packed(data.dataset.stats, 'rollouts', data.stream.num_sequences)})")

@@ -1,0 +1,49 @@
+"""The [rl] settings: the automatic reference decided, and their checks against the rest of a run."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from mop.config import Config, ConfigError
+
+
+def decide(config: Config) -> Config:
+    """`rl.reference = "auto"`: the base with the adapters off under LoRA with a KL term, else none."""
+    if config.rl.reference != "auto":
+        return config
+    reference = "base" if config.adapters is not None and config.rl.beta else "none"
+    return dataclasses.replace(config, rl=dataclasses.replace(config.rl, reference=reference))
+
+
+def check_settings(config: Config, world: int) -> None:
+    """The [rl] settings' ranges, and what a rollouts run cannot do (one line each)."""
+    if config.data.format != "rollouts":
+        return
+    rl = config.rl
+    if rl.epsilon <= 0 or rl.epsilon_high < 0:
+        raise ConfigError("rl.epsilon", f"must be > 0 (and rl.epsilon_high >= 0, 0: epsilon), got {rl.epsilon} and "
+                          f"{rl.epsilon_high}")
+    high = rl.epsilon_high or rl.epsilon
+    if rl.delta and rl.delta <= 1 + high:
+        raise ConfigError("rl.delta", f"caps the ratio from above: must be > 1 + epsilon_high = {1 + high} (0: no cap), "
+                          f"got {rl.delta}")
+    if rl.beta < 0:
+        raise ConfigError("rl.beta", f"must be >= 0, got {rl.beta}")
+    if rl.max_completion_length < 1:
+        raise ConfigError("rl.max_completion_length", f"must be >= 1, got {rl.max_completion_length}")
+    if rl.correction_min < 0 or rl.correction_max < 0 or (rl.correction_max and rl.correction_min >= rl.correction_max):
+        raise ConfigError("rl.correction_min", f"the correction's bounds must be >= 0 with min < max (0: none), got "
+                          f"[{rl.correction_min}, {rl.correction_max}]")
+    if rl.beta and rl.reference == "none":
+        raise ConfigError("rl.reference", "rl.beta > 0 needs a reference; set --rl.reference=base (LoRA) or --rl.beta=0")
+    if rl.reference == "base" and config.adapters is None:
+        raise ConfigError("rl.reference", "'base' is the frozen base of a LoRA run; set --train.finetune=lora or "
+                          "--rl.beta=0")
+    if rl.reference == "base" and getattr(config.model.options, "router_bias_update_rate", 0):
+        raise ConfigError("model.options.router_bias_update_rate", "moves the base's router biases, so the base "
+                          "would drift from the reference; set it to 0")
+    if config.data.overlong != "drop":
+        raise ConfigError("data.overlong", "a rollout is trained whole or not at all (a cut one is a trajectory the "
+                          "engine never sampled); set --data.overlong=drop and a data.seq_len that holds them")
+    if config.eval.every:
+        raise NotImplementedError("eval.every: held-out evaluation of rollouts is not implemented; set --eval.every=0")

@@ -1,0 +1,179 @@
+"""One micro-batch's share of a policy-gradient step on packed rollouts, and the step's counts.
+
+Per micro-batch (every rank alike, so the collectives line up):
+1. with `rl.beta > 0`, the reference's per-token log-probs: the frozen base with the adapters off
+   (`mop.models.lora.adapters_disabled`), under no_grad, the same routes replayed;
+2. the policy's forward (`MoETransformer.policy_terms`): each token's log-prob of its label and
+   entropy, the MoE layers replaying the rollouts' `routes` (routing replay, when on);
+3. the old log-probs `o_t`: this batch is trained once, so they are the live ones detached (TRL's
+   rule when it does not generate again within a step: the ratio is 1, its gradient the policy
+   gradient's);
+4. the correction, the per-token losses and their aggregation weights from the step's global counts
+   (`mop.objectives.policy_gradient.loss`), and the load-balancing term as in supervised training.
+
+What needs a rollout's every token (the sequence-level ratio and correction) goes through
+`RolloutSums`: a `[slots]` float64 sum per rollout of the micro-batch (slot `row x rollouts_max +
+rollout_ids`), summed over a sequence group by the model's `response_sums` seam (each of its D ranks
+then holds every sum and uses it on its own tokens only: no 1/D share, unlike DPO's per-pair losses).
+
+Counts (`local_counts`, summed over every rank before the first forward): the step's rollouts S (their
+`rollout_starts`), its generated tokens N, those with a known sampling log-prob, and its rollouts with a
+known reward. Records (`step_record`): TRL's names, each a mean over the whole step (TRL's are means
+over each process's micro-batch, or of per-process means: equal on one process and micro-batch),
+the rewards' mean and unbiased std over the step's rollouts, and per MoE layer the share of replayed
+tokens whose own top-k differs from the replayed one (`routing/replay_mismatch/layer_<i>`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mop.config import RlConfig
+from mop.models.lora import adapters_disabled
+from mop.models.transformer import IGNORE_INDEX, MoETransformer
+from mop.objectives.policy_gradient.loss import (
+    PolicyLoss,
+    aggregation_weights,
+    correction,
+    record_sums,
+    token_losses,
+)
+
+COUNTS = ("rollouts", "tokens", "sampled_tokens", "rewarded_rollouts")
+SUMS_ONLY = ("reward_", "zero_std", "replay_")  # parts the record turns into other values
+
+
+def policy_loss(rl: RlConfig) -> PolicyLoss:
+    """The loss's coefficients from the [rl] settings (0 meaning "none" where TRL has None)."""
+    return PolicyLoss(rl.loss_type, rl.epsilon, rl.epsilon_high or None, rl.delta or None, rl.beta,
+                      rl.kl_bias_correction, rl.max_completion_length, rl.importance_sampling_level)
+
+
+def local_counts(batches: list[dict]) -> list[int]:
+    """This rank's `COUNTS` of the step (module docstring)."""
+    rollouts = sum(int(b["rollout_starts"].sum()) for b in batches)
+    tokens = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
+    sampled = sum(int(((b["labels"] != IGNORE_INDEX) & ~b["sampling_logps"].isnan()).sum()) for b in batches)
+    rewarded = sum(int((b["rollout_starts"] & ~b["rewards"].isnan()).sum()) for b in batches)
+    return [rollouts, tokens, sampled, rewarded]
+
+
+class RolloutSums:
+    """Each token's rollout's sum of per-token values over the micro-batch's rows and, under sequence
+    parallelism, its sequence group (module docstring); a `loss.RolloutSum`."""
+
+    def __init__(self, model: MoETransformer, rollout_ids: torch.Tensor, rollouts_max: int):
+        rows = rollout_ids.shape[0]
+        base = torch.arange(rows, device=rollout_ids.device).unsqueeze(1) * rollouts_max
+        self.valid = (rollout_ids >= 0).flatten()
+        self.slot = torch.where(rollout_ids >= 0, base + rollout_ids, 0).flatten()
+        self.slots, self.seam = rows * rollouts_max, model.response_sums
+
+    def __call__(self, values: torch.Tensor) -> torch.Tensor:
+        sums = torch.zeros(self.slots, dtype=torch.float64, device=values.device)
+        sums = sums.index_add(0, self.slot, torch.where(self.valid, values, 0).double())
+        return self.seam(sums.unsqueeze(0))[0][self.slot].to(values.dtype)
+
+
+class PolicyGradientLoss:
+    """A micro-batch's loss on packed rollouts (module docstring): (loss, its float64 parts `parts`,
+    the policy's expert counts)."""
+
+    def __init__(self, model: MoETransformer, rl: RlConfig, counts: dict[str, int], sequences: int,
+                 rollouts_max: int, replay: bool, moe_layers: int):
+        self.model, self.rl, self.loss = model, rl, policy_loss(rl)
+        self.counts, self.sequences, self.rollouts_max, self.replay = counts, sequences, rollouts_max, replay
+        self.parts = part_names(self.loss, rl, replay, moe_layers)
+
+    def terms(self, batch: dict):
+        return self.model.policy_terms(batch["input_ids"], batch["labels"], batch["position_ids"],
+                                       batch["document_ids"], batch.get("padding"),
+                                       batch.get("routes") if self.replay else None)
+
+    def __call__(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        reference = None
+        if self.loss.beta:
+            with torch.no_grad(), adapters_disabled(self.model):
+                reference = self.terms(batch).logps.flatten()
+        terms = self.terms(batch)
+        generated = (batch["labels"] != IGNORE_INDEX).flatten()
+        logps = terms.logps.flatten()
+        old = logps.detach()
+        sums = RolloutSums(self.model, batch["rollout_ids"], self.rollouts_max)
+        sampling = batch["sampling_logps"].flatten()
+        corrections = None
+        if self.rl.correction != "none":
+            corrections = correction(old, sampling, sums, self.rl.correction, self.rl.correction_min or None,
+                                     self.rl.correction_max or None)
+        rollout_tokens = batch["rollout_tokens"].flatten()
+        advantages = batch["advantages"].flatten()
+        losses, ratio, kl = token_losses(self.loss, logps, old, advantages, reference, corrections, sums,
+                                         rollout_tokens)
+        weights = aggregation_weights(self.loss, rollout_tokens, self.counts["rollouts"], self.counts["tokens"])
+        policy = (torch.where(generated, losses, 0) * weights).sum()
+        aux = self.model.aux_objective(terms.router, self.sequences)
+        loss = policy + aux
+        parts = self._parts(batch, generated, ratio, advantages, kl, terms, old, sampling, corrections,
+                            rollout_tokens)
+        head = torch.stack([policy.detach().double(), torch.as_tensor(aux, device=parts.device).detach().double()])
+        return loss, torch.cat([head, parts]), terms.expert_counts
+
+    def _parts(self, batch, generated, ratio, advantages, kl, terms, old, sampling, corrections,
+               rollout_tokens) -> torch.Tensor:
+        """The records' sums (`part_names` past the first two) of this micro-batch."""
+        counts = self.counts
+        token_weights = generated.double() / max(counts["tokens"], 1)
+        rollout_weights = torch.where(generated, 1.0 / (rollout_tokens.double().clamp(min=1)
+                                                        * max(counts["rollouts"], 1)), 0.0)
+        kl = None if kl is None else torch.where(generated, kl, 0)
+        sums = record_sums(self.loss, ratio.detach(), advantages, kl, terms.entropy.flatten(), token_weights,
+                           rollout_weights)
+        known = generated & ~sampling.isnan()
+        difference = torch.where(known, (old - sampling).abs(), 0).double().sum() / max(counts["sampled_tokens"], 1)
+        applied = corrections
+        ratio_weights = rollout_weights if self.rl.correction.startswith("sequence") else token_weights
+        starts = batch["rollout_starts"].flatten() & ~batch["rewards"].flatten().isnan()
+        rewards = torch.where(starts, batch["rewards"].flatten(), 0).double()
+        zero_std = (batch["zero_std"].flatten() & batch["rollout_starts"].flatten()).double().sum()
+        values = [*sums.values(), *([difference, (applied.double() * ratio_weights).sum()] if corrections is not None
+                                    else []), rewards.sum(), rewards.square().sum(), zero_std]
+        if self.replay:
+            values.extend(terms.replay.flatten())
+        return torch.stack([torch.as_tensor(v, dtype=torch.float64, device=old.device) for v in values])
+
+
+def part_names(loss: PolicyLoss, rl: RlConfig, replay: bool, moe_layers: int) -> list[str]:
+    """The names of a micro-batch's parts, in order: the losses, TRL's mean records, the sums the
+    reward and replay records are made of."""
+    records = ["entropy", *(["kl"] if loss.beta else [])]
+    records += (["cispo_clip_ratio"] if loss.loss_type == "cispo" else
+                ["clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"])
+    sampling = ["sampling/sampling_logp_difference/mean", "sampling/importance_sampling_ratio/mean"]
+    sums = [*(sampling if rl.correction != "none" else []), "reward_sum", "reward_square_sum", "zero_std_rollouts"]
+    replayed = [f"replay_{what}/{layer}" for layer in range(moe_layers) for what in ("mismatched", "tokens")]
+    return ["policy_loss", "aux_loss", *records, *sums, *(replayed if replay else [])]
+
+
+def step_record(parts: list[float], names: list[str], counts: dict[str, int], moe_layers: int) -> dict:
+    """The step's record from its parts summed over forwards and ranks (module docstring)."""
+    named = dict(zip(names, parts))
+    record = {"loss": named["policy_loss"] + named["aux_loss"], "policy_loss": named["policy_loss"],
+              "aux_loss": named["aux_loss"]}
+    record.update({name: value for name, value in named.items()
+                   if name not in record and not name.startswith(SUMS_ONLY)})
+    rewarded, rollouts = counts["rewarded_rollouts"], counts["rollouts"]
+    if rewarded:
+        mean = named["reward_sum"] / rewarded
+        spread = (named["reward_square_sum"] - rewarded * mean * mean) / (rewarded - 1) if rewarded > 1 else math.nan
+        record.update({"reward": mean, "reward_std": math.sqrt(max(spread, 0.0)) if rewarded > 1 else math.nan,
+                       "frac_reward_zero_std": named["zero_std_rollouts"] / max(rollouts, 1)})
+    if any(k.startswith("replay_") for k in named):
+        mismatched = [named[f"replay_mismatched/{layer}"] for layer in range(moe_layers)]
+        replayed = [named[f"replay_tokens/{layer}"] for layer in range(moe_layers)]
+        record["routing/replay_mismatch"] = sum(mismatched) / max(sum(replayed), 1)
+        record.update({f"routing/replay_mismatch/layer_{layer}": m / max(t, 1)
+                       for layer, (m, t) in enumerate(zip(mismatched, replayed))})
+    record.update({"rollouts": rollouts, "completion_tokens": counts["tokens"]})
+    return record
