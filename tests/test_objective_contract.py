@@ -32,7 +32,10 @@ CHAT = [f"--data.tokenizer={QWEN3}", "--model.vocab_size=584", "--data.seq_len=5
 RUNS = {"text": ["--data.seq_len=64"],
         "chat": [*CHAT, "--data.format=chat", "--data.source=mop/data/corpus/conversations.jsonl"],
         "preference": [*CHAT, "--data.format=preference", "--data.source=mop/data/corpus/preferences.jsonl",
-                       "--data.seq_len=2048", "--dpo.nll_alpha=0.5"]}
+                       "--data.seq_len=2048", "--dpo.nll_alpha=0.5"],
+        "rollouts": ["--data.format=rollouts", "--data.source=mop/data/corpus/rollouts.jsonl", "--data.seq_len=128",
+                     "--model.vocab_size=259", "--model.layers=4", "--model.experts=8",
+                     "--rl.importance_sampling_level=sequence", "--rl.loss_type=grpo"]}
 
 
 def test_each_data_format_has_exactly_one_registered_objective():

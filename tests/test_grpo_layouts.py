@@ -1,0 +1,139 @@
+"""Policy-gradient training on recorded rollouts exact in every layout (issue 47): the same rollouts
+give the same step loss, records (TRL's, the rewards', the routing replay's mismatch per layer) and
+every parameter gradient in one process and in the mop layout (Ulysses with head chunks, experts over
+2 ranks with LLEP forced to spill in chunks, the vocabulary ring, checkpointing with offload; 2 and 4
+ranks), for each loss type, token- and sequence-level ratios, with routing replay on, full
+fine-tuning and LoRA with the base as the KL's reference; fp32.
+
+The rollouts are sampled in the test (`mop.objectives.policy_gradient.sampling`) from the run's
+model shape at other weights (seed 11): the recorded routes differ from the trained model's own
+choice (so replay forces something and the mismatch record is not 0) and the sampling log-probs from
+its log-probs (so the train-inference correction masks and truncates). One step covers every
+rollout: all their packed sequences are one data group's.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_chat import full_gradient
+from torch.testing import assert_close
+
+from mop.build import build_run
+from mop.config import load_config
+from mop.data.tokenizer import ByteTokenizer
+from mop.models.transformer import build_model
+from mop.objectives.policy_gradient.sampling import PROMPTS, lowercase_share, rollout_rows
+from mop.parallel import DistLayout, Layout
+from mop.parallel.checkpointing import canonical_name
+from mop.runtime import Runtime
+from mop.settle import settle
+from mop.testing import run_distributed
+from mop.train import train_step
+
+MODEL = ["--model.vocab_size=259", "--model.hidden=32", "--model.layers=3", "--model.heads=8", "--model.kv_heads=2",
+         "--model.head_dim=4", "--model.experts=4", "--model.top_k=2", "--model.expert_intermediate=16",
+         "--model.dense_layers=1", "--model.dense_intermediate=24", "--model.aux_loss_coef=0.01"]
+SEQUENCES = 4  # the packed sequences of the sampled rollouts at SEQ_LEN
+SEQ_LEN = 96
+GRPO = [*MODEL, "--data.format=rollouts", f"--data.seq_len={SEQ_LEN}", f"--train.global_batch={SEQUENCES}",
+        "--train.micro_batch=2", "--optim.offload=false", "--rl.correction=sequence_mask", "--rl.correction_max=2.0",
+        "--rl.correction_min=0.5"]
+EVERY_TECHNIQUE = ["--parallel.strategy=mop", "--parallel.expert=2", "--parallel.vocab=2",
+                   "--parallel.attention_head_chunks=2", "--parallel.expert_balance=llep", "--parallel.llep_gate=1.0",
+                   "--parallel.llep_alpha=0.5", "--parallel.llep_min_chunk=4", "--parallel.llep_chunks=2",
+                   "--train.activation_checkpointing=full", "--train.offload_activations=true"]
+RECORDS = ("loss", "policy_loss", "aux_loss", "entropy", "sampling/sampling_logp_difference/mean",
+           "sampling/importance_sampling_ratio/mean", "reward", "reward_std", "frac_reward_zero_std",
+           "routing/replay_mismatch", "routing/replay_mismatch/layer_0", "routing/replay_mismatch/layer_1",
+           "rollouts", "completion_tokens")
+
+
+@pytest.fixture(scope="module")
+def rollouts(tmp_path_factory) -> str:
+    config = load_config(None, MODEL)
+    sampler = build_model(config.model, seed=11)
+    tokenizer = ByteTokenizer()
+    prompts = [tokenizer.encode(text) for text in PROMPTS[:4]]
+    rows = rollout_rows(sampler, prompts, group=3, max_new=12, eos_id=tokenizer.eos_id,
+                        reward=lambda ids: lowercase_share(bytes(i for i in ids if i < 256)), seed=5)
+    rows[2]["advantage"] = None  # a group's rollout the reward function could not score
+    rows[2]["reward"] = None
+    path = tmp_path_factory.mktemp("rollouts") / "rollouts.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def first_step(rank: int, world: int, overrides: list[str]) -> tuple[dict, dict]:
+    """The step over every rollout in a layout: its record and every parameter's full gradient."""
+    config = settle(load_config(None, overrides), world, fit_memory=False)
+    p = config.parallel
+    layout = DistLayout(Layout(world, p.sequence, p.expert, p.vocab), torch.device("cpu")) if world > 1 else None
+    run = build_run(config, Runtime(rank, world, torch.device("cpu"), layout))
+    assert len(run.data.dataset) == SEQUENCES
+    record = train_step(run, run.rank_batches(list(range(SEQUENCES)), run.data.dataset))
+    grads = {canonical_name(n): full_gradient(run.views, q) if layout else q.grad.clone()
+             for n, q in run.model.named_parameters() if q.requires_grad}
+    return record, grads
+
+
+def equal_steps(one: tuple[dict, dict], other: tuple[dict, dict]) -> None:
+    (record, grads), (other_record, other_grads) = one, other
+    keys = [key for key in record if key in RECORDS or key.startswith(("clip_ratio", "cispo", "kl"))]
+    assert set(RECORDS) <= set(keys)
+    assert {key for key in other_record if key.startswith(("clip_ratio", "cispo", "kl"))} <= set(keys)
+    for key in keys:
+        assert record[key] == pytest.approx(other_record[key], rel=1e-5, abs=1e-6), key
+    assert grads.keys() == other_grads.keys()
+    norm = torch.stack([g.norm() for g in grads.values()]).norm()
+    other_norm = torch.stack([g.norm() for g in other_grads.values()]).norm()
+    assert norm == pytest.approx(float(other_norm), rel=1e-4)
+    for name in grads:
+        assert_close(grads[name], other_grads[name], atol=1e-6, rtol=1e-4, msg=name)
+
+
+VARIANTS = {  # each loss type, ratio level, fine-tuning and KL
+    "dapo": ["--rl.loss_type=dapo", "--rl.epsilon_high=0.28"],
+    "grpo-sequence": ["--rl.loss_type=grpo", "--rl.importance_sampling_level=sequence"],
+    "dr_grpo": ["--rl.loss_type=dr_grpo", "--rl.max_completion_length=12", "--rl.correction=token_truncate"],
+    "bnpo-delta": ["--rl.loss_type=bnpo", "--rl.delta=1.5", "--rl.correction=sequence_truncate"],
+    "cispo": ["--rl.loss_type=cispo", "--rl.epsilon_high=5.0", "--rl.correction=token_mask"],
+    "lora-kl": ["--rl.loss_type=dapo", "--train.finetune=lora", "--lora.rank=4", "--rl.beta=0.05",
+                "--lora.targets=attention,routed_experts"],
+}
+
+
+@pytest.fixture(scope="module")
+def single_process(rollouts):
+    return {name: first_step(0, 1, [*GRPO, *overrides, f"--data.source={rollouts}", "--parallel.strategy=reference"])
+            for name, overrides in VARIANTS.items()}
+
+
+def test_the_single_process_step_replays_corrects_and_records(single_process):
+    """The reference itself is not degenerate: replay forced experts the model would not choose, the
+    correction masked some rollouts, the unscorable rollout counts in no reward record."""
+    record = single_process["dapo"][0]
+    assert 0 < record["routing/replay_mismatch"] < 1
+    assert 0 < record["sampling/importance_sampling_ratio/mean"] < 1  # masked rollouts weigh 0
+    assert record["rollouts"] == 12 and record["reward"] > 0 and record["reward_std"] > 0
+    assert single_process["lora-kl"][0]["kl"] == 0.0  # the adapters start at zero: the policy is its base
+    assert single_process["cispo"][0]["cispo_clip_ratio"] == 0.0  # ratio 1: one update per batch
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_every_layout_gives_the_single_process_step(rollouts, single_process, variant):
+    overrides = [*GRPO, *VARIANTS[variant], *EVERY_TECHNIQUE, f"--data.source={rollouts}", "--parallel.nproc=2",
+                 "--parallel.sequence=2"]
+    for rank in run_distributed(first_step, 2, overrides):
+        equal_steps(rank, single_process[variant])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["grpo-sequence", "lora-kl"])
+def test_four_ranks_give_the_single_process_step(rollouts, single_process, variant):
+    overrides = [*GRPO, *VARIANTS[variant], *EVERY_TECHNIQUE, f"--data.source={rollouts}", "--parallel.nproc=4",
+                 "--parallel.sequence=4"]
+    for rank in run_distributed(first_step, 4, overrides):
+        equal_steps(rank, single_process[variant])
