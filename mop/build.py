@@ -187,6 +187,12 @@ class TrainingRun:
         """
         return self.rank_batches(self.data.stream.next_batch(self.config.train.global_batch), self.data.dataset)
 
+    def last_batches(self) -> list[dict]:
+        """This rank's micro-batches of the global batch the data stream served last (a resume inside
+        a batch trained for several steps serves it again)."""
+        size = self.config.train.global_batch
+        return self.rank_batches(self.data.stream.indices(self.data.stream.position - size, size), self.data.dataset)
+
     def rank_batches(self, indices: list[int], dataset) -> list[dict]:
         """This rank's micro-batches of the sequences `indices` of `dataset` (`rank_indices`), its slice
         of each sequence."""

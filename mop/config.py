@@ -350,10 +350,15 @@ class RlConfig:
     """The correction's lower bound (0: none)."""
     correction_max: float = 3.0
     """The correction's upper bound (0: none)."""
-    replay: Literal["auto", "rollout", "off"] = "auto"
-    """Routing replay: "rollout" (R3) forces the experts the engine recorded in the rollouts' routed_experts on
-    every forward (the router's weights for them live); "off" routes freely; "auto": "rollout" when the rollouts
-    carry routes."""
+    updates_per_batch: int = 1
+    """Optimizer steps on each global batch of rollouts (TRL's num_iterations): the first step's forward gives the
+    old log-probs (and, with replay "old", the routes) every later step of the batch uses; checkpoint.every must
+    be a multiple of it."""
+    replay: Literal["auto", "rollout", "old", "off"] = "auto"
+    """Routing replay (the experts forced, the router's weights for them live): "rollout" (R3) the experts the
+    engine recorded in the rollouts' routed_experts, on every forward; "old" (R2) those the batch's first step
+    ran, on its later steps; "off" routes freely; "auto": "rollout" when the rollouts carry routes, else "old"
+    with updates_per_batch > 1, else "off"."""
     reference: Literal["auto", "base", "none"] = "auto"
     """The KL's reference (with beta > 0): "base", the frozen base with the adapters off (train.finetune = "lora");
     "auto": base with LoRA, "none" without beta."""

@@ -50,7 +50,7 @@ from mop.metrics import (
     technique_metrics,
 )
 from mop.models.transformer import MoETransformer
-from mop.objectives import StepCounts, objective_for
+from mop.objectives import Objective, StepCounts, objective_for
 from mop.objectives.base import MicroBatchLoss
 from mop.optim.optimizer import Optimizer
 from mop.optim.schedule import learning_rate
@@ -131,18 +131,19 @@ def forward_backward(model: MoETransformer, batches: list[dict], micro_batch_los
     return totals.tolist()
 
 
-def train_step(run: TrainingRun, batches: list[dict]) -> dict:
-    """Forward/backward over this rank's micro-batches of a step; returns the objective's record of
-    the globally reduced losses (`mop.objectives.base`), the step's targets, their share of its token
-    positions, its tokens that are data (not padding) and its model FLOPs (`mop.flops`)."""
-    runtime, objective = run.runtime, objective_for(run)
+def train_step(run: TrainingRun, batches: list[dict], update: int = 0, objective: Objective | None = None) -> dict:
+    """Forward/backward over this rank's micro-batches of a step (`update`: which of its batch's
+    updates, `StepCounts.update`; `objective`: the loop's, None: the run's made now); returns the objective's record of the globally reduced losses
+    (`mop.objectives.base`), the step's targets, their share of its token positions, its tokens that
+    are data (not padding) and its model FLOPs (`mop.flops`)."""
+    runtime, objective = run.runtime, objective or objective_for(run)
     local_targets = count_targets(batches)
     keys = run.spec.layer_keys(lambda window: sum(int(attended_keys(b["position_ids"], window).sum()) for b in batches))
     tokens = sum(b["input_ids"].numel() for b in batches)
     padding = sum(int(b["padding"].sum()) for b in batches if b.get("padding") is not None)
     counts = sum_over_ranks([local_targets, keys, tokens, padding, *objective.local_counts(batches)], runtime)
     global_targets, keys, tokens, padding = counts[:4]
-    step = StepCounts(int(global_targets), run.config.train.global_batch, tuple(counts[4:]))
+    step = StepCounts(int(global_targets), run.config.train.global_batch, tuple(counts[4:]), update)
     parts = sum_over_ranks(forward_backward(run.model, batches, objective.micro_batch_loss(step), runtime,
                                             run.autocast(), run.optimizer), runtime)
     # Every rank of a sequence group holds distinct tokens, so the sums count each token once.
@@ -319,6 +320,8 @@ def _loop(run: TrainingRun, run_dir: Path, stop: StopRequest, steps: range, reco
           logger: MetricsLogger | None, progress: StepProgress, skips: SkippedSteps, state_memory: dict) -> Stopped | None:
     """Run `steps`, appending each step's record to `records`; a `Stopped` when a signal ended them early."""
     config, runtime = run.config, run.runtime
+    objective = objective_for(run)  # one for the whole loop: it may keep a batch's state across its updates
+    per_batch, batches = objective.updates_per_batch, None
     for step in steps:
         done = step + 1  # every record, checkpoint and line numbers a step by the steps done after it
         reset_peak_memory(runtime.device, run.offload_store)
@@ -326,7 +329,11 @@ def _loop(run: TrainingRun, run_dir: Path, stop: StopRequest, steps: range, reco
         lr = learning_rate(config, step)
         run.optimizer.begin_step(lr)
         with step_profile(run.model, done == config.log.profile_step) as profiled:
-            losses = train_step(run, run.next_batches())
+            if step % per_batch == 0:
+                batches = run.next_batches()
+            elif batches is None:  # resumed inside a batch's updates: the stream served it before the checkpoint
+                batches = run.last_batches()
+            losses = train_step(run, batches, step % per_batch, objective)
             outcome = update(run)
         elapsed = time.perf_counter() - start
         record = {"step": done, **losses, "lr": lr, **outcome,

@@ -137,3 +137,57 @@ def test_four_ranks_give_the_single_process_step(rollouts, single_process, varia
                  "--parallel.sequence=4"]
     for rank in run_distributed(first_step, 4, overrides):
         equal_steps(rank, single_process[variant])
+
+
+TRAIN = ["--log.progress=false", "--log.tensorboard=false", "--log.plot=false", "--checkpoint.final=false",
+         "--optim.lr=0.02", "--optim.warmup_steps=0", "--rl.updates_per_batch=2", "--train.global_batch=2",
+         "--train.micro_batch=1"]
+
+
+@pytest.fixture(scope="module")
+def rollouts_without_routes(rollouts, tmp_path_factory) -> str:
+    rows = [json.loads(line) for line in open(rollouts)]
+    path = tmp_path_factory.mktemp("unrouted") / "rollouts.jsonl"
+    path.write_text("".join(json.dumps({k: v for k, v in row.items() if k != "routed_experts"}) + "\n" for row in rows))
+    return str(path)
+
+
+@pytest.mark.parametrize("replay", ["old", "rollout"])
+def test_several_updates_per_batch_train_as_the_reference_in_every_layout(tmp_path, rollouts, rollouts_without_routes,
+                                                                          replay):
+    """Two updates per batch (TRL's num_iterations): each batch is served for two steps, the second
+    one's old log-probs those before the first update (its ratios move off 1, so clipping records
+    appear) and, with replay "old" (R2), the routes the first step ran replayed; `mop train` in the mop
+    layout gives the reference's records at every step."""
+    from mop.cli import main
+    from test_train import read_metrics
+
+    source = rollouts if replay == "rollout" else rollouts_without_routes
+    common = [*GRPO, *TRAIN, "--train.steps=4", "--checkpoint.every=2", f"--data.source={source}",
+              f"--rl.replay={replay}", "--rl.correction=none", "--rl.epsilon=0.01"]
+    runs = {}
+    for name, layout in (("reference", ["--parallel.strategy=reference"]),
+                         ("mop", [*EVERY_TECHNIQUE, "--parallel.nproc=2", "--parallel.sequence=2"])):
+        runs[name] = tmp_path / name
+        assert main(["train", *common, *layout, f"--log.run_dir={runs[name]}"]) == 0
+    expected, got = read_metrics(runs["reference"] / "metrics.jsonl"), read_metrics(runs["mop"] / "metrics.jsonl")
+    assert [r["completion_tokens"] for r in expected[:2]] == [expected[0]["completion_tokens"]] * 2  # one batch, twice
+    assert expected[0]["clip_ratio/region_mean"] == 0 < expected[1]["clip_ratio/region_mean"]
+    assert expected[1]["routing/replay_mismatch"] > 0
+    if replay == "old":
+        assert expected[0]["routing/replay_mismatch"] == 0  # the first step replays nothing
+    for want, have in zip(expected, got, strict=True):
+        for key in ("loss", "policy_loss", "aux_loss", "entropy", "clip_ratio/region_mean", "routing/replay_mismatch",
+                    "completion_tokens"):
+            assert have[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), (want["step"], key)
+
+
+def test_a_resume_inside_a_batchs_updates_says_its_old_log_probs_are_the_resumed_weights(tmp_path, rollouts,
+                                                                                         capsys):
+    from mop.cli import main
+
+    common = [*GRPO, *TRAIN, f"--data.source={rollouts}", "--parallel.strategy=reference", "--checkpoint.every=0",
+              f"--log.run_dir={tmp_path / 'run'}"]
+    assert main(["train", *common, "--train.steps=1", "--checkpoint.final=true"]) == 0
+    assert main(["train", *common, "--train.steps=3", "--checkpoint.resume=latest"]) == 0
+    assert capsys.readouterr().err.count("mop: warning: resumed inside a batch's 2 updates") == 1

@@ -40,14 +40,16 @@ class RouterStats:
     `assignments[b, e]`: token-expert assignments of row b to expert e (top-k picks, no grad).
     `prob_sum[b, e]`: sum over row b's tokens of the router probability of expert e (has grad).
     `rows[b]`: token-layer pairs that contributed (tokens of row b x MoE layers).
-    `replay`: one layer's routing replay (`replay_counts`; None: nothing replayed), per layer only:
-    a sum over layers keeps none (`MoETransformer.hidden_states` collects it layer by layer).
+    `replay`: one layer's routing replay (`replay_counts`; None: nothing replayed) and `selected`: the
+    experts it ran for each token `[T, k]`, per layer only: a sum over layers keeps neither
+    (`MoETransformer.hidden_states` collects them layer by layer).
     """
 
     assignments: torch.Tensor
     prob_sum: torch.Tensor
     rows: torch.Tensor
     replay: torch.Tensor | None = None
+    selected: torch.Tensor | None = None
 
     def __add__(self, other: "RouterStats") -> "RouterStats":
         return RouterStats(self.assignments + other.assignments, self.prob_sum + other.prob_sum, self.rows + other.rows)
@@ -346,6 +348,7 @@ class MoE(nn.Module):
         if self.shared is not None:
             out = out + self.shared(flat)
         stats = self._stats(probs, expert_ids, batch, padding)
+        stats.selected = expert_ids
         if forced is not None:
             stats.replay = replay_counts(own, forced)
         return out.view(batch, seq, hidden), stats

@@ -103,6 +103,9 @@ class Trunk:
     replay: torch.Tensor | None = None
     """Each MoE layer's routing replay `[moe_layers, 2]` (`mop.models.moe.replay_counts`: tokens whose own
     top-k differs from the replayed one, tokens replayed), None without routes."""
+    routes: torch.Tensor | None = None
+    """The experts every MoE layer ran for each token `[B, S, moe_layers, k]` (what a later forward
+    replays, `hidden_states`' `routes`), when asked for (`record_routes`)."""
 
 
 @dataclass
@@ -134,6 +137,8 @@ class PolicyTerms:
     expert_counts: torch.Tensor | None = None
     replay: torch.Tensor | None = None
     """`[moe_layers, 2]` the routing replay's counts (`Trunk.replay`), None without routes."""
+    routes: torch.Tensor | None = None
+    """`[B, S, moe_layers, k]` the experts run (`Trunk.routes`), when recorded."""
 
 
 class RouterSums(nn.Module):
@@ -256,18 +261,19 @@ class MoETransformer(nn.Module):
                 module.reset_buffers()
 
     def hidden_states(self, input_ids, position_ids=None, document_ids=None, padding=None, prefix_lengths=None,
-                      routes=None) -> Trunk:
+                      routes=None, record_routes: bool = False) -> Trunk:
         """The blocks' outputs (`Trunk`); tokens flagged in `padding [B, S]` (bool, None: none) are
         computed but left out of the router sums and counts. `prefix_lengths [B, S]` (None: none)
         makes branches (`mop.models.documents`): a document that also attends to the first tokens of
         the one before it, its positions continuing theirs. `routes [B, S, moe_layers, k]` (None:
-        none) are the experts each MoE layer replays for each token (routing replay; -1: none)."""
+        none) are the experts each MoE layer replays for each token (routing replay; -1: none);
+        `record_routes` returns those every MoE layer ran (`Trunk.routes`)."""
         if position_ids is None:
             position_ids = document_positions(document_ids, prefix_lengths) if document_ids is not None else (
                 torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids))
         documents = self.documents(document_ids, prefix_lengths)  # once per forward, shared by every layer
         h = self.embed(input_ids)
-        router, counts, replay = None, [], []
+        router, counts, replay, selected = None, [], [], []
         for layer, block in enumerate(self.layers):
             moe = layer - self.cfg.dense_layers  # the MoE layers' index (Block.is_moe)
             layer_routes = None if routes is None or moe < 0 else routes[:, :, moe]
@@ -276,8 +282,11 @@ class MoETransformer(nn.Module):
                 router = stats if router is None else router + stats
                 counts.append(stats.assignments.sum(0))
                 replay.append(stats.replay)
+                selected.append(stats.selected)
+        recorded = (torch.stack([ids.view(*input_ids.shape, -1) for ids in selected], 2)
+                    if record_routes and counts else None)
         return Trunk(self.norm(h), router, torch.stack(counts) if counts else None,
-                     torch.stack(replay) if routes is not None and counts else None)
+                     torch.stack(replay) if routes is not None and counts else None, recorded)
 
     def loss_terms(self, input_ids, labels, position_ids=None, document_ids=None, padding=None,
                    prefix_lengths=None) -> LossTerms:
@@ -321,15 +330,17 @@ class MoETransformer(nn.Module):
         return self.router_sums(trunk.router) if trunk.router is not None else None
 
     def policy_terms(self, input_ids, labels, position_ids=None, document_ids=None, padding=None,
-                     routes=None) -> PolicyTerms:
+                     routes=None, record_routes: bool = False) -> PolicyTerms:
         """Each token's target log-probability and entropy (`PolicyTerms`), the experts of `routes
-        [B, S, moe_layers, k]` replayed (`hidden_states`; None: the router's own)."""
-        trunk = self.hidden_states(input_ids, position_ids, document_ids, padding, routes=routes)
+        [B, S, moe_layers, k]` replayed (`hidden_states`; None: the router's own), those run recorded
+        with `record_routes`."""
+        trunk = self.hidden_states(input_ids, position_ids, document_ids, padding, routes=routes,
+                                   record_routes=record_routes)
         with vocabulary_scope():
             logps, entropy = self.lm_head.token_logprobs_and_entropy(trunk.hidden, labels)
         # Copies, not views: FSDP2 hooks a wrapped model's outputs and warns on views.
-        return PolicyTerms(logps.clone(), entropy.clone(), self._router_sums(trunk), input_ids.shape[0], trunk.expert_counts,
-                           trunk.replay)
+        return PolicyTerms(logps.clone(), entropy.clone(), self._router_sums(trunk), input_ids.shape[0],
+                           trunk.expert_counts, trunk.replay, trunk.routes)
 
     @torch.no_grad()
     def update_router_biases(self, expert_counts: torch.Tensor) -> None:

@@ -9,7 +9,9 @@ The loop (`mop.train.train_step`) knows no objective: per step it
 3. writes the objective's record of the step (`record(parts, counts)`: at least "loss") beside its
    own (targets, tokens, model FLOPs, memory, ...).
 Every term of the loss is a sum over the step divided by a global count known before the first
-forward, so any layout and micro-batching optimise the same objective.
+forward, so any layout and micro-batching optimise the same objective. An objective may train each
+global batch for several consecutive steps (`updates_per_batch`: PPO-style epochs over one batch of
+rollouts); the loop then serves the batch that often and numbers the updates (`StepCounts.update`).
 
 Before step 0 the objective may prepare what it needs (`prepare`: DPO's precomputed reference
 log-probs); what it returns is recorded in every checkpoint (`TrainingRun.reference`). Its settings
@@ -43,6 +45,8 @@ class StepCounts:
     """Its sequences (`train.global_batch`)."""
     own: tuple[float, ...] = ()
     """The objective's own counts (`Objective.local_counts`), in its order."""
+    update: int = 0
+    """Which of its batch's `Objective.updates_per_batch` updates the step is (0: the first)."""
 
 
 class Objective(ABC):
@@ -72,6 +76,12 @@ class Objective(ABC):
         """What it needs before the first step; `meta`: the checkpoint resumed (None: a fresh start).
         Returns what checkpoints record of it (None: nothing)."""
         return None
+
+    @property
+    def updates_per_batch(self) -> int:
+        """Optimizer steps each global batch is trained for (the loop serves a batch this many
+        consecutive steps; `StepCounts.update` says which one a step is)."""
+        return 1
 
     def local_counts(self, batches: list[dict]) -> list[float]:
         """This rank's counts of the step that the loss divides by, beyond its targets (`StepCounts.own`)."""

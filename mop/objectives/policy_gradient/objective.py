@@ -9,7 +9,17 @@ from mop.config import ConfigError
 from mop.data import describe_packed
 from mop.objectives.base import Objective, StepCounts
 from mop.objectives.policy_gradient import settings
-from mop.objectives.policy_gradient.step import COUNTS, PolicyGradientLoss, local_counts, part_names, policy_loss, step_record
+from mop.objectives.policy_gradient.step import (
+    COUNTS,
+    BatchCache,
+    PolicyGradientLoss,
+    local_counts,
+    part_names,
+    policy_loss,
+    step_record,
+)
+
+REPLAY = {"rollout": "of the rollouts' routes (R3)", "old": "of the batch's first step's routes (R2)", "off": "off"}
 
 
 class PolicyGradient(Objective):
@@ -22,14 +32,20 @@ class PolicyGradient(Objective):
 
     def __init__(self, run):
         super().__init__(run)
-        has_routes = run.data.dataset.corpus.routes is not None
-        if run.config.rl.replay == "rollout" and not has_routes:
+        rl, has_routes = run.config.rl, run.data.dataset.corpus.routes is not None
+        if rl.replay == "rollout" and not has_routes:
             raise ConfigError("rl.replay", f"'rollout' replays the rollouts' routed_experts, and none of "
                               f"{run.config.data.source}'s rows has them; record them (vLLM/SGLang: "
                               "--enable-return-routed-experts) or set --rl.replay=auto")
-        self.replay = has_routes and run.config.rl.replay != "off"
+        self.replay = rl.replay if rl.replay != "auto" else (
+            "rollout" if has_routes else "old" if rl.updates_per_batch > 1 else "off")
         cfg = run.config.model
         self.moe_layers = cfg.layers - cfg.dense_layers
+        self.cache = BatchCache(says=run.runtime.is_main)
+
+    @property
+    def updates_per_batch(self) -> int:
+        return self.run.config.rl.updates_per_batch
 
     def local_counts(self, batches: list[dict]) -> list[int]:
         return local_counts(batches)
@@ -37,10 +53,11 @@ class PolicyGradient(Objective):
     def micro_batch_loss(self, counts: StepCounts) -> PolicyGradientLoss:
         run = self.run
         return PolicyGradientLoss(run.model, run.config.rl, self._counts(counts), counts.sequences,
-                                  run.data.dataset.rollouts_max, self.replay, self.moe_layers)
+                                  run.data.dataset.rollouts_max, self.replay, self.moe_layers, counts.update,
+                                  self.cache)
 
     def record(self, parts: list[float], counts: StepCounts) -> dict:
-        names = part_names(policy_loss(self.run.config.rl), self.run.config.rl, self.replay, self.moe_layers)
+        names = part_names(policy_loss(self.run.config.rl), self.run.config.rl, self.replay != "off", self.moe_layers)
         return step_record(parts, names, self._counts(counts), self.moe_layers)
 
     @staticmethod
@@ -52,5 +69,5 @@ class PolicyGradient(Objective):
         rewarded = not np.isnan(data.dataset.corpus.rewards).all()
         signal = f"advantages from rewards (scaled by {rl.scale_rewards})" if rewarded else "given advantages"
         return (f"rollouts, {rl.loss_type} with {rl.importance_sampling_level}-level ratios, correction "
-                f"{rl.correction}, routing replay {'on' if self.replay else 'off'}, {signal} "
+                f"{rl.correction}, {rl.updates_per_batch} update(s) per batch, routing replay {REPLAY[self.replay]}, {signal} "
                 f"({describe_packed(data.dataset.stats, 'rollouts', data.stream.num_sequences)})")

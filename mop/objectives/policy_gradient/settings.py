@@ -42,6 +42,15 @@ def check_settings(config: Config, world: int) -> None:
     if rl.reference == "base" and getattr(config.model.options, "router_bias_update_rate", 0):
         raise ConfigError("model.options.router_bias_update_rate", "moves the base's router biases, so the base "
                           "would drift from the reference; set it to 0")
+    if rl.updates_per_batch < 1:
+        raise ConfigError("rl.updates_per_batch", f"must be >= 1, got {rl.updates_per_batch}")
+    if config.checkpoint.every % rl.updates_per_batch:
+        raise ConfigError("checkpoint.every", f"{config.checkpoint.every} is not a multiple of rl.updates_per_batch="
+                          f"{rl.updates_per_batch}: a checkpoint inside a batch's updates loses its old log-probs; "
+                          "make it a multiple")
+    if rl.replay == "old" and rl.updates_per_batch == 1:
+        raise ConfigError("rl.replay", "'old' replays the batch's first step's routes on its later steps, and "
+                          "rl.updates_per_batch = 1 has none; set --rl.updates_per_batch > 1 or --rl.replay=auto")
     if config.data.overlong != "drop":
         raise ConfigError("data.overlong", "a rollout is trained whole or not at all (a cut one is a trajectory the "
                           "engine never sampled); set --data.overlong=drop and a data.seq_len that holds them")

@@ -4,10 +4,14 @@ Per micro-batch (every rank alike, so the collectives line up):
 1. with `rl.beta > 0`, the reference's per-token log-probs: the frozen base with the adapters off
    (`mop.models.lora.adapters_disabled`), under no_grad, the same routes replayed;
 2. the policy's forward (`MoETransformer.policy_terms`): each token's log-prob of its label and
-   entropy, the MoE layers replaying the rollouts' `routes` (routing replay, when on);
-3. the old log-probs `o_t`: this batch is trained once, so they are the live ones detached (TRL's
-   rule when it does not generate again within a step: the ratio is 1, its gradient the policy
-   gradient's);
+   entropy, the MoE layers replaying the routes (`Replay`: the rollouts' own, R3; or those the
+   batch's first step ran, R2, on its later steps);
+3. the old log-probs `o_t`, those of the weights before the batch's first update: on its first step
+   the live ones detached (the forward of those very weights, so TRL's separate no-grad pass would
+   give the same values; the ratio is 1, its gradient the policy gradient's), kept per micro-batch
+   (`BatchCache`, on the device: 4 bytes per token, and R2's routes 2 x moe_layers x top_k) for the
+   batch's later steps (`rl.updates_per_batch`). A run resumed inside a batch's updates has lost them:
+   it takes the resumed weights' and says so once;
 4. the correction, the per-token losses and their aggregation weights from the step's global counts
    (`mop.objectives.policy_gradient.loss`), and the load-balancing term as in supervised training.
 
@@ -27,8 +31,11 @@ tokens whose own top-k differs from the replayed one (`routing/replay_mismatch/l
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
+
+from dataclasses import dataclass, field
 
 from mop.config import RlConfig
 from mop.models.lora import adapters_disabled
@@ -77,30 +84,56 @@ class RolloutSums:
         return self.seam(sums.unsqueeze(0))[0][self.slot].to(values.dtype)
 
 
+@dataclass
+class BatchCache:
+    """What a batch's first step keeps for its later ones, per micro-batch in the step's order
+    (module docstring); `resumed_inside` says a run resumed inside a batch's updates (once, where
+    `says`: the main rank)."""
+
+    says: bool
+    old: list[torch.Tensor] = field(default_factory=list)
+    routes: list[torch.Tensor] = field(default_factory=list)
+    resumed_inside: bool = False
+
+
 class PolicyGradientLoss:
     """A micro-batch's loss on packed rollouts (module docstring): (loss, its float64 parts `parts`,
-    the policy's expert counts)."""
+    the policy's expert counts). `replay`: "rollout" (R3), "old" (R2) or "off"; `update`: which of
+    its batch's updates the step is; `cache`: the batch's `BatchCache`."""
 
     def __init__(self, model: MoETransformer, rl: RlConfig, counts: dict[str, int], sequences: int,
-                 rollouts_max: int, replay: bool, moe_layers: int):
+                 rollouts_max: int, replay: str, moe_layers: int, update: int, cache: BatchCache):
         self.model, self.rl, self.loss = model, rl, policy_loss(rl)
         self.counts, self.sequences, self.rollouts_max, self.replay = counts, sequences, rollouts_max, replay
-        self.parts = part_names(self.loss, rl, replay, moe_layers)
+        self.moe_layers, self.update, self.cache, self.index = moe_layers, update, cache, 0
+        self.parts = part_names(self.loss, rl, replay != "off", moe_layers)
+        if update == 0:
+            cache.old.clear()
+            cache.routes.clear()
 
-    def terms(self, batch: dict):
+    def terms(self, batch: dict, routes: torch.Tensor | None, record: bool = False):
         return self.model.policy_terms(batch["input_ids"], batch["labels"], batch["position_ids"],
-                                       batch["document_ids"], batch.get("padding"),
-                                       batch.get("routes") if self.replay else None)
+                                       batch["document_ids"], batch.get("padding"), routes, record)
+
+    def routes(self, batch: dict) -> torch.Tensor | None:
+        """The micro-batch's replayed routes: the rollouts' (R3), the batch's first step's (R2)."""
+        if self.replay == "rollout":
+            return batch["routes"]
+        if self.replay == "old" and self.update > 0 and self.index < len(self.cache.routes):
+            return self.cache.routes[self.index]
+        return None
 
     def __call__(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        routes = self.routes(batch)
         reference = None
         if self.loss.beta:
             with torch.no_grad(), adapters_disabled(self.model):
-                reference = self.terms(batch).logps.flatten()
-        terms = self.terms(batch)
+                reference = self.terms(batch, routes).logps.flatten()
+        first = self.update == 0 or self.index >= len(self.cache.old)
+        terms = self.terms(batch, routes, record=self.replay == "old" and first)
         generated = (batch["labels"] != IGNORE_INDEX).flatten()
         logps = terms.logps.flatten()
-        old = logps.detach()
+        old = self._old(logps, terms.routes, first)
         sums = RolloutSums(self.model, batch["rollout_ids"], self.rollouts_max)
         sampling = batch["sampling_logps"].flatten()
         corrections = None
@@ -118,7 +151,25 @@ class PolicyGradientLoss:
         parts = self._parts(batch, generated, ratio, advantages, kl, terms, old, sampling, corrections,
                             rollout_tokens)
         head = torch.stack([policy.detach().double(), torch.as_tensor(aux, device=parts.device).detach().double()])
+        self.index += 1
         return loss, torch.cat([head, parts]), terms.expert_counts
+
+    def _old(self, logps: torch.Tensor, routes: torch.Tensor | None, first: bool) -> torch.Tensor:
+        """The old log-probs (module docstring): the live ones on the batch's first step, kept with its
+        routes (R2) for the later steps."""
+        if not first:
+            return self.cache.old[self.index]
+        if self.update > 0 and not self.cache.resumed_inside:
+            self.cache.resumed_inside = True
+            if self.cache.says:
+                print(f"mop: warning: resumed inside a batch's {self.rl.updates_per_batch} updates: its old "
+                      "log-probs are the resumed weights', not those before the batch's first update",
+                      file=sys.stderr, flush=True)
+        old = logps.detach()
+        self.cache.old.append(old)
+        if routes is not None:
+            self.cache.routes.append(routes)
+        return old
 
     def _parts(self, batch, generated, ratio, advantages, kl, terms, old, sampling, corrections,
                rollout_tokens) -> torch.Tensor:
@@ -139,8 +190,8 @@ class PolicyGradientLoss:
         zero_std = (batch["zero_std"].flatten() & batch["rollout_starts"].flatten()).double().sum()
         values = [*sums.values(), *([difference, (applied.double() * ratio_weights).sum()] if corrections is not None
                                     else []), rewards.sum(), rewards.square().sum(), zero_std]
-        if self.replay:
-            values.extend(terms.replay.flatten())
+        if self.replay != "off":  # R2's first step replays nothing: no token counts
+            values.extend(terms.replay.flatten() if terms.replay is not None else [0.0] * (2 * self.moe_layers))
         return torch.stack([torch.as_tensor(v, dtype=torch.float64, device=old.device) for v in values])
 
 
