@@ -177,7 +177,8 @@ def test_packed_rewards_and_zero_std_at_each_rollouts_start(tmp_path):
 
 
 def test_messages_rows_render_with_the_chat_template(tmp_path):
-    prompt = [{"role": "user", "content": "What is 6 times 7?"}]
+    prompt = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Earlier answer."},
+              {"role": "user", "content": "What is 6 times 7?"}]  # the prompt's own assistant turn: context
     completion = [{"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
                       "name": "calculator", "arguments": {"a": 6, "b": 7}}}]},
                   {"role": "tool", "content": "forty-two from the tool"},
@@ -198,6 +199,7 @@ def test_messages_rows_render_with_the_chat_template(tmp_path):
     tok = template.tokenizer
     said = tok.decode(corpus.tokens[corpus.targets], special=True)
     assert "It is 42." in said and '"name": "calculator"' in said and "forty-two" not in said
+    assert "Earlier answer." not in said and targets[:len(prompt_ids)].any()  # encode's targets there, not ours
     assert "forty-two from the tool" in tok.decode(corpus.tokens, special=True)
     np.testing.assert_allclose(corpus.sampling[corpus.targets], logps, rtol=1e-6)
     assert np.isnan(corpus.sampling[~corpus.targets]).all()
