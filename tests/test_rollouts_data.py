@@ -19,6 +19,9 @@ Proven here:
   raw little-endian int32 (SGLang), rows from `routed_experts_start` on (-1 before; the last token none);
 - a bad row is one line naming its file and row, or with `skip_invalid` counted and skipped;
 - a rollout longer than seq_len is dropped and counted in `dataset.stats`.
+Two strict xfails show where the code falls short of its docstring: SGLang int32 of the MoE layers only
+refused when its value count also divides by all layers, and a row mixing advantages and rewards not
+skipped with `skip_invalid`.
 """
 
 from __future__ import annotations
@@ -109,9 +112,11 @@ def test_token_id_rows_encode_targets_logps_and_advantages(tmp_path):
     assert corpus.routes.dtype == np.int16 and corpus.sampling.dtype == corpus.advantages.dtype == np.float32
 
 
-def expected_row(input_ids: np.ndarray, seq_len: int, rewards: dict, zero_std: dict) -> dict:
-    """The packed row rebuilt from the rows (EXPECTED), each found by its first token in the sequence."""
-    out = {"labels": np.full(seq_len, IGNORE), "advantages": np.zeros(seq_len), "sampling_logps": np.full(seq_len, np.nan),
+def expected_row(input_ids: np.ndarray, seq_len: int) -> dict:
+    """The packed row of ROW_A, ROW_B and ROW_C (advantages: no reward, std never 0) rebuilt from EXPECTED,
+    each rollout found by its first token in the sequence."""
+    out = {"labels": np.full(seq_len, IGNORE), "advantages": np.zeros(seq_len),
+           "sampling_logps": np.full(seq_len, np.nan),
            "rollout_ids": np.full(seq_len, -1), "rollout_tokens": np.zeros(seq_len),
            "rollout_starts": np.zeros(seq_len, bool), "rewards": np.full(seq_len, np.nan),
            "zero_std": np.zeros(seq_len, bool), "routes": np.full((seq_len, 2, 2), -1)}
@@ -129,7 +134,6 @@ def expected_row(input_ids: np.ndarray, seq_len: int, rewards: dict, zero_std: d
                 out["rollout_tokens"][at + t] = sum(generated)
         start = at + generated.index(1) - 1
         out["rollout_starts"][start] = True
-        out["rewards"][start], out["zero_std"][start] = rewards[first], zero_std[first]
         if moe is not None:
             out["routes"][at:at + n - 1] = moe  # token t's own routes; the last token has none
         at += n
@@ -145,7 +149,7 @@ def test_packed_row_puts_every_value_at_its_position(tmp_path):
     assert sorted(ids[starts[:3]].tolist()) == [10, 30, 50] and len(starts) == 4  # 3 rollouts, then padding
     np.testing.assert_array_equal(ids[15:], BYTES.pad_id)
     np.testing.assert_array_equal(row["padding"].numpy(), np.arange(20) >= 15)
-    expected = expected_row(ids, 20, {10: np.nan, 30: np.nan, 50: np.nan}, {10: False, 30: False, 50: False})
+    expected = expected_row(ids, 20)
     for key, value in expected.items():
         np.testing.assert_array_equal(row[key].numpy(), value, err_msg=key)
     assert row["routes"].dtype == torch.int16 and row["sampling_logps"].dtype == torch.float32
@@ -158,22 +162,23 @@ def test_packed_row_puts_every_value_at_its_position(tmp_path):
 
 def test_packed_rewards_and_zero_std_at_each_rollouts_start(tmp_path):
     rows = [dict(ROW_A, advantage=None, reward=1.0, group="p"), dict(ROW_B, advantage=None, reward=0.0, group="p"),
-            dict(ROW_C, advantage=None, reward=2.0, group="q")]  # q: one known reward, advantage 0, std unknown
-    dataset = dataset_of(write_rows(tmp_path / "r.jsonl", rows), seq_len=16)
-    row = dataset[0]
-    ids = row["input_ids"].numpy()
+            dict(ROW_C, advantage=None, reward=2.0, group="q"),
+            {"prompt_ids": [70], "completion_ids": [71], "reward": 2.0, "group": "q"}]  # q: std 0
+    row = dataset_of(write_rows(tmp_path / "r.jsonl", rows), seq_len=20)[0]
+    ids, rollout_ids = row["input_ids"].numpy(), row["rollout_ids"].numpy()
     value = 0.5 / (np.std([1.0, 0.0], ddof=1) + 1e-4)
-    labelled = row["rollout_ids"].numpy() >= 0
-    for first, advantage, reward in ((10, value, 1.0), (30, -value, 0.0), (50, 0.0, 2.0)):
+    expected = {10: (value, 1.0, False), 30: (-value, 0.0, False), 50: (0.0, 2.0, True), 70: (0.0, 2.0, True)}
+    for first, (advantage, reward, zero_std) in expected.items():
         k = int(np.flatnonzero(ids == first)[0])
-        j = row["rollout_ids"][k:].numpy()[labelled[k:]][0]
-        mine = labelled & (row["rollout_ids"].numpy() == j)
+        mine = rollout_ids == rollout_ids[k:][rollout_ids[k:] >= 0][0]  # its labelled positions
+        assert mine[:k].sum() == 0 and (row["labels"].numpy()[mine] != IGNORE).all()
         np.testing.assert_allclose(row["advantages"].numpy()[mine], advantage, rtol=1e-6)
-        start = int(np.flatnonzero(row["rollout_starts"].numpy() & mine)[0])
-        assert start == int(np.flatnonzero(mine)[0]) and row["rewards"][start] == reward
-        assert not row["zero_std"][start]
-    assert row["rollout_starts"].sum() == 3 and np.isnan(row["rewards"].numpy()[~row["rollout_starts"].numpy()]).all()
-    assert (row["advantages"].numpy()[~labelled] == 0).all()
+        start = int(np.flatnonzero(mine)[0])
+        assert row["rollout_starts"][start] and row["rollout_starts"].numpy()[mine].sum() == 1
+        assert row["rewards"][start] == reward and bool(row["zero_std"][start]) == zero_std
+    starts = row["rollout_starts"].numpy()
+    assert starts.sum() == 4 and np.isnan(row["rewards"].numpy()[~starts]).all() and not row["zero_std"][~starts].any()
+    assert (row["advantages"].numpy()[rollout_ids < 0] == 0).all()
 
 
 def test_messages_rows_render_with_the_chat_template(tmp_path):
@@ -278,7 +283,8 @@ def route_forms(moe: np.ndarray, dtype) -> dict:
     """Every accepted form of the same recorded routes (`[tokens - 1, moe_layers, top_k]`)."""
     full = all_layers(moe)
     return {"lists, all layers": full.tolist(), "lists, MoE layers": moe.tolist(),
-            "vLLM .npy, all layers": npy_base64(full.astype(dtype)), "vLLM .npy, MoE layers": npy_base64(moe.astype(dtype)),
+            "vLLM .npy, all layers": npy_base64(full.astype(dtype)),
+            "vLLM .npy, MoE layers": npy_base64(moe.astype(dtype)),
             "SGLang int32": sglang_base64(full)}
 
 
@@ -332,7 +338,8 @@ BAD = {
     "route rows": (dict(GOOD, routed_experts=routes(5, 0).tolist()), "'routed_experts' has 4 rows from token 0 for 6"),
     "expert id": (dict(GOOD, routed_experts=np.full((5, 2, 2), 8).tolist()), "expert id outside [0, 8)"),
     "negative expert id": (dict(GOOD, routed_experts=np.full((5, 3, 2), -1).tolist()), "expert id outside [0, 8)"),
-    "layer count": (dict(GOOD, routed_experts=np.zeros((5, 4, 2), int).tolist()), "'routed_experts' has shape [5, 4, 2]"),
+    "layer count": (dict(GOOD, routed_experts=np.zeros((5, 4, 2), int).tolist()),
+                    "'routed_experts' has shape [5, 4, 2]"),
     "top-k": (dict(GOOD, routed_experts=npy_base64(np.zeros((5, 2, 3), np.uint8))), "has shape [5, 2, 3]"),
     "int32 count": (dict(GOOD, routed_experts=base64.b64encode(np.zeros(7, "<i4").tobytes()).decode()),
                     "holds 7 int32 values"),
