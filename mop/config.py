@@ -408,6 +408,13 @@ class Config:
         masters live in the host optimizer and the run computes in bf16, else fp32."""
         return torch.bfloat16 if self.train.dtype == "bfloat16" and self.optim.offload else torch.float32
 
+    @property
+    def reference_forward(self) -> bool:
+        """Whether each step also runs the frozen base's forward (adapters off, no gradient) for a
+        reference: DPO's, or the KL's of policy-gradient training, under LoRA."""
+        return ((self.data.format == "preference" and self.dpo.reference == "base")
+                or (self.data.format == "rollouts" and self.rl.reference == "base"))
+
     def data_groups(self, world: int) -> int:
         """The data-parallel groups of `world` ranks: the ranks of a sequence group share sequences."""
         return world // self.parallel.sequence

@@ -27,7 +27,7 @@ from mop.config import load_config
 from mop.cost.cluster import make_cluster
 from mop.cost.memory import estimate, parameter_counts
 from mop.plan import CONFIGS, load_model, parse_tokens, presets
-from mop.plan.search import plan
+from mop.plan.search import OBJECTIVES, plan
 from mop.settle import settle
 from mop.testing import run_distributed
 from mop.testing.step import Trainer, step_memory
@@ -275,7 +275,7 @@ def test_dpo_plans_lora_with_the_bases_reference_forward_in_every_step(model_nam
 
     cluster, model = make_cluster("h200", 1, 8), load_model(model_name)
     lora = LoraConfig(base_format=base)
-    dpo = plan(model, cluster, 131072, lora=lora, preference=True)["mop"].best
+    dpo = plan(model, cluster, 131072, lora=lora, objective=OBJECTIVES["dpo"])["mop"].best
     assert dpo is not None and dpo.memory.peak_device_bytes <= cluster.budget_bytes
     assert dpo.config.dpo.reference == "base" and dpo.config.data.format == "preference"
     config = dpo.config
@@ -284,5 +284,27 @@ def test_dpo_plans_lora_with_the_bases_reference_forward_in_every_step(model_nam
     forward = dpo.time.forward
     assert dpo.time.compute == pytest.approx(supervised.time.compute + forward, rel=1e-9)
     assert dpo.time.seconds > supervised.time.seconds
-    full = plan(model, make_cluster("h200", 2, 8), 65536, preference=True)["mop"]
+    full = plan(model, make_cluster("h200", 2, 8), 65536, objective=OBJECTIVES["dpo"])["mop"]
     assert full.best is None or full.best.config.dpo.reference == "precomputed"
+
+
+def test_grpo_plans_the_bases_kl_forward_only_with_a_kl():
+    """`--grpo`: a sequence of packed rollouts costs what a supervised one does (routing replay forces a
+    selection the router computes anyway); with LoRA and `--rl-beta` the base's forward for the KL's
+    reference adds one forward to every step, as DPO's does. `mop plan --grpo` says so."""
+    from mop.models.lora import LoraConfig
+    from mop.cost.candidates import evaluate
+
+    cluster, model = make_cluster("h200", 1, 8), load_model("qwen3-30b-a3b")
+    lora = LoraConfig(base_format="fp8")
+    plain = plan(model, cluster, 131072, lora=lora, objective=OBJECTIVES["grpo"])["mop"].best
+    kl = plan(model, cluster, 131072, lora=lora, objective={**OBJECTIVES["grpo"], "rl": {"beta": 0.04}})["mop"].best
+    assert plain.config.data.format == kl.config.data.format == "rollouts"
+    assert (plain.config.rl.reference, kl.config.rl.reference) == ("none", "base")
+    config = plain.config
+    supervised = evaluate(dataclasses.replace(config, data=dataclasses.replace(config.data, format="text")), cluster)
+    assert plain.time.compute == pytest.approx(supervised.time.compute, rel=1e-12)
+    with_kl = evaluate(dataclasses.replace(config, rl=kl.config.rl), cluster)
+    assert with_kl.time.compute == pytest.approx(plain.time.compute + plain.time.forward, rel=1e-9)
+    assert main(["plan", "qwen3-30b-a3b", "--nodes", "1", "--context", "128K", "--gpu", "h200", "--finetune", "lora",
+                 "--grpo", "--rl-beta", "0.04"]) == 0

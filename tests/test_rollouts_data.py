@@ -19,9 +19,8 @@ Proven here:
   raw little-endian int32 (SGLang), rows from `routed_experts_start` on (-1 before; the last token none);
 - a bad row is one line naming its file and row, or with `skip_invalid` counted and skipped;
 - a rollout longer than seq_len is dropped and counted in `dataset.stats`.
-Two strict xfails show where the code falls short of its docstring: SGLang int32 of the MoE layers only
-refused when its value count also divides by all layers, and a row mixing advantages and rewards not
-skipped with `skip_invalid`.
+SGLang's int32 of the MoE layers only is read whichever layer counts its length divides by, and a row
+mixing advantages and rewards is skipped with `skip_invalid`.
 """
 
 from __future__ import annotations
@@ -320,8 +319,6 @@ def test_sglang_int32_of_moe_layers_only(tmp_path):
     np.testing.assert_array_equal(corpus_of(write_rows(tmp_path / "r.jsonl", [row])).routes[:5], moe)
 
 
-@pytest.mark.xfail(strict=True, reason="_route_array reshapes raw int32 by the first layer count its value count "
-                   "divides by (all layers before MoE layers), not by the row count the sequence needs")
 def test_sglang_int32_of_moe_layers_only_when_all_layers_also_divide(tmp_path):
     moe = routes(4, 2)  # 3 rows x 2 MoE layers x top_k 2 = 12 int32, also 2 rows x 3 layers x 2
     row = {"prompt_ids": [1, 2], "completion_ids": [3, 4], "advantage": 1.0, "routed_experts": sglang_base64(moe)}
@@ -345,6 +342,7 @@ BAD = {
                     "holds 7 int32 values"),
     "infinite advantage": (dict(GOOD, advantage=float("inf")), "'advantage' is not finite"),
     "NaN advantage": (dict(GOOD, advantage=float("nan")), "'advantage' is not finite"),
+    "NaN reward": ({**GOOD, "advantage": None, "reward": float("nan"), "group": "g"}, "'reward' is not a finite"),
     "non-finite per-token advantage": (dict(GOOD, advantage=[1.0, float("-inf"), 1.0]), "non-finite"),
     "infinite reward": ({**GOOD, "advantage": None, "reward": float("inf"), "group": "g"}, "'reward' is not a finite"),
     "token id": (dict(GOOD, completion_ids=[4, 5, 259]), "'completion_ids' holds a value that is not a token id"),
@@ -386,8 +384,6 @@ def test_skip_invalid_counts_and_skips_bad_rows(tmp_path):
     assert dataset.stats["data_skipped_invalid"] == len(BAD) and dataset.stats["data_rollouts"] == 2
 
 
-@pytest.mark.xfail(strict=True, reason="read_rollouts refuses a source mixing advantage and reward rows even with "
-                   "skip_invalid, though the module docstring lists such a row among those counted and skipped")
 def test_skip_invalid_skips_a_row_mixing_signals(tmp_path):
     reward = {**GOOD, "advantage": None, "reward": 1.0, "group": "g"}
     corpus = corpus_of(write_rows(tmp_path / "r.jsonl", [GOOD, reward, GOOD]), skip_invalid=True)

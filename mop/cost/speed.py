@@ -42,6 +42,13 @@ DPO (`data.format = "preference"`): a sequence is packed pairs, its tokens count
 gradient): one more forward's FLOPs, all-to-alls and gathers. Full fine-tuning precomputes the
 reference before the first step, one forward of every sequence (`StepTime.forward` per step's
 sequences); its steps cost what supervised steps do. The response sums are a few numbers per pair.
+
+Policy-gradient training on rollouts (`data.format = "rollouts"`): its steps cost what supervised
+steps do (routing replay forces the selection the router computes anyway; the old log-probs of a
+batch's later updates are its first step's), plus the base's forward in every step for the KL's
+reference under LoRA (`rl.beta > 0`). Its per-token extras (the routes, 2 bytes per MoE layer and
+expert pick; the old log-probs kept across a batch's updates, 4 bytes) are under a thousandth of a
+token's activations and not counted.
 """
 
 from __future__ import annotations
@@ -123,9 +130,8 @@ def step_time(config: Config, cluster: Cluster, s: Shapes, counts: ParameterCoun
     attention_share = spec.attention_core_flops(keys) * tokens / forward
     expert_share = spec.routed_expert_flops() * tokens / forward
     extra = forward if checkpointed else 0.0
-    # DPO with LoRA: the base's forward (adapters off, no grad) gives the reference in every step
-    reference_pass = config.data.format == "preference" and config.dpo.reference == "base"
-    extra += forward * reference_pass
+    # DPO or the RL KL with LoRA: the base's forward (adapters off, no grad) gives the reference in every step
+    extra += forward * config.reference_forward
     if p.attention_head_chunks > 1 and not checkpointed:
         extra += forward * attention_share
     if p.llep_chunks > 1:
@@ -143,7 +149,7 @@ def step_time(config: Config, cluster: Cluster, s: Shapes, counts: ParameterCoun
         dense_units = counts.total // tp - expert_units * p.expert - (m.vocab_size * m.hidden if p.vocab > 1 else 0)
         dense_traffic, expert_traffic = dense_units * (2 * s.act + FP32), expert_units * (2 * s.act + FP32)
     else:  # gathered as stored; only the adapters' gradients are reduced
-        gathers = 2 + reference_pass
+        gathers = 2 + config.reference_forward
         dense_traffic = gathers * adapters.dense_gathered + adapters.dense_trained * FP32
         expert_traffic = m.moe_layers * (gathers * adapters.partition_bytes + adapters.partition_trained * FP32)
     links[_link(cluster, dense_world, strided=tp > 1)] += _share(dense_world) * dense_traffic
@@ -154,13 +160,13 @@ def step_time(config: Config, cluster: Cluster, s: Shapes, counts: ParameterCoun
         gradient = p.vocab * shard * FP32 if adapters is None else 0
         links[_link(cluster, p.vocab)] += (p.vocab - 1) * shard * 2 * s.act + gradient
     # all-to-alls: passes = forward + backward (+ recomputations)
-    passes = 2 + checkpointed + reference_pass
+    passes = 2 + checkpointed + config.reference_forward
     ulysses = _share(p.sequence) * m.layers * s.T * spec.attention.exchanged_width * s.act
     ulysses_passes = passes + (p.attention_head_chunks > 1 and not checkpointed)
     dispatch = _share(p.expert) * m.moe_layers * 2 * s.A * s.H * s.act
     # chunked: rows out and back in forward, then [rows | gradients] out and [row gradients] back:
     # 2.5 passes' bytes, checkpointed or not (a checkpointed block's recomputation keeps its output)
-    dispatch_passes = (2.5 + reference_pass) if p.llep_chunks > 1 else passes
+    dispatch_passes = (2.5 + config.reference_forward) if p.llep_chunks > 1 else passes
     tensor = 4 * _share(tp) * m.layers * s.T * tp * s.H * s.act  # TP+SP: gather/scatter around attention and MLP
     # under TP a sequence (or expert) group's members are tp ranks apart: the group spans cp x tp ranks
     a2a = ulysses * ulysses_passes / _bandwidth(cluster, _link(cluster, p.sequence * tp))

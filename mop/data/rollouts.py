@@ -197,7 +197,7 @@ def _signal(row: dict, targets: np.ndarray) -> tuple[np.ndarray | None, float, s
                                 f"{present_fields(row)})")
     reward = row["reward"]
     if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))
-                               or math.isinf(reward)):
+                               or not math.isfinite(reward)):
         raise ConversationError(f"its 'reward' is not a finite number or null ({reward!r})")
     return None, math.nan if reward is None else float(reward), str(row["group"])
 
@@ -207,7 +207,7 @@ def _routes(row: dict, tokens: int, shape: RouteShape) -> np.ndarray:
     start = row.get("routed_experts_start") or 0
     if not isinstance(start, int) or start < 0:
         raise ConversationError(f"its 'routed_experts_start' is not a token index ({start!r})")
-    recorded = _route_array(row["routed_experts"], shape)
+    recorded = _route_array(row["routed_experts"], shape, tokens - 1 - start)
     if recorded.ndim != 3 or recorded.shape[1] not in (shape.layers, shape.moe_layers) or recorded.shape[2] != shape.top_k:
         raise ConversationError(f"its 'routed_experts' has shape {list(recorded.shape)}; the model needs [tokens - 1, "
                                 f"{shape.layers} layers (or {shape.moe_layers} MoE layers), top_k {shape.top_k}]")
@@ -223,8 +223,10 @@ def _routes(row: dict, tokens: int, shape: RouteShape) -> np.ndarray:
     return routes
 
 
-def _route_array(value, shape: RouteShape) -> np.ndarray:
-    """Nested lists, base64 of a `.npy` (vLLM) or base64 of raw int32 (SGLang) as an integer array."""
+def _route_array(value, shape: RouteShape, rows: int) -> np.ndarray:
+    """Nested lists, base64 of a `.npy` (vLLM) or base64 of raw int32 (SGLang) as an integer array; raw
+    int32 is shaped by the layer count that gives the `rows` the sequence needs (else the first that
+    divides it, for the caller's message)."""
     if isinstance(value, str):
         try:
             raw = base64.b64decode(value, validate=True)
@@ -233,6 +235,9 @@ def _route_array(value, shape: RouteShape) -> np.ndarray:
         if raw.startswith(b"\x93NUMPY"):
             return np.load(io.BytesIO(raw), allow_pickle=False).astype(np.int64)
         flat = np.frombuffer(raw, dtype="<i4").astype(np.int64)
+        for layers in (shape.layers, shape.moe_layers):
+            if len(flat) == rows * layers * shape.top_k:
+                return flat.reshape(rows, layers, shape.top_k)
         for layers in (shape.layers, shape.moe_layers):
             if len(flat) % (layers * shape.top_k) == 0:
                 return flat.reshape(-1, layers, shape.top_k)
@@ -297,16 +302,17 @@ def read_rollouts(source: str, encoder: RolloutRows, scale: ScaleRewards, skip_i
     if not rollouts:
         raise DataError(f"data.source = {source!r} holds no usable rollout; point it at rows of prompt and completion "
                         "token ids (or messages) with advantages or rewards")
-    with_reward = [item.advantages is None for _, item in rollouts]
-    if any(with_reward) and not all(with_reward):
-        where = rollouts[with_reward.index(not with_reward[0])][0]
-        raise DataError(f"data.source: {where}: it gives {'a reward' if not with_reward[0] else 'an advantage'} where "
-                        "the source's first row gives the other; give every row an advantage, or every row a reward "
-                        "and a group")
-    items = [item for _, item in rollouts]
+    rewarded = rollouts[0][1].advantages is None  # the first usable row's signal is the source's
+    other = [where for where, item in rollouts if (item.advantages is None) != rewarded]
+    if other and not skip_invalid:
+        raise DataError(f"data.source: {other[0]}: it gives {'an advantage' if rewarded else 'a reward'} where the "
+                        f"source's first row gives {'a reward' if rewarded else 'an advantage'}; give every row an "
+                        "advantage, or every row a reward and a group, or set data.skip_invalid = true to count and "
+                        "skip such rows")
+    items = [item for _, item in rollouts if (item.advantages is None) == rewarded]
     rewards = np.array([item.reward for item in items], dtype=np.float64)
     lengths = np.array([len(item.ids) for item in items], dtype=np.int64)
-    if all(with_reward):
+    if rewarded:
         values, zero_std = group_advantages(rewards, [item.group for item in items], scale)
         advantages = np.concatenate([np.where(item.targets, value, 0.0) for item, value in zip(items, values)])
     else:
@@ -326,4 +332,4 @@ def read_rollouts(source: str, encoder: RolloutRows, scale: ScaleRewards, skip_i
                          np.array([item.prompt for item in items], dtype=np.int64),
                          np.concatenate([item.sampling for item in items]), advantages.astype(np.float32), routes,
                          rewards, zero_std, hashlib.blake2b(made.encode(), digest_size=8).hexdigest(),
-                         len(encoded) - len(rollouts))
+                         len(encoded) - len(items))

@@ -124,13 +124,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="LoRA's frozen base: auto (as MODEL is published), none, fp8, fp8:RxC, mxfp4")
     parser.add_argument("--dpo", action="store_true", help="DPO on preference pairs (the prompt once per pair); the "
                         "reference: LoRA's base in every step, else precomputed")
+    parser.add_argument("--grpo", action="store_true", help="GRPO on packed recorded rollouts, their routes replayed")
+    parser.add_argument("--rl-beta", type=float, default=0.0, help="with --grpo: the KL to the reference (rl.beta; "
+                        "LoRA only: the base's forward in every step)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
 def run(args) -> dict:
     from mop.cost.cluster import make_cluster
     from mop.plan.report import plan_json
-    from mop.plan.search import plan
+    from mop.plan.search import OBJECTIVES, plan
 
     if bool(args.context) == bool(args.contexts):
         raise ConfigError("--context", "give one context (--context 128K) or a list (--contexts 64K,128K,1M)")
@@ -140,6 +143,10 @@ def run(args) -> dict:
         raise ConfigError("--global-batch", f"must be >= 0 (0: each layout's smallest), got {args.global_batch}")
     if not args.routing_skew >= 1:
         raise ConfigError("--routing-skew", f"must be >= 1 (1: balanced), got {args.routing_skew}")
+    if args.dpo and args.grpo:
+        raise ConfigError("--grpo", "plans one objective: give --dpo or --grpo")
+    objective = "dpo" if args.dpo else "grpo" if args.grpo else "sft"
+    settings = OBJECTIVES[objective] | ({"rl": {"beta": args.rl_beta}} if args.grpo and args.rl_beta else {})
     documents = document_tokens(args.document_tokens)
     model, lora = load_model(args.model), adapters(args)
     cluster = make_cluster(args.gpu, args.nodes, args.gpus_per_node, device_gib=args.device_gib,
@@ -147,9 +154,9 @@ def run(args) -> dict:
                            network_gbps=args.network_gbps, host_link_gbps=args.host_link_gbps,
                            peak_tflops=args.peak_tflops, mfu=args.mfu)
     plans = [plan_json(context, plan(model, cluster, context, args.global_batch, args.routing_skew, documents, lora,
-                                     args.dpo)) for context in contexts]
+                                     settings)) for context in contexts]
     return {"model": {"name": args.model, **vars(model)}, "cluster": vars(cluster) | {"world": cluster.world},
-            "finetune": "full" if lora is None else vars(lora), "dpo": args.dpo,
+            "finetune": "full" if lora is None else vars(lora), "objective": objective, "rl_beta": args.rl_beta,
             "assumptions": {"routing_skew": args.routing_skew, "document_tokens": documents or "context",
                             "global_batch": args.global_batch or "one sequence per data group"},
             "plans": plans}

@@ -108,9 +108,12 @@ def _finetune(results: dict) -> str:
     lora = results.get("finetune", "full")
     what = "full fine-tuning" if lora == "full" else (
         f"LoRA rank {lora['rank']} on {lora['targets']} over a {lora['base_format']} base")
-    if results.get("dpo"):
+    if results.get("objective") == "dpo":
         reference = "the base's forward in every step" if lora != "full" else "precomputed once"
         what = f"DPO ({what}; sequences of preference pairs, the prompt once; reference {reference})"
+    if results.get("objective") == "grpo":
+        kl = f"KL {results['rl_beta']} to the base's forward in every step" if results.get("rl_beta") else "no KL"
+        what = f"GRPO ({what}; sequences of packed rollouts, their routes replayed; {kl})"
     return what
 
 

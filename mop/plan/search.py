@@ -41,12 +41,24 @@ MEMORY_OPTIONS = {"none": ("none", False), "ac": ("full", False), "ac+offload": 
 BASELINE_MEMORY_OPTIONS = {"none": ("none", False), "ac": ("full", False)}
 
 
-def base_config(model: ModelConfig, context: int, lora: LoraConfig | None = None, preference: bool = False) -> Config:
-    """bf16 on CUDA at `context` tokens per sequence; with `preference`, DPO on pairs packed with the
-    prompt once (the reference: LoRA's base in every step, else precomputed before the first)."""
+# What each objective `mop plan` plans sets beyond supervised training's (`--dpo`, `--grpo`).
+OBJECTIVES = {
+    "sft": {},
+    # DPO on pairs packed with the prompt once (the reference: LoRA's base in every step, else precomputed)
+    "dpo": {"data": {"format": "preference"}},
+    # GRPO on packed rollouts, their routes replayed (with rl.beta under LoRA: the base's forward in every step)
+    "grpo": {"data": {"format": "rollouts"}},
+}
+
+
+def base_config(model: ModelConfig, context: int, lora: LoraConfig | None = None,
+                objective: dict | None = None) -> Config:
+    """bf16 on CUDA at `context` tokens per sequence, training `objective` (`OBJECTIVES`' settings,
+    None: supervised)."""
     finetune = "full" if lora is None else "lora"
+    objective = objective or {}
     return apply(Config(model=model, lora=lora or LoraConfig()),
-                 {"data": {"seq_len": context, "format": "preference" if preference else "text"},
+                 {**objective, "data": {"seq_len": context, **objective.get("data", {})},
                   "train": {"dtype": "bfloat16", "device": "cuda", "finetune": finetune}})
 
 
@@ -68,7 +80,7 @@ def _settle(config: Config, cluster: Cluster, global_batch: int, micro_batch: in
 
 
 def mop_configs(model: ModelConfig, cluster: Cluster, context: int, global_batch: int = 0,
-                lora: LoraConfig | None = None, preference: bool = False):
+                lora: LoraConfig | None = None, objective: dict | None = None):
     world, node = cluster.world, cluster.gpus_per_node
     for d in (d for d in divisors(world) if model.heads % d == 0 and context % d == 0):
         batches = [1] if not global_batch else [b for b in divisors(max(1, global_batch * d // world)) if b <= 8]
@@ -79,7 +91,7 @@ def mop_configs(model: ModelConfig, cluster: Cluster, context: int, global_batch
                 CHUNKS, MEMORY_OPTIONS.values(), OPTIMIZERS.values(), batches):
             if ep == 1 and llep_chunks > 1:
                 continue
-            config = apply(base_config(model, context, lora, preference), {
+            config = apply(base_config(model, context, lora, objective), {
                 "parallel": dict(strategy="mop", nproc=node, sequence=d, expert=ep, vocab=vocab, expert_balance="llep",
                                  attention_head_chunks=head_chunks, llep_chunks=llep_chunks),
                 "train": dict(activation_checkpointing=memory[0], offload_activations=memory[1]),
@@ -90,7 +102,7 @@ def mop_configs(model: ModelConfig, cluster: Cluster, context: int, global_batch
 
 
 def fsdp2_configs(model: ModelConfig, cluster: Cluster, context: int, global_batch: int = 0,
-                  lora: LoraConfig | None = None, preference: bool = False):
+                  lora: LoraConfig | None = None, objective: dict | None = None):
     world, node = cluster.world, cluster.gpus_per_node
     for cp, ep, tp, offload, memory in itertools.product(
             [d for d in divisors(world) if model.heads % d == 0 and context % d == 0],
@@ -99,7 +111,7 @@ def fsdp2_configs(model: ModelConfig, cluster: Cluster, context: int, global_bat
             (False, True), BASELINE_MEMORY_OPTIONS.values()):
         if world % (cp * tp) or world % (ep * tp) or (model.heads // tp) % cp:
             continue
-        config = apply(base_config(model, context, lora, preference), {
+        config = apply(base_config(model, context, lora, objective), {
             "parallel": dict(strategy="fsdp2", nproc=node, sequence=cp, expert=ep, vocab=1, expert_balance="ep",
                              fsdp_cpu_offload=offload),
             "train": dict(activation_checkpointing=memory[0], offload_activations=memory[1]),
@@ -110,14 +122,14 @@ def fsdp2_configs(model: ModelConfig, cluster: Cluster, context: int, global_bat
 
 
 def plan(model: ModelConfig, cluster: Cluster, context: int, global_batch: int = 0, routing_skew: float = 1.0,
-         document_tokens: int = 0, lora: LoraConfig | None = None, preference: bool = False) -> dict[str, Choice]:
-    """The best MoP layout and the best FSDP2 baseline for one context (with `lora`: LoRA runs; with
-    `preference`: DPO)."""
+         document_tokens: int = 0, lora: LoraConfig | None = None, objective: dict | None = None) -> dict[str, Choice]:
+    """The best MoP layout and the best FSDP2 baseline for one context (with `lora`: LoRA runs;
+    `objective`: `OBJECTIVES`' settings, None: supervised training)."""
     def scored(configs):
         return [evaluate(c, cluster, tp, routing_skew, document_tokens) for c, tp in configs]
 
-    mop = scored(mop_configs(model, cluster, context, global_batch, lora, preference))
-    fsdp2 = scored(fsdp2_configs(model, cluster, context, global_batch, lora, preference))
+    mop = scored(mop_configs(model, cluster, context, global_batch, lora, objective))
+    fsdp2 = scored(fsdp2_configs(model, cluster, context, global_batch, lora, objective))
     if not mop or not fsdp2:
         raise ConfigError("--global-batch", f"{global_batch} sequences per step divide over no "
                           f"{'MoP' if not mop else 'FSDP2'} layout of {cluster.world} ranks; use a multiple of "
