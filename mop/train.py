@@ -133,9 +133,10 @@ def forward_backward(model: MoETransformer, batches: list[dict], micro_batch_los
 
 def train_step(run: TrainingRun, batches: list[dict], update: int = 0, objective: Objective | None = None) -> dict:
     """Forward/backward over this rank's micro-batches of a step (`update`: which of its batch's
-    updates, `StepCounts.update`; `objective`: the loop's, None: the run's made now); returns the objective's record of the globally reduced losses
-    (`mop.objectives.base`), the step's targets, their share of its token positions, its tokens that
-    are data (not padding) and its model FLOPs (`mop.flops`)."""
+    updates, `StepCounts.update`; `objective`: the loop's, None: the run's made now); returns the
+    objective's record of the globally reduced losses (`mop.objectives.base`), the step's targets,
+    their share of its token positions, its tokens that are data (not padding) and its model FLOPs
+    (`mop.flops`)."""
     runtime, objective = run.runtime, objective or objective_for(run)
     local_targets = count_targets(batches)
     keys = run.spec.layer_keys(lambda window: sum(int(attended_keys(b["position_ids"], window).sum()) for b in batches))

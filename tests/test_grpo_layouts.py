@@ -25,7 +25,11 @@ from mop.build import build_run
 from mop.config import load_config
 from mop.data.tokenizer import ByteTokenizer
 from mop.models.transformer import build_model
-from mop.objectives.policy_gradient.sampling import PROMPTS, lowercase_share, rollout_rows
+from mop.objectives.policy_gradient.sampling import (
+    PROMPTS,
+    lowercase_share,
+    rollout_rows,
+)
 from mop.parallel import DistLayout, Layout
 from mop.parallel.checkpointing import canonical_name
 from mop.runtime import Runtime
@@ -159,8 +163,9 @@ def test_several_updates_per_batch_train_as_the_reference_in_every_layout(tmp_pa
     one's old log-probs those before the first update (its ratios move off 1, so clipping records
     appear) and, with replay "old" (R2), the routes the first step ran replayed; `mop train` in the mop
     layout gives the reference's records at every step."""
-    from mop.cli import main
     from test_train import read_metrics
+
+    from mop.cli import main
 
     source = rollouts if replay == "rollout" else rollouts_without_routes
     common = [*GRPO, *TRAIN, "--train.steps=4", "--checkpoint.every=2", f"--data.source={source}",

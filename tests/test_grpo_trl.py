@@ -31,7 +31,12 @@ from mop.data.prepared import ChatSettings
 from mop.data.rollouts import RolloutSettings, RouteShape
 from mop.models.hf import load_hf
 from mop.models.transformer import IGNORE_INDEX
-from mop.objectives.policy_gradient.step import BatchCache, PolicyGradientLoss, local_counts, step_record
+from mop.objectives.policy_gradient.step import (
+    BatchCache,
+    PolicyGradientLoss,
+    local_counts,
+    step_record,
+)
 
 trl = pytest.importorskip("trl")
 from trl.trainer.grpo_trainer import GRPOTrainer  # noqa: E402
@@ -98,10 +103,11 @@ def mop_step(model_dir, rollouts, rl: RlConfig) -> tuple[float, dict, torch.Tens
     assert len(data.dataset) == 1
     batch = {key: value.unsqueeze(0) for key, value in data.dataset[0].items()}
     counts = dict(zip(("rollouts", "tokens", "sampled_tokens", "rewarded_rollouts"), local_counts([batch])))
-    objective = PolicyGradientLoss(model, rl, counts, 1, data.dataset.rollouts_max, "off", cfg.layers - cfg.dense_layers,
-                                   0, BatchCache(says=False))
+    moe_layers = cfg.layers - cfg.dense_layers
+    objective = PolicyGradientLoss(model, rl, counts, 1, data.dataset.rollouts_max, "off", moe_layers, 0,
+                                   BatchCache(says=False))
     loss, parts, _ = objective(batch)
-    record = step_record(parts.tolist(), objective.parts, counts, cfg.layers - cfg.dense_layers)
+    record = step_record(parts.tolist(), objective.parts, counts, moe_layers)
     terms = model.policy_terms(batch["input_ids"], batch["labels"], batch["position_ids"], batch["document_ids"])
     # the packed rollouts' tokens in the rows' order: each rollout's generated tokens, in sequence order
     generated = batch["labels"][0] != IGNORE_INDEX
@@ -128,7 +134,8 @@ def trl_step(model_dir, rollouts_path, rl: RlConfig, advantages: torch.Tensor):
         sampling[i, :n] = torch.tensor(row["sampling_logps"])
     trainer = GRPOTrainer.__new__(GRPOTrainer)
     trainer.__dict__.update(
-        top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level=rl.importance_sampling_level,
+        top_entropy_quantile=1.0, off_policy_mask_threshold=None,
+        importance_sampling_level=rl.importance_sampling_level,
         beta=rl.beta, loss_type=rl.loss_type, epsilon_low=rl.epsilon, epsilon_high=rl.epsilon_high or rl.epsilon,
         use_vllm=True, vllm_importance_sampling_correction=True, model=SimpleNamespace(training=True),
         current_gradient_accumulation_steps=1, max_completion_length=rl.max_completion_length,

@@ -6,8 +6,8 @@ train-inference correction."""
 from __future__ import annotations
 
 import math
-from functools import partial
 from collections import defaultdict
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
@@ -109,7 +109,6 @@ def test_each_loss_type_equals_trls_loss_records_and_gradient(loss_type, variant
     corrections = None
     if "correction" in variant:
         kept = mask.bool()
-        rows = torch.arange(ROWS).unsqueeze(1).expand_as(mask)[kept]
         corrections = torch.ones(ROWS, LENGTH)
         corrections[kept] = correction(old[kept], sampling[kept], None, "token_truncate", None, 2.0)
     expected, metrics, entropies = trl_loss(loss, logps, old, reference, advantages, mask, corrections)

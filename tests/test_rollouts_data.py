@@ -38,7 +38,13 @@ import mop
 from mop.data.errors import DataError
 from mop.data.loader import load_dataset
 from mop.data.prepared import ChatSettings
-from mop.data.rollouts import RolloutRows, RolloutSettings, RouteShape, group_advantages, read_rollouts
+from mop.data.rollouts import (
+    RolloutRows,
+    RolloutSettings,
+    RouteShape,
+    group_advantages,
+    read_rollouts,
+)
 from mop.data.templates import Conversation
 from mop.data.tokenizer import ByteTokenizer, load_tokenizer
 

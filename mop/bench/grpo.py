@@ -107,7 +107,7 @@ def report(args, results: dict) -> None:
     ratio = results["replay_over_free"]
     rows.append(["on / off", ratio["device_bytes"], "", ratio["step_s"], ""])
     print(table(f"mop bench grpo: {args.rollouts} rollouts ({args.prompt}-token prompts) in one {args.tokens}-token "
-                f"sequence per step, dapo with the sequence_mask correction, full fine-tuning on {WORLD} ranks (per rank, "
-                "worst rank; fp32, checkpointing)",
+                f"sequence per step, dapo with the sequence_mask correction, full fine-tuning on {WORLD} ranks "
+                "(per rank, worst rank; fp32, checkpointing)",
                 ["routing replay", "device MiB", "step peak MiB", "step s", "tokens/s"], rows))
     print(f"wrote {write_json(args.out, 'grpo', vars(args) | {'out': str(args.out)}, results)}")

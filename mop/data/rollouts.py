@@ -54,7 +54,14 @@ from typing import Literal
 
 import numpy as np
 
-from mop.data.conversations import chat_files, iter_rows, message_list, parse_row, present_fields, row_tools
+from mop.data.conversations import (
+    chat_files,
+    iter_rows,
+    message_list,
+    parse_row,
+    present_fields,
+    row_tools,
+)
 from mop.data.errors import ConversationError, DataError
 from mop.data.prepared import encode_rows, is_prepared, source_fingerprint
 from mop.data.templates import ChatTemplate, Conversation
@@ -208,7 +215,8 @@ def _routes(row: dict, tokens: int, shape: RouteShape) -> np.ndarray:
     if not isinstance(start, int) or start < 0:
         raise ConversationError(f"its 'routed_experts_start' is not a token index ({start!r})")
     recorded = _route_array(row["routed_experts"], shape, tokens - 1 - start)
-    if recorded.ndim != 3 or recorded.shape[1] not in (shape.layers, shape.moe_layers) or recorded.shape[2] != shape.top_k:
+    layers = (shape.layers, shape.moe_layers)
+    if recorded.ndim != 3 or recorded.shape[1] not in layers or recorded.shape[2] != shape.top_k:
         raise ConversationError(f"its 'routed_experts' has shape {list(recorded.shape)}; the model needs [tokens - 1, "
                                 f"{shape.layers} layers (or {shape.moe_layers} MoE layers), top_k {shape.top_k}]")
     if start + len(recorded) != tokens - 1:
@@ -246,7 +254,8 @@ def _route_array(value, shape: RouteShape, rows: int) -> np.ndarray:
     try:
         array = np.asarray(value, dtype=np.float64)
     except (TypeError, ValueError):
-        raise ConversationError("its 'routed_experts' is not a [tokens - 1, layers, top_k] array of expert ids") from None
+        raise ConversationError("its 'routed_experts' is not a [tokens - 1, layers, top_k] array of expert "
+                                "ids") from None
     if not np.all(np.mod(array, 1) == 0):
         raise ConversationError("its 'routed_experts' holds a value that is not an expert id")
     return array.astype(np.int64)

@@ -69,5 +69,6 @@ class PolicyGradient(Objective):
         rewarded = not np.isnan(data.dataset.corpus.rewards).all()
         signal = f"advantages from rewards (scaled by {rl.scale_rewards})" if rewarded else "given advantages"
         return (f"rollouts, {rl.loss_type} with {rl.importance_sampling_level}-level ratios, correction "
-                f"{rl.correction}, {rl.updates_per_batch} update(s) per batch, routing replay {REPLAY[self.replay]}, {signal} "
+                f"{rl.correction}, {rl.updates_per_batch} update(s) per batch, routing replay {REPLAY[self.replay]}, "
+                f"{signal} "
                 f"({describe_packed(data.dataset.stats, 'rollouts', data.stream.num_sequences)})")

@@ -25,8 +25,8 @@ def check_settings(config: Config, world: int) -> None:
                           f"{rl.epsilon_high}")
     high = rl.epsilon_high or rl.epsilon
     if rl.delta and rl.delta <= 1 + high:
-        raise ConfigError("rl.delta", f"caps the ratio from above: must be > 1 + epsilon_high = {1 + high} (0: no cap), "
-                          f"got {rl.delta}")
+        raise ConfigError("rl.delta", f"caps the ratio from above: must be > 1 + epsilon_high = {1 + high} (0: no "
+                          f"cap), got {rl.delta}")
     if rl.beta < 0:
         raise ConfigError("rl.beta", f"must be >= 0, got {rl.beta}")
     if rl.max_completion_length < 1:
@@ -35,7 +35,8 @@ def check_settings(config: Config, world: int) -> None:
         raise ConfigError("rl.correction_min", f"the correction's bounds must be >= 0 with min < max (0: none), got "
                           f"[{rl.correction_min}, {rl.correction_max}]")
     if rl.beta and rl.reference == "none":
-        raise ConfigError("rl.reference", "rl.beta > 0 needs a reference; set --rl.reference=base (LoRA) or --rl.beta=0")
+        raise ConfigError("rl.reference", "rl.beta > 0 needs a reference; set --rl.reference=base (LoRA) or "
+                          "--rl.beta=0")
     if rl.reference == "base" and config.adapters is None:
         raise ConfigError("rl.reference", "'base' is the frozen base of a LoRA run; set --train.finetune=lora or "
                           "--rl.beta=0")

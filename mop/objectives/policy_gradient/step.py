@@ -32,10 +32,9 @@ from __future__ import annotations
 
 import math
 import sys
+from dataclasses import dataclass, field
 
 import torch
-
-from dataclasses import dataclass, field
 
 from mop.config import RlConfig
 from mop.models.lora import adapters_disabled
