@@ -1,10 +1,12 @@
-"""Policy-gradient objectives on recorded rollouts (GRPO and its family; issue 47), being built.
+"""Policy-gradient objectives on recorded rollouts (GRPO and its family; issue 47).
 
+- `objective`: the plug-in (`PolicyGradient`) the loop steps with under `data.format = "rollouts"`;
+- `step`: one micro-batch's loss (the reference's KL forward, routing replay R3/R2, the old
+  log-probs kept across a batch's updates, the rollout sums through the sequence group) and the
+  step's record;
 - `loss`: the per-token losses of TRL 1.16's loss types with token- or sequence-level ratios (GSPO),
-  the train-inference correction against the engine's sampling log-probs, the k3 KL to the
-  reference, and the aggregation of every loss type as per-token weights from the step's global
-  counts.
-Not yet: the rollout data (`data.format = "rollouts"`), the plug-in registered in
-`mop.objectives.OBJECTIVES` with its `[rl]` settings, group advantages, the rollout sums of the
-sequence-level ratio across a sequence group, routing replay.
+  the train-inference correction, the k3 KL, and each loss type's aggregation as per-token weights
+  from the step's global counts;
+- `settings`: the automatic reference decided, and the [rl] settings' checks;
+- `sampling`: rollouts sampled from a model on this machine, written as the rows the objective trains on.
 """
