@@ -156,7 +156,7 @@ def rollouts_without_routes(rollouts, tmp_path_factory) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("replay", ["old", "rollout"])
+@pytest.mark.parametrize("replay", ["old", pytest.param("rollout", marks=pytest.mark.slow)])
 def test_several_updates_per_batch_train_as_the_reference_in_every_layout(tmp_path, rollouts, rollouts_without_routes,
                                                                           replay):
     """Two updates per batch (TRL's num_iterations): each batch is served for two steps, the second

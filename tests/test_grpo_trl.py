@@ -164,8 +164,11 @@ def trl_step(model_dir, rollouts_path, rl: RlConfig, advantages: torch.Tensor):
     return float(loss), metrics, logps[kept], entropies[kept], rho
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "bnpo", "cispo"])
-@pytest.mark.parametrize("level", ["token", "sequence"])
+CASES = [(loss_type, "token") for loss_type in ("grpo", "dr_grpo", "dapo", "bnpo", "cispo")] + [("grpo", "sequence")]
+CASES += [pytest.param(loss_type, "sequence", marks=pytest.mark.slow) for loss_type in ("dr_grpo", "dapo", "bnpo", "cispo")]
+
+
+@pytest.mark.parametrize("loss_type, level", CASES)
 def test_grpo_step_equals_trls(model_dir, rollouts, loss_type, level):
     rl = RlConfig(loss_type=loss_type, importance_sampling_level=level, epsilon=0.2,
                   epsilon_high=5.0 if loss_type == "cispo" else 0.28, max_completion_length=8,

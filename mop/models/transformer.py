@@ -47,6 +47,7 @@ from mop.models.moe import MoE, RouterStats, load_balancing_loss
 from mop.profiling import vocabulary_scope
 
 IGNORE_INDEX = -100
+ENTROPY_BLOCK_BYTES = 64 * 2**20  # one fp32 temporary of a block of rows' entropy (LMHead)
 
 
 @dataclass
@@ -186,8 +187,10 @@ class LMHead(nn.Module):
         logits = self(h).float()
         logps = logits.log_softmax(-1)
         picked = logps.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-        with torch.no_grad():
-            entropy = -(logps.exp() * logps).sum(-1)
+        with torch.no_grad():  # in blocks of rows: each block's temporaries about ENTROPY_BLOCK_BYTES, not [N, V]
+            rows = logps.detach().view(-1, logps.shape[-1])
+            block = max(1, ENTROPY_BLOCK_BYTES // (4 * rows.shape[-1]))
+            entropy = torch.cat([-(part.exp() * part).sum(-1) for part in rows.split(block)]).view(labels.shape)
         return torch.where(labels != IGNORE_INDEX, picked, torch.zeros_like(picked)), entropy
 
     def loss_sum(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
