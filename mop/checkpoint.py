@@ -12,8 +12,9 @@ Content of one checkpoint (a directory `step_<N>`, N = optimizer steps completed
   the tokenizer the run trained with (`mop.data.tokenizer.describe`: kind, fingerprint, vocabulary
   size, eos/bos/pad ids); a LoRA run's `lora_base`, what its base is (`mop.adapters.base_identity`:
   a Hugging Face directory and its fingerprint, or the run's own initial weights), which a resume
-  and a merge check; a DPO run's `dpo_reference`, what its precomputed reference log-probs were
-  computed from (`mop.objectives.preference.reference`), which a resume checks against the stored ones;
+  and a merge check; a run's `reference`, what its objective's precomputed reference log-probs were
+  computed from (`mop.objectives.reference_table`; DPO's, or the KL's of policy-gradient training),
+  which a resume checks against the stored ones;
 - `tokenizer/` (written by rank 0): the Hugging Face files of that tokenizer (`hf_files()`: for the
   byte tokenizer its exact HF equivalent), so that `mop convert to-hf` is self-contained and a
   run can name the checkpoint's own copy as `data.tokenizer`;
@@ -125,7 +126,7 @@ def save(directory: Path, step: int, model, optimizer: Optimizer, views: GlobalV
          config: Config, keep: int, tokenizer: AnyTokenizer, base: dict | None = None,
          reference: dict | None = None) -> Path:
     """Write checkpoint `step_<step>` atomically (collective over all ranks) and prune to the newest `keep`;
-    `base`: a LoRA run's base, `reference`: what its precomputed DPO reference log-probs were made of.
+    `base`: a LoRA run's base, `reference`: what its precomputed reference log-probs were made of.
 
     A file-system failure (read-only, full, permissions) is one line naming `checkpoint.dir`; the
     complete checkpoints before it are untouched."""
@@ -153,7 +154,7 @@ def _save(directory: Path, step: int, model, optimizer: Optimizer, views: Global
     if main:
         meta = {"step": step, "data": data_state, "config": asdict(config), "has_optimizer": True,
                 "tokenizer": _write_tokenizer(partial, tokenizer), **({"lora_base": base} if base else {}),
-                **({"dpo_reference": reference} if reference else {})}
+                **({"reference": reference} if reference else {})}
         if base:
             _write_peft(partial, meta, config)
         (partial / META).write_text(json.dumps(meta, indent=1))

@@ -359,9 +359,14 @@ class RlConfig:
     engine recorded in the rollouts' routed_experts, on every forward; "old" (R2) those the batch's first step
     ran, on its later steps; "off" routes freely; "auto": "rollout" when the rollouts carry routes, else "old"
     with updates_per_batch > 1, else "off"."""
-    reference: Literal["auto", "base", "none"] = "auto"
-    """The KL's reference (with beta > 0): "base", the frozen base with the adapters off (train.finetune = "lora");
-    "auto": base with LoRA, "none" without beta."""
+    reference: Literal["auto", "base", "precomputed", "none"] = "auto"
+    """The KL's reference (with beta > 0): "base", the frozen base with the adapters off, its forward in every step
+    (train.finetune = "lora" only); "precomputed", each generated token's log-prob under the starting weights, one
+    pass over the data before the first step, stored in rl.reference_dir; "auto": base with LoRA, else precomputed,
+    and "none" without beta."""
+    reference_dir: str = ""
+    """Where precomputed reference log-probs are stored and read ("": <run directory>/reference); they are
+    fingerprinted to the starting weights and the packed data, and another start refuses them."""
 
 
 @dataclass(frozen=True)

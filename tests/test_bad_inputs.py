@@ -572,7 +572,29 @@ ADAPTERS = [
          "--dtype", "bfloat16"),
 ]
 
-CASES = CONFIG + DATA + EVALUATION + TOKENIZER + CHECKPOINT + CONVERT + DIRECTORY + PLAN + ADAPTERS
+SHIPPED_ROLLOUTS = Path(mop.__file__).parent / "data" / "corpus" / "rollouts.jsonl"
+
+
+def rollouts(s: Scene, *settings: str, rows: list[dict] | None = None) -> list[str]:
+    """`mop train` of recorded rollouts: the shipped ones (the debug model's shape), or `rows`."""
+    source = SHIPPED_ROLLOUTS if rows is None else s.write("rollouts.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    return s.train("--data.format=rollouts", f"--data.source={source}", "--data.seq_len=128", "--model.layers=4",
+                   "--model.experts=8", "--model.top_k=2", *settings)
+
+
+ROLLOUT = {"prompt_ids": [1, 2, 3], "completion_ids": [4, 5], "advantage": 1.0}
+RL = [
+    case("rl-cispo-without-its-cap", lambda s: rollouts(s, "--rl.loss_type=cispo"), "rl.epsilon_high", "5.0"),
+    case("rl-truncate-without-bounds", lambda s: rollouts(s, "--rl.correction=token_truncate",
+                                                          "--rl.correction_max=0"), "rl.correction_max"),
+    case("rl-reference-without-kl", lambda s: rollouts(s, "--rl.reference=precomputed"), "rl.reference", "rl.beta"),
+    case("rl-checkpoints-inside-a-batch", lambda s: rollouts(s, "--rl.updates_per_batch=2", "--checkpoint.every=3"),
+         "checkpoint.every", "rl.updates_per_batch"),
+    case("rl-routes-of-another-top-k", lambda s: rollouts(s, rows=[{**ROLLOUT, "routed_experts": [[[0, 1, 2]] * 4] * 4}]),
+         "data.source", "rollouts.jsonl row 1", "top_k 2"),
+    case("rl-replay-without-routes", lambda s: rollouts(s, "--rl.replay=rollout", rows=[ROLLOUT] * 4), "rl.replay"),
+]
+CASES = CONFIG + DATA + EVALUATION + TOKENIZER + CHECKPOINT + CONVERT + DIRECTORY + PLAN + ADAPTERS + RL
 
 
 def run_cli(argv: list[str]) -> int:

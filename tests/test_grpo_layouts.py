@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from test_chat import full_gradient
@@ -25,6 +26,7 @@ from mop.build import build_run
 from mop.config import load_config
 from mop.data.tokenizer import ByteTokenizer
 from mop.models.transformer import build_model
+from mop.objectives.policy_gradient import reference
 from mop.objectives.policy_gradient.sampling import (
     PROMPTS,
     lowercase_share,
@@ -77,6 +79,9 @@ def first_step(rank: int, world: int, overrides: list[str]) -> tuple[dict, dict]
     layout = DistLayout(Layout(world, p.sequence, p.expert, p.vocab), torch.device("cpu")) if world > 1 else None
     run = build_run(config, Runtime(rank, world, torch.device("cpu"), layout))
     assert len(run.data.dataset) == SEQUENCES
+    if config.rl.reference == "precomputed":  # the starting weights' log-probs, moved so the KL is not 0
+        table = reference.compute(run, replay=True)
+        run.data.dataset.reference = table + 0.3 * np.sin(np.arange(table.size)).reshape(table.shape)
     record = train_step(run, run.rank_batches(list(range(SEQUENCES)), run.data.dataset))
     grads = {canonical_name(n): full_gradient(run.views, q) if layout else q.grad.clone()
              for n, q in run.model.named_parameters() if q.requires_grad}
@@ -106,6 +111,7 @@ VARIANTS = {  # each loss type, ratio level, fine-tuning and KL
     "cispo": ["--rl.loss_type=cispo", "--rl.epsilon_high=5.0", "--rl.correction=token_mask"],
     "lora-kl": ["--rl.loss_type=dapo", "--train.finetune=lora", "--lora.rank=4", "--rl.beta=0.05",
                 "--lora.targets=attention,routed_experts"],
+    "full-kl": ["--rl.loss_type=grpo", "--rl.beta=0.05", "--rl.kl_bias_correction=false"],
 }
 
 
@@ -123,6 +129,7 @@ def test_the_single_process_step_replays_corrects_and_records(single_process):
     assert 0 < record["sampling/importance_sampling_ratio/mean"] < 1  # masked rollouts weigh 0
     assert record["rollouts"] == 12 and record["reward"] > 0 and record["reward_std"] > 0
     assert single_process["lora-kl"][0]["kl"] == 0.0  # the adapters start at zero: the policy is its base
+    assert single_process["full-kl"][0]["kl"] > 0  # the moved precomputed reference
     assert single_process["cispo"][0]["cispo_clip_ratio"] == 0.0  # ratio 1: one update per batch
 
 
@@ -196,3 +203,35 @@ def test_a_resume_inside_a_batchs_updates_says_its_old_log_probs_are_the_resumed
     assert main(["train", *common, "--train.steps=1", "--checkpoint.final=true"]) == 0
     assert main(["train", *common, "--train.steps=3", "--checkpoint.resume=latest"]) == 0
     assert capsys.readouterr().err.count("mop: warning: resumed inside a batch's 2 updates") == 1
+
+
+def test_full_fine_tuning_with_a_kl_precomputes_its_reference_once_and_trains_as_the_reference(tmp_path, rollouts,
+                                                                                              capsys):
+    """Full fine-tuning with `rl.beta`: the reference is each token's log-prob under the starting
+    weights, computed before the first step in the run's layout (so the first step's KL is exactly 0,
+    in every layout), stored, reused by a resume, refused by a run of other data; the mop layout's
+    records equal the single process's at every step."""
+    from test_train import read_metrics
+
+    from mop.cli import main
+
+    common = [*GRPO, *TRAIN[:-3], "--train.steps=3", "--checkpoint.every=1", f"--data.source={rollouts}",
+              "--rl.beta=0.1", "--optim.lr=0.01"]
+    runs = {}
+    for name, layout in (("reference", ["--parallel.strategy=reference"]),
+                         ("mop", [*EVERY_TECHNIQUE, "--parallel.nproc=2", "--parallel.sequence=2"])):
+        runs[name] = tmp_path / name
+        assert main(["train", *common, *layout, f"--log.run_dir={runs[name]}"]) == 0
+    expected, got = read_metrics(runs["reference"] / "metrics.jsonl"), read_metrics(runs["mop"] / "metrics.jsonl")
+    assert expected[0]["kl"] == got[0]["kl"] == 0.0 and expected[-1]["kl"] > 0
+    for want, have in zip(expected, got, strict=True):
+        for key in ("loss", "policy_loss", "kl", "entropy", "routing/replay_mismatch"):
+            assert have[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), (want["step"], key)
+    stored = json.loads((runs["mop"] / "reference" / "manifest.json").read_text())
+    assert stored["weights"]["kind"] == "initial"
+    resumed = [*common, "--parallel.strategy=reference", f"--log.run_dir={runs['reference']}",
+               "--checkpoint.resume=latest", "--train.steps=4"]
+    assert main(["train", *resumed]) == 0
+    assert main(["train", *common, "--parallel.strategy=reference", f"--log.run_dir={tmp_path / 'other'}",
+                 "--data.seq_len=128", f"--rl.reference_dir={runs['reference'] / 'reference'}"]) != 0
+    assert "rl.reference_dir" in capsys.readouterr().err

@@ -19,7 +19,6 @@ from mop.objectives.policy_gradient.loss import (
     aggregation_weights,
     correction,
     record_sums,
-    rollout_sums,
     token_losses,
 )
 
@@ -65,6 +64,11 @@ def trl_loss(loss: PolicyLoss, logps, old, reference, advantages, mask, correcti
         inputs["importance_sampling_ratio"] = corrections
     value = trainer._compute_loss(None, inputs)
     return value, {k: v[-1] for k, v in trainer._metrics["train"].items()}, entropies
+
+
+def rollout_sums(values: torch.Tensor, rollout: torch.Tensor) -> torch.Tensor:
+    """A `loss.RolloutSum` of one rank's whole rollouts: `rollout` numbers each token's rollout."""
+    return values.new_zeros(values.shape).index_add(0, rollout, values)[rollout]
 
 
 def mop_loss(loss: PolicyLoss, logps, old, reference, advantages, mask, corrections, entropies):

@@ -71,8 +71,9 @@ def dataset_of(path: str, seq_len: int, scale: str = "group", skip_invalid: bool
 
 
 def routes(tokens: int, seed: int, shape: RouteShape = SHAPE) -> np.ndarray:
-    """MoE-layer routes `[tokens - 1, moe_layers, top_k]` as an engine records them."""
-    return np.random.default_rng(seed).integers(0, shape.experts, (tokens - 1, shape.moe_layers, shape.top_k))
+    """MoE-layer routes `[tokens - 1, moe_layers, top_k]` as an engine records them: k distinct experts."""
+    scores = np.random.default_rng(seed).random((tokens - 1, shape.moe_layers, shape.experts))
+    return np.argsort(scores, axis=-1)[..., :shape.top_k]
 
 
 def all_layers(moe: np.ndarray, shape: RouteShape = SHAPE) -> np.ndarray:
@@ -341,6 +342,7 @@ BAD = {
     "route rows": (dict(GOOD, routed_experts=routes(5, 0).tolist()), "'routed_experts' has 4 rows from token 0 for 6"),
     "expert id": (dict(GOOD, routed_experts=np.full((5, 2, 2), 8).tolist()), "expert id outside [0, 8)"),
     "negative expert id": (dict(GOOD, routed_experts=np.full((5, 3, 2), -1).tolist()), "expert id outside [0, 8)"),
+    "an expert twice": (dict(GOOD, routed_experts=np.full((5, 2, 2), 3).tolist()), "names an expert twice"),
     "layer count": (dict(GOOD, routed_experts=np.zeros((5, 4, 2), int).tolist()),
                     "'routed_experts' has shape [5, 4, 2]"),
     "top-k": (dict(GOOD, routed_experts=npy_base64(np.zeros((5, 2, 3), np.uint8))), "has shape [5, 2, 3]"),

@@ -16,7 +16,9 @@ on each position whose label is a generated token (0, NaN or -1 elsewhere):
   (`loader.sequence_shard`); `rewards` (float32, NaN but at a start: the rollout's reward, NaN when
   it has none) and `zero_std` (bool, at a start: `RolloutCorpus.zero_std`);
 - with routes, `routes` (int16 `[S, moe_layers, top_k]`): each input token's recorded experts (-1:
-  none; no shift: token t's routes are its own), what the MoE layers replay.
+  none; no shift: token t's routes are its own), what the MoE layers replay;
+- once the trainer sets `reference` (float32 `[sequences, S]`, each position's reference log-prob of
+  its label, `mop.objectives.policy_gradient.reference`), `reference_logps` (float32): its row.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from mop.data.chat_packing import PackedRow, Packing, pack
+from mop.data.chat_packing import PackedRow, Packing, fitted_lengths, pack
 from mop.data.errors import DataError
 from mop.data.rollouts import RolloutCorpus
 
@@ -34,12 +36,14 @@ class RolloutDataset(Dataset):
     """Packed sequence i of recorded rollouts as a dict of tensors (the module docstring)."""
 
     def __init__(self, corpus: RolloutCorpus, seq_len: int, seed: int, pad_id: int):
+        if seq_len < 2:
+            raise DataError(f"data.seq_len = {seq_len}: a rollout needs at least 2 tokens; raise data.seq_len")
         self.corpus, self.seq_len, self.pad_id = corpus, seq_len, pad_id
-        lengths = np.diff(corpus.offsets)
-        kept = np.where(lengths <= seq_len, lengths, 0)
+        kept, dropped, _ = fitted_lengths(corpus, seq_len, "drop")
         items, bounds = pack(kept, seq_len, seed)
-        self.packing = Packing(items, kept[items], bounds, int((kept == 0).sum()), 0)
+        self.packing = Packing(items, kept[items], bounds, dropped, 0)
         self.rollouts_max = int(np.diff(bounds).max(initial=1))
+        self.reference: np.ndarray | None = None  # set by the trainer: then items have reference_logps
         self.fingerprint = f"{corpus.fingerprint}/{seq_len}/{seed}"
         self.stats = self.packing.stats("rollouts", seq_len, corpus.skipped)
         if len(self) == 0:
@@ -63,8 +67,7 @@ class RolloutDataset(Dataset):
         for j, k in enumerate(range(p.bounds[i], p.bounds[i + 1])):
             item = int(p.items[k])
             part = slice(int(c.offsets[item]), int(c.offsets[item + 1]))
-            trained = np.array(c.targets[part], dtype=bool)
-            trained[:1] = False  # nothing of the rollout precedes its first token
+            trained = np.asarray(c.targets[part], dtype=bool)  # the first token's is never read: nothing precedes it
             start = row.document(c.tokens[part], trained)
             n = part.stop - part.start
             here = slice(start, start + n - 1)  # position t predicts token t + 1
@@ -79,4 +82,6 @@ class RolloutDataset(Dataset):
             extra["zero_std"][first] = c.zero_std[item]
             if c.routes is not None:
                 extra["routes"][start:start + n] = c.routes[part]
+        if self.reference is not None:
+            extra["reference_logps"] = np.array(self.reference[i], dtype=np.float32)
         return row.tensors(**extra)

@@ -226,6 +226,8 @@ def _routes(row: dict, tokens: int, shape: RouteShape) -> np.ndarray:
         recorded = recorded[:, shape.dense_layers:]
     if len(recorded) and (recorded.min() < 0 or recorded.max() >= shape.experts):
         raise ConversationError(f"its 'routed_experts' holds an expert id outside [0, {shape.experts})")
+    if (np.diff(np.sort(recorded, axis=-1), axis=-1) == 0).any():
+        raise ConversationError("its 'routed_experts' names an expert twice among a token's top_k")
     routes = np.full((tokens, shape.moe_layers, shape.top_k), -1, dtype=np.int16)
     routes[start:tokens - 1] = recorded
     return routes

@@ -105,8 +105,8 @@ class Trunk:
     """Each MoE layer's routing replay `[moe_layers, 2]` (`mop.models.moe.replay_counts`: tokens whose own
     top-k differs from the replayed one, tokens replayed), None without routes."""
     routes: torch.Tensor | None = None
-    """The experts every MoE layer ran for each token `[B, S, moe_layers, k]` (what a later forward
-    replays, `hidden_states`' `routes`), when asked for (`record_routes`)."""
+    """The experts every MoE layer ran for each token `[B, S, moe_layers, k]` (int16, -1 on padding:
+    what a later forward replays, `hidden_states`' `routes`), when asked for (`record_routes`)."""
 
 
 @dataclass
@@ -285,9 +285,11 @@ class MoETransformer(nn.Module):
                 router = stats if router is None else router + stats
                 counts.append(stats.assignments.sum(0))
                 replay.append(stats.replay)
-                selected.append(stats.selected)
-        recorded = (torch.stack([ids.view(*input_ids.shape, -1) for ids in selected], 2)
-                    if record_routes and counts else None)
+                if record_routes:
+                    selected.append(stats.selected.view(*input_ids.shape, -1).to(torch.int16))
+        recorded = torch.stack(selected, 2) if selected else None
+        if recorded is not None and padding is not None:  # padding replays nothing (-1), as the rollouts' routes
+            recorded = recorded.masked_fill(padding[:, :, None, None], -1)
         return Trunk(self.norm(h), router, torch.stack(counts) if counts else None,
                      torch.stack(replay) if routes is not None and counts else None, recorded)
 

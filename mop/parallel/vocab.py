@@ -128,11 +128,13 @@ def _forward_pass(hidden, weight, labels, ring: Ring,
             target[block] = torch.where(mine, picked, target[block])
             new_max = torch.maximum(running_max[block], logits.max(dim=1).values)
             logits.sub_(new_max.unsqueeze(1))
+            # With entropy, the shifted logits are kept for it (padding columns' -inf as 0): one more tile.
+            shifted = logits.masked_fill(torch.isinf(logits), 0.0) if entropy else None
+            # In place on the tile: one [block, V/P] tensor is all this step allocates without entropy.
+            tile_sum = logits.exp_().sum(dim=1)
             if entropy:
                 running_weighted[block] = _fold_entropy(running_weighted[block], running_sum[block],
-                                                        running_max[block], new_max, logits)
-            # In place on the tile: one [block, V/P] tensor is all this step allocates.
-            tile_sum = logits.exp_().sum(dim=1)
+                                                        running_max[block], new_max, shifted.mul_(logits))
             running_sum[block] = running_sum[block] * torch.exp(running_max[block] - new_max) + tile_sum
             running_max[block] = new_max
             del logits
@@ -144,13 +146,12 @@ def _forward_pass(hidden, weight, labels, ring: Ring,
 
 
 def _fold_entropy(weighted: torch.Tensor, total: torch.Tensor, old_max: torch.Tensor, new_max: torch.Tensor,
-                  shifted: torch.Tensor) -> torch.Tensor:
+                  tile: torch.Tensor) -> torch.Tensor:
     """The running `sum_v e^(z_v - m) (z_v - m)` moved from max `old_max` to `new_max` and with the
-    tile's shifted logits `shifted = z - new_max` added (padding columns -inf add nothing); `total` is
-    the running `sum_v e^(z_v - m)` at the old max. Entropy is then `log total - weighted / total`."""
+    tile's `e^s s` added (`tile`, `s = z - new_max`; padding columns 0); `total` is the running
+    `sum_v e^(z_v - m)` at the old max. Entropy is then `log total - weighted / total`."""
     step = old_max - new_max
     moved = torch.where(total > 0, (weighted + step * total) * step.exp(), torch.zeros_like(weighted))
-    tile = shifted.exp() * shifted.masked_fill(torch.isinf(shifted), 0.0)
     return moved + tile.sum(dim=1)
 
 

@@ -26,9 +26,9 @@ process every loss type equals TRL's.
 Every function works on flat `[T]` token tensors (the completion's tokens of any rows, in any
 order), reads nothing back to the host and keeps `p_t`'s graph only where TRL's loss does. What needs
 all of a rollout's tokens (the sequence-level ratio and correction) takes a `RolloutSum`: each
-token's rollout's sum of a per-token tensor. `rollout_sums` is it where the tokens are all of their
-rollouts' (one rank); under sequence parallelism the objective's step gives one that also sums over
-the sequence group (`mop.objectives.policy_gradient.step`).
+token's rollout's sum of a per-token tensor: the objective's step gives one that sums over the
+micro-batch's rows and, under sequence parallelism, its sequence group
+(`mop.objectives.policy_gradient.step.RolloutSums`).
 """
 
 from __future__ import annotations
@@ -84,12 +84,6 @@ def aggregation_weights(loss: PolicyLoss, rollout_tokens: torch.Tensor, step_rol
     else:
         scale = 1.0 / max(step_tokens, 1)
     return torch.full_like(rollout_tokens, scale, dtype=torch.float32)
-
-
-def rollout_sums(values: torch.Tensor, rollout: torch.Tensor) -> torch.Tensor:
-    """Each token's rollout's sum of `values` `[T]`, on each of its tokens; `rollout`: each token's
-    rollout, numbered from 0 among the rollouts of these tokens (so below T: no host read for a size)."""
-    return values.new_zeros(values.shape).index_add(0, rollout, values)[rollout]
 
 
 def correction(old: torch.Tensor, sampling: torch.Tensor, rollout_sum: RolloutSum | None, mode: CorrectionMode,

@@ -3,12 +3,14 @@ steps with under `data.format = "rollouts"` (the pieces: `loss`, `step`, `settin
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 from mop.config import ConfigError
 from mop.data import describe_packed
 from mop.objectives.base import Objective, StepCounts
-from mop.objectives.policy_gradient import settings
+from mop.objectives.policy_gradient import reference, settings
 from mop.objectives.policy_gradient.step import (
     COUNTS,
     BatchCache,
@@ -43,6 +45,12 @@ class PolicyGradient(Objective):
         self.moe_layers = cfg.layers - cfg.dense_layers
         self.cache = BatchCache(says=run.runtime.is_main)
 
+    def prepare(self, run_dir: Path, meta: dict | None) -> dict | None:
+        """The precomputed reference log-probs of the KL (`reference.attach`); nothing otherwise."""
+        if self.run.config.rl.reference != "precomputed":
+            return None
+        return reference.attach(self.run, run_dir, meta, self.replay == "rollout")
+
     @property
     def updates_per_batch(self) -> int:
         return self.run.config.rl.updates_per_batch
@@ -63,6 +71,14 @@ class PolicyGradient(Objective):
     @staticmethod
     def _counts(counts: StepCounts) -> dict[str, int]:
         return dict(zip(COUNTS, (int(c) for c in counts.own)))
+
+    def warnings(self) -> list[str]:
+        """A correction with no sampling log-probs to correct against."""
+        correction, corpus = self.run.config.rl.correction, self.run.data.dataset.corpus
+        if correction == "none" or not np.isnan(corpus.sampling[corpus.targets]).all():
+            return []
+        return [f"the rollouts carry no sampling_logps: rl.correction = '{correction}' corrects nothing (a ratio of 1 "
+                "on every token); record the engine's log-probs, or set rl.correction = 'none'"]
 
     def describe(self) -> str:
         rl, data = self.run.config.rl, self.run.data

@@ -8,10 +8,11 @@ from mop.config import Config, ConfigError
 
 
 def decide(config: Config) -> Config:
-    """`rl.reference = "auto"`: the base with the adapters off under LoRA with a KL term, else none."""
+    """`rl.reference = "auto"`: with a KL term the base with the adapters off under LoRA, else
+    precomputed; none without."""
     if config.rl.reference != "auto":
         return config
-    reference = "base" if config.adapters is not None and config.rl.beta else "none"
+    reference = "none" if not config.rl.beta else "base" if config.adapters is not None else "precomputed"
     return dataclasses.replace(config, rl=dataclasses.replace(config.rl, reference=reference))
 
 
@@ -27,6 +28,15 @@ def check_settings(config: Config, world: int) -> None:
     if rl.delta and rl.delta <= 1 + high:
         raise ConfigError("rl.delta", f"caps the ratio from above: must be > 1 + epsilon_high = {1 + high} (0: no "
                           f"cap), got {rl.delta}")
+    if rl.loss_type == "cispo" and not rl.epsilon_high:
+        raise ConfigError("rl.epsilon_high", "CISPO caps the ratio at epsilon_high, and 0 would cap it at rl.epsilon "
+                          f"= {rl.epsilon}, shrinking every token's weight; set it (TRL recommends 5.0)")
+    if rl.loss_type == "cispo" and rl.delta:
+        raise ConfigError("rl.delta", "caps the clipped losses' ratio; CISPO has its own cap (rl.epsilon_high): set "
+                          "--rl.delta=0")
+    if rl.correction.endswith("truncate") and not (rl.correction_min or rl.correction_max):
+        raise ConfigError("rl.correction_max", f"rl.correction = '{rl.correction}' truncates into [correction_min, "
+                          "correction_max] and both are 0 (none); set a bound or --rl.correction=none")
     if rl.beta < 0:
         raise ConfigError("rl.beta", f"must be >= 0, got {rl.beta}")
     if rl.max_completion_length < 1:
@@ -35,8 +45,10 @@ def check_settings(config: Config, world: int) -> None:
         raise ConfigError("rl.correction_min", f"the correction's bounds must be >= 0 with min < max (0: none), got "
                           f"[{rl.correction_min}, {rl.correction_max}]")
     if rl.beta and rl.reference == "none":
-        raise ConfigError("rl.reference", "rl.beta > 0 needs a reference; set --rl.reference=base (LoRA) or "
-                          "--rl.beta=0")
+        raise ConfigError("rl.reference", "rl.beta > 0 needs a reference; set --rl.reference=auto or --rl.beta=0")
+    if not rl.beta and rl.reference in ("base", "precomputed"):
+        raise ConfigError("rl.reference", f"'{rl.reference}': only the KL reads a reference, and rl.beta = 0; set "
+                          "--rl.beta > 0 or --rl.reference=auto")
     if rl.reference == "base" and config.adapters is None:
         raise ConfigError("rl.reference", "'base' is the frozen base of a LoRA run; set --train.finetune=lora or "
                           "--rl.beta=0")

@@ -1,17 +1,19 @@
 """One micro-batch's share of a policy-gradient step on packed rollouts, and the step's counts.
 
 Per micro-batch (every rank alike, so the collectives line up):
-1. with `rl.beta > 0`, the reference's per-token log-probs: the frozen base with the adapters off
-   (`mop.models.lora.adapters_disabled`), under no_grad, the same routes replayed;
+1. with `rl.beta > 0`, the reference's per-token log-probs: under LoRA the frozen base with the
+   adapters off (`mop.models.lora.adapters_disabled`), under no_grad, the same routes replayed; else
+   those of the starting weights computed before the first step (`reference_logps`,
+   `mop.objectives.policy_gradient.reference`);
 2. the policy's forward (`MoETransformer.policy_terms`): each token's log-prob of its label and
    entropy, the MoE layers replaying the routes (`Replay`: the rollouts' own, R3; or those the
    batch's first step ran, R2, on its later steps);
 3. the old log-probs `o_t`, those of the weights before the batch's first update: on its first step
    the live ones detached (the forward of those very weights, so TRL's separate no-grad pass would
    give the same values; the ratio is 1, its gradient the policy gradient's), kept per micro-batch
-   (`BatchCache`, on the device: 4 bytes per token, and R2's routes 2 x moe_layers x top_k) for the
-   batch's later steps (`rl.updates_per_batch`). A run resumed inside a batch's updates has lost them:
-   it takes the resumed weights' and says so once;
+   (`BatchCache`, on the device: 4 bytes per token, and R2's routes 2 x moe_layers x top_k, int16)
+   for the batch's later steps (`rl.updates_per_batch`), released as its last step reads them. A
+   run resumed inside a batch's updates has lost them: it takes the resumed weights' and says so once;
 4. the correction, the per-token losses and their aggregation weights from the step's global counts
    (`mop.objectives.policy_gradient.loss`), and the load-balancing term as in supervised training.
 
@@ -106,6 +108,7 @@ class PolicyGradientLoss:
         self.counts, self.sequences, self.rollouts_max, self.replay = counts, sequences, rollouts_max, replay
         self.moe_layers, self.update, self.cache, self.index = moe_layers, update, cache, 0
         self.parts = part_names(self.loss, rl, replay != "off", moe_layers)
+        self.last = update == rl.updates_per_batch - 1
         if update == 0:
             cache.old.clear()
             cache.routes.clear()
@@ -125,11 +128,13 @@ class PolicyGradientLoss:
     def __call__(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         routes = self.routes(batch)
         reference = None
-        if self.loss.beta:
+        if self.rl.reference == "base":  # the rollouts' routes (R3), never R2's: one reference for all updates
             with torch.no_grad(), adapters_disabled(self.model):
-                reference = self.terms(batch, routes).logps.flatten()
+                reference = self.terms(batch, routes if self.replay == "rollout" else None).logps.flatten()
+        elif self.rl.reference == "precomputed":
+            reference = batch["reference_logps"].flatten()
         first = self.update == 0 or self.index >= len(self.cache.old)
-        terms = self.terms(batch, routes, record=self.replay == "old" and first)
+        terms = self.terms(batch, routes, record=self.replay == "old" and first and not self.last)
         generated = (batch["labels"] != IGNORE_INDEX).flatten()
         logps = terms.logps.flatten()
         old = self._old(logps, terms.routes, first)
@@ -150,6 +155,10 @@ class PolicyGradientLoss:
         parts = self._parts(batch, generated, ratio, advantages, kl, terms, old, sampling, corrections,
                             rollout_tokens)
         head = torch.stack([policy.detach().double(), torch.as_tensor(aux, device=parts.device).detach().double()])
+        if self.last and not first:  # the batch's last update: what its first step kept is read for the last time
+            self.cache.old[self.index] = None
+            if self.index < len(self.cache.routes):
+                self.cache.routes[self.index] = None
         self.index += 1
         return loss, torch.cat([head, parts]), terms.expert_counts
 
@@ -165,9 +174,10 @@ class PolicyGradientLoss:
                       "log-probs are the resumed weights', not those before the batch's first update",
                       file=sys.stderr, flush=True)
         old = logps.detach()
-        self.cache.old.append(old)
-        if routes is not None:
-            self.cache.routes.append(routes)
+        if not self.last:  # a later update of the batch reads them
+            self.cache.old.append(old)
+            if routes is not None:
+                self.cache.routes.append(routes)
         return old
 
     def _parts(self, batch, generated, ratio, advantages, kl, terms, old, sampling, corrections,
@@ -182,16 +192,18 @@ class PolicyGradientLoss:
                            rollout_weights)
         known = generated & ~sampling.isnan()
         difference = torch.where(known, (old - sampling).abs(), 0).double().sum() / max(counts["sampled_tokens"], 1)
-        applied = corrections
         ratio_weights = rollout_weights if self.rl.correction.startswith("sequence") else token_weights
         starts = batch["rollout_starts"].flatten() & ~batch["rewards"].flatten().isnan()
         rewards = torch.where(starts, batch["rewards"].flatten(), 0).double()
         zero_std = (batch["zero_std"].flatten() & batch["rollout_starts"].flatten()).double().sum()
-        values = [*sums.values(), *([difference, (applied.double() * ratio_weights).sum()] if corrections is not None
-                                    else []), rewards.sum(), rewards.square().sum(), zero_std]
-        if self.replay != "off":  # R2's first step replays nothing: no token counts
-            values.extend(terms.replay.flatten() if terms.replay is not None else [0.0] * (2 * self.moe_layers))
-        return torch.stack([torch.as_tensor(v, dtype=torch.float64, device=old.device) for v in values])
+        sampled = [difference, (corrections.double() * ratio_weights).sum()] if corrections is not None else []
+        values = [*sums.values(), *sampled, rewards.sum(), rewards.square().sum(), zero_std]
+        values = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=old.device) for v in values])
+        if self.replay == "off":
+            return values
+        # R2's first step replays nothing: no token counts
+        replayed = terms.replay.flatten() if terms.replay is not None else values.new_zeros(2 * self.moe_layers)
+        return torch.cat([values, replayed])
 
 
 def part_names(loss: PolicyLoss, rl: RlConfig, replay: bool, moe_layers: int) -> list[str]:
