@@ -46,7 +46,7 @@ sequences); its steps cost what supervised steps do. The response sums are a few
 Policy-gradient training on rollouts (`data.format = "rollouts"`): its steps cost what supervised
 steps do (routing replay forces the selection the router computes anyway; the old log-probs of a
 batch's later updates are its first step's), plus the base's forward in every step for the KL's
-reference under LoRA (`rl.beta > 0`). Its per-token extras (the routes, 2 bytes per MoE layer and
+reference under LoRA (`rl.beta > 0`); full fine-tuning precomputes its reference once, as DPO's. Its per-token extras (the routes, 2 bytes per MoE layer and
 expert pick; the old log-probs kept across a batch's updates, 4 bytes) are under a thousandth of a
 token's activations and not counted.
 """
