@@ -97,6 +97,15 @@ class GlobalViews:
             raise NotImplementedError(f"{self.names[id(param)]}: only row (dim 0) sharding is supported")
         return offset[0]
 
+    def owns(self, param: torch.Tensor) -> bool:
+        """Whether this rank's local rows of `param` are the copy a gather takes: its coordinate is 0
+        on every mesh dimension that replicates them (each global row then has exactly one owner)."""
+        place = self._place[id(param)]
+        if place.mesh is None:
+            return True
+        coordinate = place.mesh.get_coordinate()
+        return all(c == 0 for c, p in zip(coordinate, place.placements) if isinstance(p, Replicate))
+
     def of(self, param: torch.Tensor, local: torch.Tensor | None = None, host: bool = False) -> torch.Tensor:
         """The global view of `local` (a tensor shaped like `param`'s local shard; default: the
         param's); `host`: `local` lives in host memory (see the module docstring)."""

@@ -1,0 +1,108 @@
+"""The trainer's weights exported for an inference engine: buckets of `(hf_name, tensor)` in the
+base checkpoint's names and layout, gathered from the run's shards once, never the whole model on
+a rank.
+
+Algorithm (`weight_buckets`, every rank calls it: it is collective; the host optimizer's last updates
+are settled first): the model's checkpoint tensors
+(`mop.models.hf_mapping.model_pieces`, the hub layout every engine loads: per-expert tensors where
+the family publishes them) in checkpoint order, grouped by the mop parameter (or buffer) that holds
+them. For each parameter, one reduce over the world gives rank 0 its whole tensor in the export dtype:
+every rank contributes a zero tensor of the global shape with its own rows written where it is
+their owner (`GlobalViews.owns`: a replicated copy once), so the sum is exact. Rank 0 cuts the
+parameter into its checkpoint tensors (contiguous copies) and adds them to the open bucket, which it
+yields once the next tensor would take it past `bucket_bytes` (a tensor bigger than a bucket gets
+one of its own); the other ranks yield nothing. Buffers (a router's score-correction bias) are the
+same on every rank: rank 0 takes its own.
+
+Memory per rank: one parameter's whole tensor in the export dtype (the reduce's buffer, released
+before the next), and on rank 0 the open bucket: about one bucket plus one layer's largest stacked
+tensor (a layer's experts), whatever the model's size. Communication: each parameter once, in the
+export dtype (bf16: half of fp32's bytes).
+
+Not yet (`NotImplementedError`): LoRA runs (their frozen base in a published format, merged or
+adapters alone), a published format as the export's (FP8 blocks re-quantized, MXFP4 experts).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from mop.build import TrainingRun
+from mop.models.families import family_of
+from mop.models.hf import config_to_hf
+from mop.models.hf_mapping import Piece, model_pieces
+from mop.parallel.checkpointing import canonical_name
+
+Bucket = list[tuple[str, torch.Tensor]]
+
+
+def weight_buckets(run: TrainingRun, bucket_bytes: int, dtype: torch.dtype = torch.bfloat16) -> Iterator[Bucket]:
+    """The run's weights as buckets of `(hf_name, tensor)` on rank 0, none on the others (module
+    docstring); every rank iterates it to the end."""
+    if run.config.adapters is not None:
+        raise NotImplementedError("exporting a LoRA run's weights (merged, or its adapters alone) is not implemented; "
+                                  "export a full fine-tuning run, or merge with mop convert merge")
+    run.optimizer.synchronize()  # the host optimizer's last updates, settled into the device weights
+    cfg = run.config.model
+    tensors = {canonical_name(n): t for n, t in (*run.model.named_parameters(), *run.model.named_buffers())}
+    main = run.runtime.rank == 0
+    bucket, size = [], 0
+    for name, pieces in _by_tensor(model_pieces(cfg, family_of(cfg).hf, set())):
+        whole = _gathered(run, tensors[name], dtype)
+        for piece in pieces if main else ():
+            value = whole[piece.index].to(device="cpu", memory_format=torch.contiguous_format, copy=True)
+            if bucket and size + value.nbytes > bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append((piece.key, value))
+            size += value.nbytes
+        del whole
+    if bucket:
+        yield bucket
+
+
+def _by_tensor(pieces: list[Piece]) -> list[tuple[str, list[Piece]]]:
+    """The pieces grouped by the mop tensor that holds them, in checkpoint order."""
+    grouped: dict[str, list[Piece]] = {}
+    for piece in pieces:
+        grouped.setdefault(piece.param, []).append(piece)
+    return list(grouped.items())
+
+
+def _gathered(run: TrainingRun, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The whole `tensor` in `dtype` on rank 0 (module docstring); a zero tensor elsewhere."""
+    layout, views = run.runtime.layout, run.views
+    if not isinstance(tensor, torch.nn.Parameter):  # a buffer: every rank holds all of it
+        return tensor.detach().to(dtype)
+    if layout is None:
+        return tensor.detach().to(dtype)
+    whole = torch.zeros(views.global_shape(tensor), dtype=dtype, device=run.runtime.device)
+    if views.owns(tensor):
+        local = views.local(tensor).detach()
+        first = views.first_row(tensor)
+        whole[first:first + len(local)] = local.to(dtype)
+    dist.reduce(whole, dst=0, group=layout.world_group)
+    return whole
+
+
+def write_folder(buckets: Iterator[Bucket], run: TrainingRun, path: str | Path, dtype: torch.dtype) -> Path:
+    """A sender: the buckets as a Hugging Face checkpoint folder (one safetensors file per bucket,
+    the index, config.json last), written by rank 0; every rank iterates the buckets."""
+    path = Path(path)
+    names, weight_map = [], {}
+    for number, bucket in enumerate(buckets):
+        name = f"model-{number + 1:05d}.safetensors"
+        path.mkdir(parents=True, exist_ok=True)
+        save_file(dict(bucket), path / name, metadata={"format": "pt"})
+        weight_map.update({key: name for key, _ in bucket})
+        names.append(name)
+    if run.runtime.rank == 0:
+        (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+        (path / "config.json").write_text(json.dumps(config_to_hf(run.config.model, dtype=dtype), indent=2) + "\n")
+    return path

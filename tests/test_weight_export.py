@@ -1,0 +1,85 @@
+"""The trainer's weights exported for an inference engine (issue 48, `mop.rl.weights`): from the mop
+layout on 4 ranks (FSDP2 over the world, experts over 2 ranks with LLEP, the vocabulary ring,
+Ulysses), after a training step, the buckets written as a Hugging Face folder load in transformers,
+and its fp32 log-probs of a batch equal the trainer's own policy's under its layout; the buckets
+keep to their size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from mop.build import build_run
+from mop.config import load_config
+from mop.parallel import DistLayout, Layout
+from mop.rl.weights import weight_buckets, write_folder
+from mop.runtime import Runtime
+from mop.settle import settle
+from mop.testing import run_distributed
+from mop.train import train_step, update
+
+transformers = pytest.importorskip("transformers")
+
+SEQ = 32
+MODEL = {"qwen3_moe": ["--model.family=qwen3_moe", "--model.dense_layers=1", "--model.dense_intermediate=24"],
+         "deepseek_v3": ["--model.family=deepseek_v3", "--model.dense_layers=1", "--model.dense_intermediate=24",
+                         "--model.kv_heads=8", "--model.head_dim=8", "--model.options.qk_rope_head_dim=4",
+                         "--model.options.groups=2", "--model.options.groups_per_token=1", "--model.qk_norm=false"],
+         "glm4_moe": ["--model.family=glm4_moe", "--model.dense_layers=1", "--model.dense_intermediate=24",
+                      "--model.shared_expert_intermediate=16"],
+         "mixtral": ["--model.family=mixtral", "--model.qk_norm=false", "--model.norm_topk_prob=true"],
+         "gpt_oss": ["--model.family=gpt_oss", "--model.qk_norm=false", "--model.options.sliding_window=4"]}
+COMMON = ["--model.vocab_size=259", "--model.hidden=32", "--model.layers=3", "--model.heads=8", "--model.kv_heads=2",
+          "--model.head_dim=4", "--model.experts=4", "--model.top_k=2", "--model.expert_intermediate=16",
+          f"--data.seq_len={SEQ}", "--train.global_batch=4", "--train.micro_batch=1", "--optim.lr=0.02",
+          "--optim.warmup_steps=0", "--parallel.strategy=mop", "--parallel.nproc=4", "--parallel.sequence=2",
+          "--parallel.expert=2", "--parallel.vocab=2", "--parallel.expert_balance=llep", "--train.dtype=float32"]
+BUCKET = 16 * 1024
+
+
+def export_after_a_step(rank: int, world: int, overrides: list[str], folder: str) -> dict:
+    config = settle(load_config(None, overrides), world, fit_memory=False)
+    p = config.parallel
+    layout = DistLayout(Layout(world, p.sequence, p.expert, p.vocab), torch.device("cpu"))
+    run = build_run(config, Runtime(rank, world, torch.device("cpu"), layout))
+    train_step(run, run.next_batches())
+    update(run)
+    sizes = []
+
+    def measured(buckets):
+        for bucket in buckets:
+            sizes.append((sum(t.nbytes for _, t in bucket), len(bucket)))
+            yield bucket
+
+    write_folder(measured(weight_buckets(run, BUCKET, torch.float32)), run, folder, torch.float32)
+    batch = run.rank_batches([0, 1], run.data.dataset)[0]  # data group 0 (ranks 0, 1) holds sequence 0
+    with torch.no_grad():
+        terms = run.model.policy_terms(batch["input_ids"], batch["labels"], batch["position_ids"],
+                                       batch["document_ids"])
+    return {"logps": terms.logps, "input_ids": batch["input_ids"], "labels": batch["labels"],
+            "position_ids": batch["position_ids"], "document_ids": batch["document_ids"], "sizes": sizes}
+
+
+@pytest.mark.parametrize("family", [f if f in ("qwen3_moe", "deepseek_v3") else pytest.param(f, marks=pytest.mark.slow)
+                                    for f in sorted(MODEL)])
+def test_exported_weights_load_in_transformers_and_give_the_trainers_log_probs(tmp_path, family):
+    folder = tmp_path / "export"
+    ranks = run_distributed(export_after_a_step, 4, [*COMMON, *MODEL[family]], str(folder))
+    sizes = ranks[0]["sizes"]
+    assert len(sizes) > 3 and all(not r["sizes"] for r in ranks[1:])
+    assert all(size <= BUCKET or count == 1 for size, count in sizes)  # over its size only as one tensor's own
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager",
+                                                              dtype=torch.float32).eval()
+    # the sequence group's two slices of sequence 0, put back together (ranks 0 and 1 hold them)
+    ids = torch.cat([ranks[0]["input_ids"], ranks[1]["input_ids"]], 1)
+    labels = torch.cat([ranks[0]["labels"], ranks[1]["labels"]], 1)
+    logps = torch.cat([ranks[0]["logps"], ranks[1]["logps"]], 1)
+    documents = torch.cat([ranks[0]["document_ids"], ranks[1]["document_ids"]], 1)
+    kept = labels != -100
+    for document in documents.unique():  # transformers sees one document at a time: no packing there
+        at = documents[0] == document
+        with torch.no_grad():
+            logits = model(ids[:, at]).logits.float()
+        theirs = logits.log_softmax(-1).gather(-1, labels[:, at].clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        assert_close(theirs[kept[:, at]], logps[:, at][kept[:, at]], rtol=1e-5, atol=1e-5)
