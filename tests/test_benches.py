@@ -17,6 +17,7 @@ TINY = {
             "--intermediate=32", "--vocab=512", "--layers=2", "--steps=1"],
     "grpo": ["--tokens=128", "--rollouts=2", "--prompt=16", "--hidden=32", "--heads=4", "--kv-heads=2", "--head-dim=8",
              "--experts=4", "--intermediate=32", "--vocab=512", "--layers=2", "--steps=1"],
+    "rl-sync": ["--preset=debug", "--buckets=0.01,1"],
     "data": ["--size-mb=0.3", "--baseline-mb=0.1", "--seq-lens=1024", "--workers=2", "--agent-calls=2,4"],
     "build": [f"--config={Path(__file__).resolve().parents[1] / 'configs/debug.toml'}", "--layers=1", "--nproc=2"],
     "moe": ["--tokens=64", "--hidden=16", "--intermediate=16", "--experts=16", "--min-chunk=8", "--chunks=2",

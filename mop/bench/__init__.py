@@ -21,6 +21,7 @@ BENCHMARKS = {
     "lora": "per-rank device memory and step time of LoRA over an fp8 base against full fine-tuning",
     "moe": "the expert layer under skewed routing for EP, LLEP and chunked LLEP",
     "optimizer": "the host optimizer's update throughput and how much of it the step exposes",
+    "rl-sync": "the trainer's weights exported for an engine: seconds and peak memory per rank against the bucket size",
     "plan": "the paper's Table 1 as `mop plan` predicts it (3 models on 2/8/12 H200 nodes, 64K-1M), beside the paper",
     "vocab": "the output projection + loss, per rank, for three ways of computing it",
 }
@@ -28,4 +29,4 @@ BENCHMARKS = {
 
 def load(name: str):
     """The module of benchmark `name`."""
-    return importlib.import_module(f"mop.bench.{name}")
+    return importlib.import_module(f"mop.bench.{name.replace('-', '_')}")

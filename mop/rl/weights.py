@@ -15,8 +15,9 @@ one of its own); the other ranks yield nothing. Buffers (a router's score-correc
 same on every rank: rank 0 takes its own.
 
 Memory per rank: one parameter's whole tensor in the export dtype (the reduce's buffer, released
-before the next), and on rank 0 the open bucket: about one bucket plus one layer's largest stacked
-tensor (a layer's experts), whatever the model's size. Communication: each parameter once, in the
+before the next; gloo's reduce adds a temporary of its size, and the owner's rows are cast once), and
+on rank 0 the open bucket: about one bucket plus one to two times a layer's largest stacked tensor
+(its experts), whatever the model's size (`mop bench rl-sync`). Communication: each parameter once, in the
 export dtype (bf16: half of fp32's bytes).
 
 Not yet (`NotImplementedError`): LoRA runs (their frozen base in a published format, merged or
