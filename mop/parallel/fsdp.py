@@ -21,6 +21,8 @@ on the host shards. Pinned memory needs an accelerator, so the shards are pinned
 
 from __future__ import annotations
 
+import typing
+
 import torch
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
@@ -32,14 +34,16 @@ from torch.distributed.fsdp import (
 )
 
 from mop.models.moe import RouterStats
-from mop.models.transformer import LossTerms, MoETransformer, PreferenceTerms
+from mop.models.transformer import MoETransformer
 from mop.parallel.mesh import DistLayout
 
 # FSDP2 gathers a unit's weights again for its backward from hooks on the tensors the unit returns.
 # torch 2.11's FSDP2 finds them with pytree, which does not look inside a dataclass unless it is
-# registered (2.13's looks inside dataclasses itself): without this, the root's `LossTerms` (`PreferenceTerms`) and a
-# block's `RouterStats` carry no hook, and their backward reads weights already freed.
-for _output in (LossTerms, PreferenceTerms, RouterStats):
+# registered (2.13's looks inside dataclasses itself): without this, what the root's entry points return
+# (`MoETransformer.FORWARD_METHODS`: `LossTerms`, `PreferenceTerms`, `PolicyTerms`) and a block's `RouterStats`
+# carry no hook, and their backward reads weights already freed (a crash in native code).
+for _output in {typing.get_type_hints(getattr(MoETransformer, method))["return"]
+                for method in MoETransformer.FORWARD_METHODS} | {RouterStats}:
     torch.export.register_dataclass(_output)
 
 
