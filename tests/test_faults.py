@@ -120,11 +120,11 @@ KILL_RANK_1_IN_STEP_5 = """
     import os, signal
     import mop.train
     run_step, calls = mop.train.train_step, []
-    def train_step(run, batches):
+    def train_step(run, batches, *rest):
         calls.append(1)
         if len(calls) == 6 and os.environ["RANK"] == "1":
             os.kill(os.getpid(), signal.SIGKILL)
-        return run_step(run, batches)
+        return run_step(run, batches, *rest)
     mop.train.train_step = train_step
 """
 
@@ -278,12 +278,12 @@ SECOND_NODE_STOPS_IN_STEP_5 = """
     from pathlib import Path
     import mop.train
     run_step, calls = mop.train.train_step, []
-    def train_step(run, batches):
+    def train_step(run, batches, *rest):
         calls.append(1)
         if len(calls) == 5 and os.environ["GROUP_RANK"] == "1":
             (Path(__file__).parent / f"rank-{os.environ['RANK']}.pid").write_text(str(os.getpid()))
             time.sleep(600)
-        return run_step(run, batches)
+        return run_step(run, batches, *rest)
     mop.train.train_step = train_step
 """
 
