@@ -165,6 +165,21 @@ def rollouts_without_routes(rollouts, tmp_path_factory) -> str:
     return str(path)
 
 
+def trained_in_both_layouts(tmp_path, common: list[str]) -> tuple[dict, list[dict], list[dict]]:
+    """`mop train` of `common` as the reference and in the mop layout on 2 ranks: their run folders and
+    their records (reference's, mop's)."""
+    from test_train import read_metrics
+
+    from mop.cli import main
+
+    runs = {}
+    for name, layout in (("reference", ["--parallel.strategy=reference"]),
+                         ("mop", [*EVERY_TECHNIQUE, "--parallel.nproc=2", "--parallel.sequence=2"])):
+        runs[name] = tmp_path / name
+        assert main(["train", *common, *layout, f"--log.run_dir={runs[name]}"]) == 0
+    return runs, read_metrics(runs["reference"] / "metrics.jsonl"), read_metrics(runs["mop"] / "metrics.jsonl")
+
+
 @pytest.mark.parametrize("replay", ["old", pytest.param("rollout", marks=pytest.mark.slow)])
 def test_several_updates_per_batch_train_as_the_reference_in_every_layout(tmp_path, rollouts, rollouts_without_routes,
                                                                           replay):
@@ -172,19 +187,10 @@ def test_several_updates_per_batch_train_as_the_reference_in_every_layout(tmp_pa
     one's old log-probs those before the first update (its ratios move off 1, so clipping records
     appear) and, with replay "old" (R2), the routes the first step ran replayed; `mop train` in the mop
     layout gives the reference's records at every step."""
-    from test_train import read_metrics
-
-    from mop.cli import main
-
     source = rollouts if replay == "rollout" else rollouts_without_routes
     common = [*GRPO, *TRAIN, "--train.steps=4", "--checkpoint.every=2", f"--data.source={source}",
               f"--rl.replay={replay}", "--rl.correction=none", "--rl.epsilon=0.01"]
-    runs = {}
-    for name, layout in (("reference", ["--parallel.strategy=reference"]),
-                         ("mop", [*EVERY_TECHNIQUE, "--parallel.nproc=2", "--parallel.sequence=2"])):
-        runs[name] = tmp_path / name
-        assert main(["train", *common, *layout, f"--log.run_dir={runs[name]}"]) == 0
-    expected, got = read_metrics(runs["reference"] / "metrics.jsonl"), read_metrics(runs["mop"] / "metrics.jsonl")
+    _, expected, got = trained_in_both_layouts(tmp_path, common)
     assert [r["completion_tokens"] for r in expected[:2]] == [expected[0]["completion_tokens"]] * 2  # one batch, twice
     assert expected[0]["clip_ratio/region_mean"] == 0 < expected[1]["clip_ratio/region_mean"]
     assert expected[1]["routing/replay_mismatch"] > 0
@@ -213,18 +219,11 @@ def test_full_fine_tuning_with_a_kl_precomputes_its_reference_once_and_trains_as
     weights, computed before the first step in the run's layout (so the first step's KL is exactly 0,
     in every layout), stored, reused by a resume, refused by a run of other data; the mop layout's
     records equal the single process's at every step."""
-    from test_train import read_metrics
-
     from mop.cli import main
 
     common = [*GRPO, *TRAIN[:-3], "--train.steps=3", "--checkpoint.every=1", f"--data.source={rollouts}",
               "--rl.beta=0.1", "--optim.lr=0.01"]
-    runs = {}
-    for name, layout in (("reference", ["--parallel.strategy=reference"]),
-                         ("mop", [*EVERY_TECHNIQUE, "--parallel.nproc=2", "--parallel.sequence=2"])):
-        runs[name] = tmp_path / name
-        assert main(["train", *common, *layout, f"--log.run_dir={runs[name]}"]) == 0
-    expected, got = read_metrics(runs["reference"] / "metrics.jsonl"), read_metrics(runs["mop"] / "metrics.jsonl")
+    runs, expected, got = trained_in_both_layouts(tmp_path, common)
     assert expected[0]["kl"] == got[0]["kl"] == 0.0 and expected[-1]["kl"] > 0
     for want, have in zip(expected, got, strict=True):
         for key in ("loss", "policy_loss", "kl", "entropy", "routing/replay_mismatch"):
