@@ -26,7 +26,7 @@ import torch
 from test_hf import hf_model
 
 from mop.config import RlConfig
-from mop.data import build_data
+from mop.data import build_data, count_targets
 from mop.data.prepared import ChatSettings
 from mop.data.rollouts import RolloutSettings, RouteShape
 from mop.models.hf import load_hf
@@ -35,6 +35,7 @@ from mop.objectives.policy_gradient.step import (
     BatchCache,
     PolicyGradientLoss,
     local_counts,
+    step_counts,
     step_record,
 )
 
@@ -102,7 +103,7 @@ def mop_step(model_dir, rollouts, rl: RlConfig) -> tuple[float, dict, torch.Tens
                       rollouts=RolloutSettings(RouteShape(cfg.layers, cfg.dense_layers, cfg.experts, cfg.top_k)))
     assert len(data.dataset) == 1
     batch = {key: value.unsqueeze(0) for key, value in data.dataset[0].items()}
-    counts = dict(zip(("rollouts", "tokens", "sampled_tokens", "rewarded_rollouts"), local_counts([batch])))
+    counts = step_counts(count_targets([batch]), local_counts([batch]))
     moe_layers = cfg.layers - cfg.dense_layers
     objective = PolicyGradientLoss(model, rl, counts, 1, data.dataset.rollouts_max, "off", moe_layers, 0,
                                    BatchCache(says=False))
@@ -165,7 +166,8 @@ def trl_step(model_dir, rollouts_path, rl: RlConfig, advantages: torch.Tensor):
 
 
 CASES = [(loss_type, "token") for loss_type in ("grpo", "dr_grpo", "dapo", "bnpo", "cispo")] + [("grpo", "sequence")]
-CASES += [pytest.param(loss_type, "sequence", marks=pytest.mark.slow) for loss_type in ("dr_grpo", "dapo", "bnpo", "cispo")]
+CASES += [pytest.param(loss_type, "sequence", marks=pytest.mark.slow)
+          for loss_type in ("dr_grpo", "dapo", "bnpo", "cispo")]
 
 
 @pytest.mark.parametrize("loss_type, level", CASES)

@@ -12,12 +12,12 @@ from mop.data import describe_packed
 from mop.objectives.base import Objective, StepCounts
 from mop.objectives.policy_gradient import reference, settings
 from mop.objectives.policy_gradient.step import (
-    COUNTS,
     BatchCache,
     PolicyGradientLoss,
     local_counts,
     part_names,
     policy_loss,
+    step_counts,
     step_record,
 )
 
@@ -70,7 +70,7 @@ class PolicyGradient(Objective):
 
     @staticmethod
     def _counts(counts: StepCounts) -> dict[str, int]:
-        return dict(zip(COUNTS, (int(c) for c in counts.own)))
+        return step_counts(counts.targets, counts.own)
 
     def warnings(self) -> list[str]:
         """A correction with no sampling log-probs to correct against."""

@@ -22,10 +22,11 @@ What needs a rollout's every token (the sequence-level ratio and correction) goe
 rollout_ids`), summed over a sequence group by the model's `response_sums` seam (each of its D ranks
 then holds every sum and uses it on its own tokens only: no 1/D share, unlike DPO's per-pair losses).
 
-Counts (`local_counts`, summed over every rank before the first forward): the step's rollouts S (their
-`rollout_starts`), its generated tokens N, those with a known sampling log-prob, and its rollouts with a
-known reward. Records (`step_record`): TRL's names, each a mean over the whole step (TRL's are means
-over each process's micro-batch, or of per-process means: equal on one process and micro-batch),
+Counts (summed over every rank before the first forward): the step's generated tokens N (its targets,
+which the loop counts) and, the objective's own (`local_counts`), its rollouts S (their
+`rollout_starts`), its tokens with a known sampling log-prob and its rollouts with a known reward.
+Records (`step_record`): TRL's names, each a mean over the whole step (TRL's are means over each
+process's micro-batch, or of per-process means: equal on one process and micro-batch),
 the rewards' mean and unbiased std over the step's rollouts, and per MoE layer the share of replayed
 tokens whose own top-k differs from the replayed one (`routing/replay_mismatch/layer_<i>`).
 """
@@ -49,7 +50,7 @@ from mop.objectives.policy_gradient.loss import (
     token_losses,
 )
 
-COUNTS = ("rollouts", "tokens", "sampled_tokens", "rewarded_rollouts")
+COUNTS = ("rollouts", "sampled_tokens", "rewarded_rollouts")
 SUMS_ONLY = ("reward_", "zero_std", "replay_")  # parts the record turns into other values
 
 
@@ -60,12 +61,18 @@ def policy_loss(rl: RlConfig) -> PolicyLoss:
 
 
 def local_counts(batches: list[dict]) -> list[int]:
-    """This rank's `COUNTS` of the step (module docstring)."""
+    """This rank's `COUNTS` of the step (module docstring); its generated tokens are the step's targets,
+    which the loop counts itself (`StepCounts.targets`)."""
     rollouts = sum(int(b["rollout_starts"].sum()) for b in batches)
-    tokens = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
     sampled = sum(int(((b["labels"] != IGNORE_INDEX) & ~b["sampling_logps"].isnan()).sum()) for b in batches)
     rewarded = sum(int((b["rollout_starts"] & ~b["rewards"].isnan()).sum()) for b in batches)
-    return [rollouts, tokens, sampled, rewarded]
+    return [rollouts, sampled, rewarded]
+
+
+def step_counts(targets: int, own) -> dict[str, int]:
+    """The step's counts by name: the objective's own (`COUNTS`, in `local_counts`' order) and its
+    generated tokens N, the step's targets."""
+    return {**dict(zip(COUNTS, (int(c) for c in own))), "tokens": int(targets)}
 
 
 class RolloutSums:
