@@ -151,7 +151,7 @@ class TrainingRun:
     model: MoETransformer
     views: GlobalViews
     optimizer: Optimizer
-    data: object  # mop.data.Data
+    data: object  # mop.data.Data, or the RL loop's mop.rl.feed.RolloutFeed
     held_out: HeldOut | None  # the sequences evaluations read (`mop.evaluation`), None without evaluation
     base: dict | None = None  # a LoRA run's base (`mop.adapters.base_identity`), None for full fine-tuning
     reference: dict | None = None
@@ -173,8 +173,10 @@ class TrainingRun:
         return torch.autocast(self.runtime.device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
 
     def close(self) -> None:
-        """End the run's worker threads (the host optimizer's); the run is not used after."""
+        """End the run's worker threads (the host optimizer's, the RL loop's sampling); the run is not used
+        after."""
         self.optimizer.close()
+        self.data.close()
 
     def micro_batches_per_step(self) -> int:
         return self.config.micro_batches_per_step(self.runtime.world)
@@ -185,13 +187,15 @@ class TrainingRun:
         Every rank advances the data stream by the same global batch, so the stream's position is
         the checkpointed data position.
         """
-        return self.rank_batches(self.data.stream.next_batch(self.config.train.global_batch), self.data.dataset)
+        indices = self.data.stream.next_batch(self.config.train.global_batch)  # the RL loop draws its batch here
+        return self.rank_batches(indices, self.data.dataset)
 
     def last_batches(self) -> list[dict]:
         """This rank's micro-batches of the global batch the data stream served last (a resume inside
         a batch trained for several steps serves it again)."""
         size = self.config.train.global_batch
-        return self.rank_batches(self.data.stream.indices(self.data.stream.position - size, size), self.data.dataset)
+        indices = self.data.stream.indices(self.data.stream.position - size, size)  # the RL loop reads its file
+        return self.rank_batches(indices, self.data.dataset)
 
     def rank_batches(self, indices: list[int], dataset) -> list[dict]:
         """This rank's micro-batches of the sequences `indices` of `dataset` (`rank_indices`), its slice
@@ -230,20 +234,23 @@ class TrainingRun:
                 **{f"device_bytes_per_param_{k}": v / count for k, v in device.items()}}
 
 
-def rollout_settings(config: Config) -> RolloutSettings | None:
-    """What recorded rollouts are checked against (the model's routing shape) and scaled by (None:
-    the run trains on other data)."""
+def rollout_settings(config: Config, sequences: int = 0) -> RolloutSettings | None:
+    """What recorded rollouts are checked against (the model's routing shape) and scaled by, and the
+    sequences they are padded to (`RolloutSettings.sequences`); None: the run trains on other data."""
     if config.data.format != "rollouts":
         return None
     m = config.model
-    return RolloutSettings(RouteShape(m.layers, m.dense_layers, m.experts, m.top_k), config.rl.scale_rewards)
+    return RolloutSettings(RouteShape(m.layers, m.dense_layers, m.experts, m.top_k), config.rl.scale_rewards,
+                           sequences)
 
 
-def build_run(config: Config, runtime: Runtime) -> TrainingRun:
-    """Data, model shards, optimizer and gradient feed of one rank (see the module docstring)."""
+def build_run(config: Config, runtime: Runtime, data=None) -> TrainingRun:
+    """Data, model shards, optimizer and gradient feed of one rank (see the module docstring); `data`:
+    the run's data when it is not read from data.source (the RL loop's `mop.rl.feed.RolloutFeed`)."""
     d = config.data
-    data = build_data(d.source, d.tokenizer, d.seq_len, config.train.seed, eos_token=d.eos_token or None,
-                      **source_options(d, rollout_settings(config)))
+    if data is None:
+        data = build_data(d.source, d.tokenizer, d.seq_len, config.train.seed, eos_token=d.eos_token or None,
+                          **source_options(d, rollout_settings(config)))
     data, evaluation = held_out(config, data)
     if data.tokenizer.vocab_size > config.model.vocab_size:
         raise ConfigError("model.vocab_size", f"{config.model.vocab_size} is smaller than the tokenizer's "

@@ -1,4 +1,5 @@
-"""The `mop` command: `mop train [CONFIG.toml] [--section.key=value ...]`, `mop bench NAME [...]`,
+"""The `mop` command: `mop train [CONFIG.toml] [--section.key=value ...]`, `mop rl CONFIG.toml [...]` (the
+RL loop), `mop bench NAME [...]`,
 `mop convert to-hf|from-hf ...`, `mop plan ...`, `mop data prepare SOURCE --tokenizer DIR --out DIR`,
 `mop data inspect SOURCE --tokenizer DIR` (both with `--format preference` for preference pairs).
 
@@ -16,7 +17,7 @@ import typing
 
 from mop.bench import BENCHMARKS
 from mop.bench import load as load_benchmark
-from mop.config import Config, DataConfig, field_docs, hints, load_config, sections
+from mop.config import Config, ConfigError, DataConfig, field_docs, hints, load_config, sections
 from mop.faults import PeerLost
 from mop.launch import RUN_ENDED, USER_ERRORS, failed_launch, launch, say_run_ended
 from mop.runtime import under_torchrun
@@ -73,6 +74,13 @@ def build_parser(benchmark: str | None = None) -> argparse.ArgumentParser:
         description="Train an MoE language model. With no arguments: the debug model on the shipped corpus, on CPU.",
         epilog=config_reference(), formatter_class=argparse.RawDescriptionHelpFormatter)
     train_parser.add_argument("config", nargs="?", help="TOML config file (e.g. configs/debug.toml); defaults apply without one")
+    rl_parser = commands.add_parser(
+        "rl", help="the RL loop: the engine samples rollouts of rl.prompts with the current weights, a reward "
+        "scores them, the policy trains on them (mop.rl)",
+        description="Train with reinforcement learning: `mop train` with data.format = rollouts drawn each batch by "
+        "the inference engine from rl.prompts (e.g. configs/debug-rl.toml); every setting of mop train applies.",
+        epilog="see mop train --help for the settings ([rl] holds the loop's)")
+    rl_parser.add_argument("config", nargs="?", help="TOML config file with [rl] prompts (e.g. configs/debug-rl.toml)")
     from mop import convert
 
     convert.add_arguments(commands.add_parser("convert", help="convert between mop checkpoints and Hugging Face "
@@ -109,8 +117,10 @@ def build_parser(benchmark: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def run_train(config_path: str | None, overrides: list[str]) -> None:
+def run_train(config_path: str | None, overrides: list[str], command: str = "train") -> None:
     config = load_config(config_path, overrides)
+    if command == "rl":
+        config = rl_config(config)
     if under_torchrun():  # resolved for the world torchrun started, once the ranks have joined
         train(config, say_peer_lost=True)
         return
@@ -119,6 +129,14 @@ def run_train(config_path: str | None, overrides: list[str]) -> None:
         train(config)
     else:
         launch(config)
+
+
+def rl_config(config: Config) -> Config:
+    """`mop rl`'s run: `mop train`'s on the rollouts the loop draws from rl.prompts."""
+    if not config.rl.prompts:
+        raise ConfigError("rl.prompts", "mop rl samples rollouts of prompts: set [rl] prompts to a jsonl of "
+                          "{\"prompt\": ..., \"answer\": ...} rows (configs/debug-rl.toml has one)")
+    return dataclasses.replace(config, data=dataclasses.replace(config.data, format="rollouts"))
 
 
 def run_plan(args) -> None:
@@ -158,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
-        run_train(args.config, rest)
+        run_train(args.config, rest, args.command)
     except USER_ERRORS as err:
         print(f"mop: error: {err}", file=sys.stderr)
         return 2

@@ -242,6 +242,10 @@ class CheckpointConfig:
     (start fresh if there is none). A path: resume from that step_<N> directory, saved by any
     layout or world size; a checkpoint without optimizer state (`mop convert from-hf`) starts
     the optimizer fresh."""
+    init: str = ""
+    """Start from the weights of a checkpoint (a step_<N> directory of any run, layout or world size, or
+    `mop convert from-hf`'s), at step 0 with a fresh optimizer and this run's data from its start: the next
+    stage of fine-tuning (RL after SFT), not a resume. Ignored when checkpoint.resume finds a checkpoint."""
     allow_tokenizer_change: bool = False
     """Resume even though data.tokenizer is not the tokenizer the checkpoint was trained with (another
     fingerprint of tokenizer.json, or byte vs HF): the checkpoint's ids then stand for other tokens,
@@ -367,6 +371,28 @@ class RlConfig:
     reference_dir: str = ""
     """Where precomputed reference log-probs are stored and read ("": <run directory>/reference); they are
     fingerprinted to the starting weights and the packed data, and another start refuses them."""
+    prompts: str = ""
+    """The RL loop (`mop rl`, mop.rl.loop): a jsonl of prompts, each row a `prompt` (text, or a list of messages
+    rendered with the chat template and its generation prompt) and the `answer` the reward compares with; each
+    batch the engine samples rl.group completions of rl.prompts_per_batch of them with the current weights, the
+    reward scores them and the batch trains on them. "": train on recorded rollouts (data.source) instead."""
+    reward: str = "exact_match"
+    """The RL loop's reward of a completion's text and its prompt's answer: a shipped one (exact_match,
+    boxed_number, think_answer_format; mop.rl.rewards) or an importable module:function."""
+    group: int = 8
+    """Completions sampled per prompt (TRL's num_generations): the group whose rewards give the advantages."""
+    prompts_per_batch: int = 8
+    """Prompts per batch of the RL loop; their prompts_per_batch x group rollouts are packed into
+    train.global_batch sequences of data.seq_len (padded with empty ones)."""
+    engine: Literal["transformers", "vllm", "sglang"] = "transformers"
+    """The RL loop's inference engine: transformers' generate on the CPU from a folder the weights are written
+    to (mop.rl.engine); vLLM and SGLang are not implemented."""
+    sync_bucket_mb: int = 512
+    """The weight sync's bucket: the most MiB of checkpoint tensors gathered on rank 0 before they are sent."""
+    off_policy: bool = False
+    """One-step-off-policy: the engine samples batch k + 1 with the weights batch k starts from while the trainer
+    trains on batch k (sampled one update earlier), overlapping generation with training; False: each batch is
+    sampled with the weights it trains."""
 
 
 @dataclass(frozen=True)

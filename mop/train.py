@@ -57,6 +57,7 @@ from mop.optim.schedule import learning_rate
 from mop.parallel.mesh import TorchrunEnv
 from mop.profiling import step_profile
 from mop.progress import StepProgress
+from mop.rl.feed import RolloutFeed
 from mop.run_dir import shared_run_dir
 from mop.runtime import (
     Runtime,
@@ -278,7 +279,10 @@ def _train(config: Config, runtime: Runtime, stop: StopRequest | None = None,
     # On the CPU what the process holds before the run exists (interpreter, libraries, process
     # groups): the part of `peak_mem_bytes` no memory model of the run accounts for.
     before = peak_memory_bytes(runtime.device)
-    with closing(build_run(config, runtime)) as run:  # its worker threads end on every way out
+    feed = RolloutFeed(config, run_dir, runtime.is_main) if config.rl.prompts else None  # the RL loop's data
+    with closing(build_run(config, runtime, feed)) as run:  # its worker threads end on every way out
+        if feed is not None:
+            feed.bind(run)
         return _steps(run, run_dir, stop, before)
 
 
@@ -406,5 +410,24 @@ def resume(run: TrainingRun, run_dir: Path) -> int:
         checkpoint.load(path, run.model, run.optimizer, run.views, meta=meta)
         if meta["data"] is not None:
             run.data.stream.load_state_dict(meta["data"])
+    elif config.checkpoint.init:
+        meta = start_from(run, Path(config.checkpoint.init))
     run.reference = objective_for(run).prepare(run_dir, meta)
     return meta["step"] if meta is not None else 0
+
+
+def start_from(run: TrainingRun, path: Path) -> dict:
+    """Load the weights of checkpoint `path` (`checkpoint.init`: no optimizer state, no data position);
+    returns its meta as a step-0 start's (what a precomputed reference's identity names)."""
+    config = run.config
+    if not (path / checkpoint.META).is_file():
+        raise ConfigError("checkpoint.init", f"{path} is not a complete mop checkpoint (no {checkpoint.META}); pass "
+                          "a step_<N> directory (or mop convert from-hf's), or '' to start from the initial weights")
+    meta = checkpoint.read_meta(path)
+    checkpoint.check_compatible(meta, config, path)
+    check_resume(meta, config, run.base, path)
+    checkpoint.check_tokenizer(meta, run.data.tokenizer, config, path)
+    checkpoint.load(path, run.model, run.optimizer, run.views, with_optimizer=False, meta=meta)
+    if run.runtime.is_main:
+        print(f"mop: starting from the weights of {path} (step {meta['step']}) at step 0")
+    return {**meta, "step": 0, "init": str(path), "init_step": meta["step"]}

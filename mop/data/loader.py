@@ -160,6 +160,9 @@ class Data(NamedTuple):
     dataset: PackedDataset | ChatDataset | PreferenceDataset | RolloutDataset
     stream: SequenceStream
 
+    def close(self) -> None:
+        """Nothing to end (the RL loop's data, `mop.rl.feed.RolloutFeed`, ends its sampling thread)."""
+
 
 def source_options(d, rollouts: RolloutSettings | None = None) -> dict:
     """The ``load_dataset`` keywords that a run's data settings (``mop.config.DataConfig``) give;
@@ -181,7 +184,7 @@ def load_dataset(source: str, tok: AnyTokenizer, seq_len: int, seed: int, *, tex
         template = chat.template(required=False)
         encoder = RolloutRows(tok if template is None else template.tokenizer, template, rollouts.shape)
         corpus = read_rollouts(source, encoder, rollouts.scale_rewards, chat.skip_invalid)
-        return RolloutDataset(corpus, seq_len, seed, tok.pad_id)
+        return RolloutDataset(corpus, seq_len, seed, tok.pad_id, rollouts.sequences)
     if chat is None:
         if is_prepared(source):
             raise other_format(source, prepared_kind(source))

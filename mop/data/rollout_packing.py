@@ -32,15 +32,28 @@ from mop.data.errors import DataError
 from mop.data.rollouts import RolloutCorpus
 
 
+def padded_bounds(bounds: np.ndarray, sequences: int, seq_len: int) -> np.ndarray:
+    """A packing's sequence bounds with empty sequences (padding only, no target) after its own, `sequences`
+    in all: the RL loop's batches hold a fixed count whatever its rollouts' lengths."""
+    packed = len(bounds) - 1
+    if packed > sequences:
+        raise DataError(f"train.global_batch: the batch's rollouts fill {packed} sequences of data.seq_len = "
+                        f"{seq_len} tokens and the batch holds {sequences}; raise train.global_batch or data.seq_len, "
+                        "or lower rl.prompts_per_batch, rl.group or rl.max_completion_length")
+    return np.concatenate([bounds, np.full(sequences - packed, bounds[-1], dtype=bounds.dtype)])
+
+
 class RolloutDataset(Dataset):
     """Packed sequence i of recorded rollouts as a dict of tensors (the module docstring)."""
 
-    def __init__(self, corpus: RolloutCorpus, seq_len: int, seed: int, pad_id: int):
+    def __init__(self, corpus: RolloutCorpus, seq_len: int, seed: int, pad_id: int, sequences: int = 0):
         if seq_len < 2:
             raise DataError(f"data.seq_len = {seq_len}: a rollout needs at least 2 tokens; raise data.seq_len")
         self.corpus, self.seq_len, self.pad_id = corpus, seq_len, pad_id
         kept, dropped, _ = fitted_lengths(corpus, seq_len, "drop")
         items, bounds = pack(kept, seq_len, seed)
+        if sequences:
+            bounds = padded_bounds(bounds, sequences, seq_len)
         self.packing = Packing(items, kept[items], bounds, dropped, 0)
         self.rollouts_max = int(np.diff(bounds).max(initial=1))
         self.reference: np.ndarray | None = None  # set by the trainer: then items have reference_logps

@@ -92,6 +92,9 @@ class RolloutSettings:
 
     shape: RouteShape
     scale_rewards: ScaleRewards = "group"
+    sequences: int = 0
+    """The packed sequences served (the RL loop's fixed global batch: empty ones pad the packing to it);
+    0: as many as the rollouts fill."""
 
 
 @dataclass(frozen=True)

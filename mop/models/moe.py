@@ -61,10 +61,10 @@ def load_balancing_loss(stats: RouterStats) -> torch.Tensor:
     f_e = assignments / rows and P_e = prob_sum / rows, pooled over all MoE layers of a sequence:
     for one sequence this is exactly Hugging Face's `load_balancing_loss_func`. The caller divides
     the sum by the global number of sequences, so the loss is a per-sequence mean whatever the
-    micro-batching or layout.
+    micro-batching or layout. A sequence of padding only (the RL loop pads its batches with them) adds 0.
     """
     experts = stats.assignments.shape[-1]
-    rows = stats.rows.unsqueeze(-1)
+    rows = stats.rows.clamp(min=1).unsqueeze(-1)  # no real row: its sums are 0, and 0 / 0 would be NaN
     per_sequence = experts * ((stats.assignments / rows) * (stats.prob_sum / rows)).sum(-1)
     return per_sequence.sum()
 

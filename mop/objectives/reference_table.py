@@ -48,6 +48,8 @@ def starting_weights(run: TrainingRun, meta: dict | None) -> dict:
     if meta is not None:
         if "hf_weights" in meta:
             return {"kind": "hf", "path": meta["hf_weights"], "fingerprint": meta["hf_fingerprint"]}
+        if "init" in meta:  # checkpoint.init: another run's weights
+            return {"kind": "checkpoint", "path": meta["init"], "step": meta["init_step"]}
         return {"kind": "checkpoint", "config": _digest(meta["config"]["model"]), "step": meta["step"]}
     return {"kind": "initial", "seed": run.config.train.seed, "init_std": run.config.model.init_std}
 

@@ -49,6 +49,7 @@ class TransformersEngine(Engine):
     def load(self, folder: Path) -> None:
         import transformers
 
+        transformers.utils.logging.disable_progress_bar()  # a bar per sync would bury the run's own
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
             folder, attn_implementation="eager", dtype=torch.float32).eval()
 
@@ -59,7 +60,8 @@ class TransformersEngine(Engine):
         torch.manual_seed(seed)
         rows = []
         for prompt in prompts:
-            out = self.model.generate(torch.tensor([prompt] * group), do_sample=True, temperature=1.0, top_k=0,
+            ids = torch.tensor([prompt] * group)
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
                                       top_p=1.0, max_new_tokens=max_new_tokens, output_logits=True,
                                       return_dict_in_generate=True, eos_token_id=self.eos_id,
                                       pad_token_id=self.eos_id)

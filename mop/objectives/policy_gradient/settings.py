@@ -18,9 +18,14 @@ def decide(config: Config) -> Config:
 
 def check_settings(config: Config, world: int) -> None:
     """The [rl] settings' ranges, and what a rollouts run cannot do (one line each)."""
+    if config.rl.prompts and config.data.format != "rollouts":
+        raise ConfigError("data.format", f"'{config.data.format}': the RL loop (rl.prompts) trains on the rollouts it "
+                          "samples; set --data.format=rollouts (mop rl sets it)")
     if config.data.format != "rollouts":
         return
     rl = config.rl
+    if rl.prompts:
+        check_loop(config)
     if rl.epsilon <= 0 or rl.epsilon_high < 0:
         raise ConfigError("rl.epsilon", f"must be > 0 (and rl.epsilon_high >= 0, 0: epsilon), got {rl.epsilon} and "
                           f"{rl.epsilon_high}")
@@ -69,3 +74,23 @@ def check_settings(config: Config, world: int) -> None:
                           "engine never sampled); set --data.overlong=drop and a data.seq_len that holds them")
     if config.eval.every:
         raise NotImplementedError("eval.every: held-out evaluation of rollouts is not implemented; set --eval.every=0")
+
+
+def check_loop(config: Config) -> None:
+    """What the RL loop (rl.prompts, `mop.rl.feed`) needs beyond training on recorded rollouts."""
+    rl = config.rl
+    if rl.group < 2:
+        raise ConfigError("rl.group", f"a prompt's advantages compare its group's rewards: must be >= 2, got {rl.group}")
+    if rl.prompts_per_batch < 1:
+        raise ConfigError("rl.prompts_per_batch", f"must be >= 1, got {rl.prompts_per_batch}")
+    if rl.sync_bucket_mb < 1:
+        raise ConfigError("rl.sync_bucket_mb", f"must be >= 1, got {rl.sync_bucket_mb}")
+    if rl.reference == "precomputed":
+        raise ConfigError("rl.reference", "'precomputed' covers recorded rollouts, and the RL loop samples new ones "
+                          "every batch; set --rl.beta=0, or train LoRA (the KL's reference is then its base)")
+    if config.adapters is not None:
+        raise NotImplementedError("the RL loop with train.finetune = 'lora': exporting a LoRA run's weights to the "
+                                  "engine is not implemented; set --train.finetune=full")
+    if rl.engine != "transformers":
+        raise NotImplementedError(f"rl.engine = '{rl.engine}': the vLLM and SGLang engines are not implemented "
+                                  "(mop/rl/PROTOCOLS.md has their protocols); set --rl.engine=transformers")
