@@ -200,6 +200,13 @@ def plot_run(metrics_path: Path, png_path: Path) -> None:
                        ["rank_load_imbalance_before", "rank_load_imbalance_after"]))
     if "optimizer_exposed_s" in present:
         panels.append(("host optimizer time the step waited for", "seconds", ["optimizer_exposed_s"]))
+    if "reward" in present:  # RL: the batch's mean reward, and its mean over the last 10 steps
+        panels.append(("reward", "mean reward", ["reward", "reward, last 10 steps"]))
+        rewards = [r["reward"] for r in records if "reward" in r]
+        for at, r in enumerate(r for r in records if "reward" in r):
+            r["reward, last 10 steps"] = sum(rewards[max(0, at - 9):at + 1]) / len(rewards[max(0, at - 9):at + 1])
+    if "routing/replay_mismatch" in present:
+        panels.append(("routing replay: tokens whose own top-k differs", "share", ["routing/replay_mismatch"]))
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.5), squeeze=False)
     for ax, (title, unit, keys) in zip(axes[0], panels):
         for key in keys:

@@ -57,7 +57,7 @@ from mop.optim.schedule import learning_rate
 from mop.parallel.mesh import TorchrunEnv
 from mop.profiling import step_profile
 from mop.progress import StepProgress
-from mop.rl.feed import RolloutFeed
+from mop.rl.feed import sampled_data
 from mop.run_dir import shared_run_dir
 from mop.runtime import (
     Runtime,
@@ -279,7 +279,7 @@ def _train(config: Config, runtime: Runtime, stop: StopRequest | None = None,
     # On the CPU what the process holds before the run exists (interpreter, libraries, process
     # groups): the part of `peak_mem_bytes` no memory model of the run accounts for.
     before = peak_memory_bytes(runtime.device)
-    feed = RolloutFeed(config, run_dir, runtime.is_main) if config.rl.prompts else None  # the RL loop's data
+    feed = sampled_data(config, run_dir, runtime.is_main)  # the RL loop's: rollouts drawn each batch
     with closing(build_run(config, runtime, feed)) as run:  # its worker threads end on every way out
         if feed is not None:
             feed.bind(run)

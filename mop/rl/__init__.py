@@ -1,8 +1,12 @@
-"""Reinforcement learning's loop around the trainer (issue 48), being built:
+"""Reinforcement learning's loop around the trainer (issue 48):
+- `feed`: the loop's data, each batch's rollouts sampled by the engine with the synced weights,
+  rewarded and packed as recorded rollouts (what `mop rl` trains on);
+- `prompts`: the prompts and their answers (`rl.prompts`);
 - `weights`: the trainer's weights exported for an inference engine, in buckets of its checkpoint's
   names and layout, and a Hugging Face folder sender;
 - `engine`: an inference engine behind one interface (transformers' `generate` on the CPU), whose
   rollouts are rows `data.format = "rollouts"` reads;
 - `rewards`: verifiable rewards a run names.
-Not yet: the trainer interface for RL frameworks, vLLM's and SGLang's senders and engines, `mop rl`.
+Not yet: a trainer interface for RL frameworks, vLLM's and SGLang's senders and engines, the export
+of LoRA runs and of published FP8/MXFP4 formats.
 """

@@ -48,6 +48,11 @@ from mop.rl.rewards import reward_function
 from mop.rl.weights import weight_buckets, write_folder
 
 
+def sampled_data(config: Config, run_dir: Path, is_main: bool) -> RolloutFeed | None:
+    """The RL loop's data where `rl.prompts` names prompts (`mop rl`), else None: the run reads data.source."""
+    return RolloutFeed(config, run_dir, is_main) if config.rl.prompts else None
+
+
 class RolloutFeed:
     """The RL loop's data (module docstring); `bind` gives it the run whose weights it samples with."""
 
