@@ -27,6 +27,7 @@ import dataclasses
 import json
 import sys
 import time
+from collections.abc import Callable
 from contextlib import closing, nullcontext
 from pathlib import Path
 
@@ -321,37 +322,51 @@ def _steps(run: TrainingRun, run_dir: Path, stop: StopRequest, before: int) -> l
     return records
 
 
+def run_step(run: TrainingRun, step: int, batches: Callable[[], list[dict]], objective: Objective,
+             state_memory: dict) -> dict:
+    """Optimizer step `step` (from 0) of the run on this rank's micro-batches (`batches()`, read inside the
+    step's time: the RL loop draws them then) with the loop's `objective`; returns its record (the losses,
+    the update, speed, memory, the data's and the techniques' metrics)."""
+    config, runtime = run.config, run.runtime
+    reset_peak_memory(runtime.device, run.offload_store)
+    start = time.perf_counter()
+    lr = learning_rate(config, step)
+    run.optimizer.begin_step(lr)
+    with step_profile(run.model, step + 1 == config.log.profile_step) as profiled:
+        losses = train_step(run, batches(), step % objective.updates_per_batch, objective)
+        outcome = update(run)
+    elapsed = time.perf_counter() - start
+    return {"step": step + 1, **losses, "lr": lr, **outcome,
+            "tokens_per_s": losses["tokens"] / elapsed, "step_time_s": elapsed,
+            **utilisation(losses["model_flops"], elapsed, runtime),
+            **step_memory(runtime, run.offload_store), **state_memory, **run.data.dataset.stats,
+            **technique_metrics(run.model, runtime.world_group, runtime.device),
+            **worst_rank(profiled.record(elapsed), runtime)}
+
+
 def _loop(run: TrainingRun, run_dir: Path, stop: StopRequest, steps: range, records: list[dict],
           logger: MetricsLogger | None, progress: StepProgress, skips: SkippedSteps, state_memory: dict) -> Stopped | None:
     """Run `steps`, appending each step's record to `records`; a `Stopped` when a signal ended them early."""
     config, runtime = run.config, run.runtime
     objective = objective_for(run)  # one for the whole loop: it may keep a batch's state across its updates
     per_batch, batches = objective.updates_per_batch, None
+
+    def batches_of(step: int) -> list[dict]:
+        nonlocal batches
+        if step % per_batch == 0:
+            batches = run.next_batches()
+        elif batches is None:  # resumed inside a batch's updates: the stream served it before the checkpoint
+            batches = run.last_batches()
+        return batches
+
     for step in steps:
         done = step + 1  # every record, checkpoint and line numbers a step by the steps done after it
-        reset_peak_memory(runtime.device, run.offload_store)
-        start = time.perf_counter()
-        lr = learning_rate(config, step)
-        run.optimizer.begin_step(lr)
-        with step_profile(run.model, done == config.log.profile_step) as profiled:
-            if step % per_batch == 0:
-                batches = run.next_batches()
-            elif batches is None:  # resumed inside a batch's updates: the stream served it before the checkpoint
-                batches = run.last_batches()
-            losses = train_step(run, batches, step % per_batch, objective)
-            outcome = update(run)
-        elapsed = time.perf_counter() - start
-        record = {"step": done, **losses, "lr": lr, **outcome,
-                  "tokens_per_s": losses["tokens"] / elapsed, "step_time_s": elapsed,
-                  **utilisation(losses["model_flops"], elapsed, runtime),
-                  **step_memory(runtime, run.offload_store), **state_memory, **run.data.dataset.stats,
-                  **technique_metrics(run.model, runtime.world_group, runtime.device),
-                  **worst_rank(profiled.record(elapsed), runtime)}
-        record.update(skips.count(done, outcome["skipped"]))
+        record = run_step(run, step, lambda: batches_of(step), objective, state_memory)
+        record.update(skips.count(done, record["skipped"]))
         if run.held_out is not None and (done % config.eval.every == 0 or done == config.train.steps):
             record["eval_loss"] = evaluate(run)
         records.append(record)
-        progress.step_done(done, loss=f"{losses['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
+        progress.step_done(done, loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
                            **({"eval": f"{record['eval_loss']:.4f}"} if "eval_loss" in record else {}),
                            **({"skipped": record["skipped_steps"]} if record["skipped_steps"] else {}))
         if logger is not None:
@@ -362,7 +377,7 @@ def _loop(run: TrainingRun, run_dir: Path, stop: StopRequest, steps: range, reco
             return Stopped(signum, done, config.train.steps, save(run, run_dir, done), run_dir)
         # A skipped step changed nothing: no checkpoint rotates out a good one for it.
         every, last = config.checkpoint.every, done == config.train.steps
-        if not outcome["skipped"] and ((every and done % every == 0) or (last and (every or config.checkpoint.final))):
+        if not record["skipped"] and ((every and done % every == 0) or (last and (every or config.checkpoint.final))):
             save(run, run_dir, done)
     return None
 

@@ -15,6 +15,8 @@ on each position whose label is a generated token (0, NaN or -1 elsewhere):
 - `rollout_starts` (bool): its first such position, so any slice of the row counts each rollout once
   (`loader.sequence_shard`); `rewards` (float32, NaN but at a start: the rollout's reward, NaN when
   it has none) and `zero_std` (bool, at a start: `RolloutCorpus.zero_std`);
+- `sequence_starts` (bool): True at position 0 of a sequence holding rollouts, so the step counts the
+  sequences that are data (the RL loop pads its batches with empty ones, `RolloutSettings.sequences`);
 - with routes, `routes` (int16 `[S, moe_layers, top_k]`): each input token's recorded experts (-1:
   none; no shift: token t's routes are its own), what the MoE layers replay;
 - once the trainer sets `reference` (float32 `[sequences, S]`, each position's reference log-prob of
@@ -74,7 +76,8 @@ class RolloutDataset(Dataset):
         extra = {"advantages": np.zeros(s, np.float32), "sampling_logps": np.full(s, np.nan, np.float32),
                  "rollout_ids": np.full(s, -1, np.int64), "rollout_tokens": np.zeros(s, np.float32),
                  "rollout_starts": np.zeros(s, bool), "rewards": np.full(s, np.nan, np.float32),
-                 "zero_std": np.zeros(s, bool)}
+                 "zero_std": np.zeros(s, bool), "sequence_starts": np.zeros(s, bool)}
+        extra["sequence_starts"][0] = p.bounds[i + 1] > p.bounds[i]  # not one of the RL loop's empty sequences
         if c.routes is not None:
             extra["routes"] = np.full((s, *c.routes.shape[1:]), -1, np.int16)
         for j, k in enumerate(range(p.bounds[i], p.bounds[i + 1])):

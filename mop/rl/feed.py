@@ -139,7 +139,7 @@ class RolloutFeed:
         if self.is_main:
             try:
                 rows, generating = self._rows(batch, folder)
-                _write_rows(self._file(batch), rows)
+                write_rows(self._file(batch), rows)
             except Exception as err:  # said on every rank below, then raised here
                 failure = err
         said = [None if failure is None else f"{type(failure).__name__}: {failure}"]
@@ -191,13 +191,18 @@ class RolloutFeed:
             raise DataError(f"rl.prompts: {path}, the rollouts of batch {batch} this run resumes inside, is gone; "
                             "resume from a checkpoint at a batch's start (checkpoint.every a multiple of "
                             "rl.updates_per_batch)")
-        settings = rollout_settings(config, sequences=config.train.global_batch)
-        self._dataset = load_dataset(str(path), self.tokenizer, config.data.seq_len, config.train.seed,
-                                     **source_options(config.data, settings))
-        self._batch = batch
+        self._dataset, self._batch = rollout_batch(config, self.tokenizer, path), batch
 
 
-def _write_rows(path: Path, rows: list[dict]) -> None:
+def rollout_batch(config: Config, tokenizer, path: Path):
+    """The rollout rows of `path` packed as one global batch: recorded rollouts (`RolloutDataset`) padded to
+    `train.global_batch` sequences."""
+    settings = rollout_settings(config, sequences=config.train.global_batch)
+    return load_dataset(str(path), tokenizer, config.data.seq_len, config.train.seed,
+                        **source_options(config.data, settings))
+
+
+def write_rows(path: Path, rows: list[dict]) -> None:
     """The rows as jsonl, whole or not at all (written aside, then renamed)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     aside = path.with_suffix(".partial")

@@ -60,7 +60,8 @@ class PolicyGradient(Objective):
 
     def micro_batch_loss(self, counts: StepCounts) -> PolicyGradientLoss:
         run = self.run
-        return PolicyGradientLoss(run.model, run.config.rl, self._counts(counts), counts.sequences,
+        # the aux loss's mean over the sequences holding rollouts: the RL loop's empty ones are not data
+        return PolicyGradientLoss(run.model, run.config.rl, self._counts(counts), self._counts(counts)["sequences"],
                                   run.data.dataset.rollouts_max, self.replay, self.moe_layers, counts.update,
                                   self.cache)
 

@@ -35,15 +35,23 @@ def attach(run: TrainingRun, run_dir: Path, meta: dict | None, replay: bool) -> 
     return reference_table.attach(run, run_dir, meta, "rl", lambda run: compute(run, replay))
 
 
-@torch.no_grad()
 def compute(run: TrainingRun, replay: bool) -> np.ndarray:
     """The `[sequences, seq_len]` float32 table of the starting weights' per-position log-probs of
     their labels (0 where none; module docstring)."""
+    return token_tables(run, replay)[0]
+
+
+@torch.no_grad()
+def token_tables(run: TrainingRun, replay: bool, entropy: bool = False) -> list[np.ndarray]:
+    """The `[sequences, seq_len]` float32 table of the run's current weights' per-position log-probs
+    of their labels and, with `entropy`, the table of their entropies (0 where no label; module
+    docstring), on every rank: what the reference precomputes and `mop.trainer.Trainer.log_probs`
+    returns."""
     config, runtime, dataset = run.config, run.runtime, run.data.dataset
     count, size, d = len(dataset), config.train.global_batch, config.parallel.sequence
     width = config.data.seq_len // d
     first = runtime.rank % d * width  # this rank's slice of each sequence
-    table = torch.zeros(count, config.data.seq_len)
+    table = torch.zeros(1 + entropy, count, config.data.seq_len)  # log-probs (, entropies)
     with run.autocast():
         for start in range(0, count, size):
             # the global batch the step at `start` trains, in its micro-batches: the first step's
@@ -54,11 +62,11 @@ def compute(run: TrainingRun, replay: bool) -> np.ndarray:
                 terms = run.model.policy_terms(batch["input_ids"], batch["labels"], batch["position_ids"],
                                                batch["document_ids"], batch.get("padding"),
                                                batch.get("routes") if replay else None)
-                logps = terms.logps.float().cpu()
+                values = torch.stack([terms.logps.float(), terms.entropy.float()][:1 + entropy]).cpu()
                 for row, (position, sequence) in enumerate(rows):
                     if position < count:  # the first epoch's: a sequence the last batch repeats is not
-                        table[sequence, first:first + width] = logps[row]
+                        table[:, sequence, first:first + width] = values[:, row]
     if runtime.layout is not None:
         table = table.to(runtime.device)
         dist.all_reduce(table, group=runtime.layout.world_group)
-    return table.cpu().numpy()
+    return list(table.cpu().numpy())

@@ -80,7 +80,8 @@ def check_loop(config: Config) -> None:
     """What the RL loop (rl.prompts, `mop.rl.feed`) needs beyond training on recorded rollouts."""
     rl = config.rl
     if rl.group < 2:
-        raise ConfigError("rl.group", f"a prompt's advantages compare its group's rewards: must be >= 2, got {rl.group}")
+        raise ConfigError("rl.group", f"a prompt's advantages compare its group's rewards: must be >= 2, got "
+                          f"{rl.group}")
     if rl.prompts_per_batch < 1:
         raise ConfigError("rl.prompts_per_batch", f"must be >= 1, got {rl.prompts_per_batch}")
     if rl.sync_bucket_mb < 1:

@@ -50,7 +50,7 @@ from mop.objectives.policy_gradient.loss import (
     token_losses,
 )
 
-COUNTS = ("rollouts", "sampled_tokens", "rewarded_rollouts")
+COUNTS = ("rollouts", "sampled_tokens", "rewarded_rollouts", "sequences")
 SUMS_ONLY = ("reward_", "zero_std", "replay_")  # parts the record turns into other values
 
 
@@ -66,7 +66,8 @@ def local_counts(batches: list[dict]) -> list[int]:
     rollouts = sum(int(b["rollout_starts"].sum()) for b in batches)
     sampled = sum(int(((b["labels"] != IGNORE_INDEX) & ~b["sampling_logps"].isnan()).sum()) for b in batches)
     rewarded = sum(int((b["rollout_starts"] & ~b["rewards"].isnan()).sum()) for b in batches)
-    return [rollouts, sampled, rewarded]
+    sequences = sum(int(b["sequence_starts"].sum()) for b in batches)  # the load-balancing loss's count
+    return [rollouts, sampled, rewarded, sequences]
 
 
 def step_counts(targets: int, own) -> dict[str, int]:
@@ -244,5 +245,5 @@ def step_record(parts: list[float], names: list[str], counts: dict[str, int], mo
         record["routing/replay_mismatch"] = sum(mismatched) / max(sum(replayed), 1)
         record.update({f"routing/replay_mismatch/layer_{layer}": m / max(t, 1)
                        for layer, (m, t) in enumerate(zip(mismatched, replayed))})
-    record.update({"rollouts": rollouts, "completion_tokens": counts["tokens"]})
+    record.update({"rollouts": rollouts, "completion_tokens": counts["tokens"], "sequences": counts["sequences"]})
     return record
