@@ -5,7 +5,7 @@ batches of rollout rows handed in instead of read from data.source.
     trainer = Trainer(config)                 # under torchrun: joins the ranks, settles, builds the run
     trainer.log_probs(rows)                   # each row's completion tokens' log-probs and entropies
     records = trainer.train(rows)             # rl.updates_per_batch optimizer steps on the rows
-    for bucket in trainer.weights():          # the weights for the engine, rank 0's buckets
+    for bucket in trainer.weights():          # the weights for the engine, rank 0's buckets (or as published)
         engine_update(bucket)
     trainer.save(); trainer.load(path)        # checkpoints any layout reads
     trainer.sleep(); trainer.wake()           # device memory released and restored between phases
@@ -42,6 +42,7 @@ from mop.build import build_run
 from mop.config import Config
 from mop.data import DataError, load_tokenizer
 from mop.metrics import peak_memory_bytes
+from mop.models.hf import AsPublished, HFWeights
 from mop.objectives import objective_for
 from mop.objectives.policy_gradient.reference import token_tables
 from mop.rl.feed import rollout_batch, write_rows
@@ -150,10 +151,17 @@ class Trainer:
             self.step += 1
         return records
 
-    def weights(self, bucket_mb: int | None = None, dtype: torch.dtype = torch.bfloat16) -> Iterator[Bucket]:
+    def weights(self, bucket_mb: int | None = None, dtype: torch.dtype = torch.bfloat16,
+                published: str | Path | None = None) -> Iterator[Bucket]:
         """The weights for the engine in `dtype`, in buckets of `bucket_mb` MiB (None: `rl.sync_bucket_mb`) on
-        rank 0, in the hub layout (`mop.rl.weights.weight_buckets`); every rank iterates them to the end."""
-        return weight_buckets(self.run, (bucket_mb or self.config.rl.sync_bucket_mb) << 20, dtype)
+        rank 0, in the hub layout (`mop.rl.weights.weight_buckets`); every rank iterates them to the end.
+        `published`: the Hugging Face folder the weights were imported from (`mop convert from-hf`), whose
+        format they are sent in (its fp8 blocks or MXFP4 experts re-quantized, its dtypes)."""
+        form = None
+        if published is not None:
+            with HFWeights(Path(published)) as base:
+                form = AsPublished(base)
+        return weight_buckets(self.run, (bucket_mb or self.config.rl.sync_bucket_mb) << 20, dtype, form)
 
     def save(self) -> Path:
         """A checkpoint of the trainer's step (`<run dir>/checkpoints/step_<N>`), collective."""

@@ -83,3 +83,75 @@ def test_exported_weights_load_in_transformers_and_give_the_trainers_log_probs(t
             logits = model(ids[:, at]).logits.float()
         theirs = logits.log_softmax(-1).gather(-1, labels[:, at].clamp(min=0).unsqueeze(-1)).squeeze(-1)
         assert_close(theirs[kept[:, at]], logps[:, at][kept[:, at]], rtol=1e-5, atol=1e-5)
+
+
+def export_published(rank: int, world: int, imported: str, overrides: list[str], published: str, plain: str,
+                     sent: str) -> None:
+    """After a step from the imported published base: the weights in fp32 (`plain`), and as the base
+    publishes them (`sent`)."""
+    from pathlib import Path
+
+    from mop.models.hf import AsPublished, HFWeights
+    from mop.train import start_from
+
+    config = settle(load_config(f"{imported}/model.toml", overrides), world, fit_memory=False)
+    p = config.parallel
+    layout = DistLayout(Layout(world, p.sequence, p.expert, p.vocab), torch.device("cpu"))
+    run = build_run(config, Runtime(rank, world, torch.device("cpu"), layout))
+    start_from(run, Path(imported))
+    train_step(run, run.next_batches())
+    update(run)
+    write_folder(weight_buckets(run, BUCKET, torch.float32), run, plain, torch.float32)
+    with HFWeights(Path(published)) as base:
+        form = AsPublished(base)
+    write_folder(weight_buckets(run, BUCKET, torch.bfloat16, form), run, sent, torch.bfloat16, form)
+
+
+def folder_tensors(folder) -> dict:
+    from safetensors.torch import load_file
+
+    return {key: value for file in sorted(folder.glob("*.safetensors")) for key, value in load_file(file).items()}
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", pytest.param("gpt_oss", marks=pytest.mark.slow)])
+def test_a_published_base_is_sent_as_its_publisher_quantizes_the_trainers_weights(tmp_path, family):
+    """DeepSeek-V3's fp8 blocks and gpt-oss's MXFP4 experts: from the mop layout on 2 ranks after a step
+    from the imported published checkpoint, every tensor sent equals, bit for bit, what the tests' own
+    quantizers (the ones the published base was made with) make of the trainer's fp32 weights, under
+    the same names; the others in the base's dtype; and mop reads the folder as a published base."""
+    import json
+    import shutil
+
+    import test_deepseek_v3
+    import test_gpt_oss
+    from safetensors.torch import save_file
+    from test_lora import published_pair
+
+    from mop.cli import main
+    from mop.models.hf import HFWeights
+
+    published, _ = published_pair(tmp_path, family)
+    assert main(["convert", "from-hf", str(published), str(tmp_path / "import"), "--tokenizer", "byte"]) == 0
+    layout = ["--parallel.strategy=mop", "--parallel.nproc=2", "--parallel.sequence=1", "--parallel.expert=2",
+              "--parallel.vocab=2", "--parallel.expert_balance=llep", "--train.dtype=float32", "--optim.offload=true",
+              "--data.seq_len=32", "--train.global_batch=2", "--train.micro_batch=1", "--optim.lr=0.01",
+              "--optim.warmup_steps=0"]
+    plain, sent = tmp_path / "plain", tmp_path / "sent"
+    run_distributed(export_published, 2, str(tmp_path / "import"), layout, str(published), str(plain), str(sent))
+    oracle = tmp_path / "oracle"  # the fp32 weights through the tests' quantizer, as the base was made
+    oracle.mkdir()
+    shutil.copy(published / "config.json", oracle / "config.json")
+    save_file(folder_tensors(plain), oracle / "model.safetensors", metadata={"format": "pt"})
+    if family == "deepseek_v3":
+        test_deepseek_v3.quantize_fp8(oracle, (16, 8))
+    else:
+        test_gpt_oss.quantize_mxfp4(oracle)
+    expected, got = folder_tensors(oracle), folder_tensors(sent)
+    assert sorted(got) == sorted(expected) and any(key.endswith(("_scale_inv", "_blocks")) for key in got)
+    for key, value in expected.items():
+        assert got[key].dtype.itemsize == value.dtype.itemsize, key
+        assert torch.equal(got[key].view(value.dtype), value), key
+    config = json.loads((sent / "config.json").read_text())
+    assert config["quantization_config"] == json.loads((published / "config.json").read_text())["quantization_config"]
+    with HFWeights(sent) as weights:
+        assert weights.quantized.format is not None

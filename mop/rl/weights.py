@@ -20,8 +20,15 @@ on rank 0 the open bucket: about one bucket plus one to two times a layer's larg
 (its experts), whatever the model's size (`mop bench rl-sync`). Communication: each parameter once, in the
 export dtype (bf16: half of fp32's bytes).
 
-Not yet (`NotImplementedError`): LoRA runs (their frozen base in a published format, merged or
-adapters alone), a published format as the export's (FP8 blocks re-quantized, MXFP4 experts).
+In a published format (`published`: `mop.models.hf.AsPublished` of the Hugging Face folder the run's
+weights came from, e.g. DeepSeek-V3's fp8 checkpoint imported with `mop convert from-hf`): each
+parameter is gathered in fp32, and each checkpoint tensor the base publishes quantized is sent
+re-quantized (fp8 e4m3 with its block scales as `<key>` and `<key>_scale_inv`; MXFP4 experts as
+`<key>_blocks` and `<key>_scales`), every other one in the dtype the base stores it in: what an engine
+serving the published checkpoint takes (vLLM re-quantizes nothing then), the trainer's weights
+quantized as the base's publisher quantized its own.
+
+Not yet (`NotImplementedError`): LoRA runs (merged, or the adapters alone).
 """
 
 from __future__ import annotations
@@ -36,16 +43,17 @@ from safetensors.torch import save_file
 
 from mop.build import TrainingRun
 from mop.models.families import family_of
-from mop.models.hf import config_to_hf
+from mop.models.hf import AsPublished, config_to_hf
 from mop.models.hf_mapping import Piece, model_pieces
 from mop.parallel.checkpointing import canonical_name
 
 Bucket = list[tuple[str, torch.Tensor]]
 
 
-def weight_buckets(run: TrainingRun, bucket_bytes: int, dtype: torch.dtype = torch.bfloat16) -> Iterator[Bucket]:
-    """The run's weights as buckets of `(hf_name, tensor)` on rank 0, none on the others (module
-    docstring); every rank iterates it to the end."""
+def weight_buckets(run: TrainingRun, bucket_bytes: int, dtype: torch.dtype = torch.bfloat16,
+                   published: AsPublished | None = None) -> Iterator[Bucket]:
+    """The run's weights as buckets of `(hf_name, tensor)` on rank 0, none on the others, in `dtype` or, with
+    `published`, in the base's published format (module docstring); every rank iterates it to the end."""
     if run.config.adapters is not None:
         raise NotImplementedError("exporting a LoRA run's weights (merged, or its adapters alone) is not implemented; "
                                   "export a full fine-tuning run, or merge with mop convert merge")
@@ -55,17 +63,25 @@ def weight_buckets(run: TrainingRun, bucket_bytes: int, dtype: torch.dtype = tor
     main = run.runtime.rank == 0
     bucket, size = [], 0
     for name, pieces in _by_tensor(model_pieces(cfg, family_of(cfg).hf, set())):
-        whole = _gathered(run, tensors[name], dtype)
+        whole = _gathered(run, tensors[name], dtype if published is None else torch.float32)
         for piece in pieces if main else ():
-            value = whole[piece.index].to(device="cpu", memory_format=torch.contiguous_format, copy=True)
-            if bucket and size + value.nbytes > bucket_bytes:
+            sent = _as_sent(piece.key, whole[piece.index], dtype, published)
+            nbytes = sum(value.nbytes for value in sent.values())
+            if bucket and size + nbytes > bucket_bytes:
                 yield bucket
                 bucket, size = [], 0
-            bucket.append((piece.key, value))
-            size += value.nbytes
+            bucket.extend(sent.items())
+            size += nbytes
         del whole
     if bucket:
         yield bucket
+
+
+def _as_sent(key: str, value: torch.Tensor, dtype: torch.dtype, published: AsPublished | None) -> dict:
+    """A checkpoint tensor as the engine takes it: contiguous host copies, in `dtype` or as published."""
+    value = value.to(device="cpu", memory_format=torch.contiguous_format, copy=True)
+    sent = published(key, value) if published is not None else None
+    return sent if sent is not None else {key: value.to(dtype)}
 
 
 def _by_tensor(pieces: list[Piece]) -> list[tuple[str, list[Piece]]]:
@@ -92,9 +108,11 @@ def _gathered(run: TrainingRun, tensor: torch.Tensor, dtype: torch.dtype) -> tor
     return whole
 
 
-def write_folder(buckets: Iterator[Bucket], run: TrainingRun, path: str | Path, dtype: torch.dtype) -> Path:
+def write_folder(buckets: Iterator[Bucket], run: TrainingRun, path: str | Path, dtype: torch.dtype,
+                 published: AsPublished | None = None) -> Path:
     """A sender: the buckets as a Hugging Face checkpoint folder (one safetensors file per bucket,
-    the index, config.json last), written by rank 0; every rank iterates the buckets."""
+    the index, config.json last, with the base's `quantization_config` when they are `published`),
+    written by rank 0; every rank iterates the buckets."""
     path = Path(path)
     names, weight_map = [], {}
     for number, bucket in enumerate(buckets):
@@ -105,5 +123,8 @@ def write_folder(buckets: Iterator[Bucket], run: TrainingRun, path: str | Path, 
         names.append(name)
     if run.runtime.rank == 0:
         (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-        (path / "config.json").write_text(json.dumps(config_to_hf(run.config.model, dtype=dtype), indent=2) + "\n")
+        config = config_to_hf(run.config.model, dtype=dtype)
+        if published is not None and published.config:
+            config["quantization_config"] = published.config
+        (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return path
