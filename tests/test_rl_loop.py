@@ -87,6 +87,15 @@ def test_the_loop_trains_on_what_the_engine_samples_with_its_weights(reference, 
     assert len({r["reward"] for r in records}) == 3  # each batch drawn anew
 
 
+def test_a_lora_loop_syncs_its_merged_weights(tmp_path, prompts):
+    """LoRA: the engine gets the base with the adapters merged in each batch, so on-policy its log-probs
+    are still the trainer's (adapters on), batch after batch, while the adapters learn."""
+    records, _ = rl(tmp_path, "lora", prompts, *REFERENCE, "--train.steps=3", "--train.finetune=lora",
+                    "--lora.rank=4", "--lora.targets=attention,routed_experts")
+    assert all(r["sampling/sampling_logp_difference/mean"] < 1e-5 for r in records)
+    assert all(r["routing/replay_mismatch"] == 0 for r in records) and len({r["reward"] for r in records}) == 3
+
+
 @pytest.mark.slow
 def test_the_loop_in_the_mop_layout_trains_like_one_process(tmp_path, reference, prompts):
     records, _ = rl(tmp_path, "mop", prompts, "--parallel.strategy=mop", "--parallel.nproc=2", "--parallel.expert=2",
@@ -165,7 +174,6 @@ def test_a_bad_prompt_row_is_one_line_naming_it(tmp_path, row, says):
     ("--rl.group=1", "rl.group: a prompt's advantages compare its group's rewards"),
     ("--rl.beta=0.1", "rl.reference: 'precomputed' covers recorded rollouts"),
     ("--rl.engine=vllm", "rl.engine = 'vllm': the vLLM and SGLang engines are not implemented"),
-    ("--train.finetune=lora", "the RL loop with train.finetune = 'lora'"),
     ("--data.seq_len=8", "data.seq_len: 8 cannot hold the longest prompt"),
     ("--train.global_batch=1", "train.global_batch: the batch's rollouts fill"),
 ])

@@ -38,40 +38,31 @@ COMMON = ["--model.vocab_size=259", "--model.hidden=32", "--model.layers=3", "--
 BUCKET = 16 * 1024
 
 
-def export_after_a_step(rank: int, world: int, overrides: list[str], folder: str) -> dict:
+def stepped_run(rank: int, world: int, overrides: list[str]):
+    """This rank's run of `overrides` after one training step."""
     config = settle(load_config(None, overrides), world, fit_memory=False)
     p = config.parallel
     layout = DistLayout(Layout(world, p.sequence, p.expert, p.vocab), torch.device("cpu"))
     run = build_run(config, Runtime(rank, world, torch.device("cpu"), layout))
     train_step(run, run.next_batches())
     update(run)
-    sizes = []
+    return run
 
-    def measured(buckets):
-        for bucket in buckets:
-            sizes.append((sum(t.nbytes for _, t in bucket), len(bucket)))
-            yield bucket
 
-    write_folder(measured(weight_buckets(run, BUCKET, torch.float32)), run, folder, torch.float32)
-    batch = run.rank_batches([0, 1], run.data.dataset)[0]  # data group 0 (ranks 0, 1) holds sequence 0
+def sequence_0(run) -> dict:
+    """The trainer's log-probs of data group 0's first sequence (ranks 0 and 1 hold its two slices)."""
+    batch = run.rank_batches([0, 1], run.data.dataset)[0]
     with torch.no_grad():
         terms = run.model.policy_terms(batch["input_ids"], batch["labels"], batch["position_ids"],
                                        batch["document_ids"])
     return {"logps": terms.logps, "input_ids": batch["input_ids"], "labels": batch["labels"],
-            "position_ids": batch["position_ids"], "document_ids": batch["document_ids"], "sizes": sizes}
+            "document_ids": batch["document_ids"]}
 
 
-@pytest.mark.parametrize("family", [f if f in ("qwen3_moe", "deepseek_v3") else pytest.param(f, marks=pytest.mark.slow)
-                                    for f in sorted(MODEL)])
-def test_exported_weights_load_in_transformers_and_give_the_trainers_log_probs(tmp_path, family):
-    folder = tmp_path / "export"
-    ranks = run_distributed(export_after_a_step, 4, [*COMMON, *MODEL[family]], str(folder))
-    sizes = ranks[0]["sizes"]
-    assert len(sizes) > 3 and all(not r["sizes"] for r in ranks[1:])
-    assert all(size <= BUCKET or count == 1 for size, count in sizes)  # over its size only as one tensor's own
+def check_transformers_log_probs(folder, ranks: list[dict]) -> None:
+    """transformers on `folder` gives the trainer's log-probs of sequence 0 (`sequence_0` of ranks 0, 1)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager",
                                                               dtype=torch.float32).eval()
-    # the sequence group's two slices of sequence 0, put back together (ranks 0 and 1 hold them)
     ids = torch.cat([ranks[0]["input_ids"], ranks[1]["input_ids"]], 1)
     labels = torch.cat([ranks[0]["labels"], ranks[1]["labels"]], 1)
     logps = torch.cat([ranks[0]["logps"], ranks[1]["logps"]], 1)
@@ -83,6 +74,30 @@ def test_exported_weights_load_in_transformers_and_give_the_trainers_log_probs(t
             logits = model(ids[:, at]).logits.float()
         theirs = logits.log_softmax(-1).gather(-1, labels[:, at].clamp(min=0).unsqueeze(-1)).squeeze(-1)
         assert_close(theirs[kept[:, at]], logps[:, at][kept[:, at]], rtol=1e-5, atol=1e-5)
+
+
+def export_after_a_step(rank: int, world: int, overrides: list[str], folder: str) -> dict:
+    run = stepped_run(rank, world, overrides)
+    sizes = []
+
+    def measured(buckets):
+        for bucket in buckets:
+            sizes.append((sum(t.nbytes for _, t in bucket), len(bucket)))
+            yield bucket
+
+    write_folder(measured(weight_buckets(run, BUCKET, torch.float32)), run, folder, torch.float32)
+    return {**sequence_0(run), "sizes": sizes}
+
+
+@pytest.mark.parametrize("family", [f if f in ("qwen3_moe", "deepseek_v3") else pytest.param(f, marks=pytest.mark.slow)
+                                    for f in sorted(MODEL)])
+def test_exported_weights_load_in_transformers_and_give_the_trainers_log_probs(tmp_path, family):
+    folder = tmp_path / "export"
+    ranks = run_distributed(export_after_a_step, 4, [*COMMON, *MODEL[family]], str(folder))
+    sizes = ranks[0]["sizes"]
+    assert len(sizes) > 3 and all(not r["sizes"] for r in ranks[1:])
+    assert all(size <= BUCKET or count == 1 for size, count in sizes)  # over its size only as one tensor's own
+    check_transformers_log_probs(folder, ranks)
 
 
 def export_published(rank: int, world: int, imported: str, overrides: list[str], published: str, plain: str,
@@ -155,3 +170,33 @@ def test_a_published_base_is_sent_as_its_publisher_quantizes_the_trainers_weight
     assert config["quantization_config"] == json.loads((published / "config.json").read_text())["quantization_config"]
     with HFWeights(sent) as weights:
         assert weights.quantized.format is not None
+
+
+def export_lora(rank: int, world: int, overrides: list[str], merged: str, adapters: str, run_dir: str) -> dict:
+    from pathlib import Path
+
+    from mop.rl.weights import write_adapters
+    from mop.train import save
+
+    run = stepped_run(rank, world, overrides)
+    write_folder(weight_buckets(run, BUCKET, torch.float32), run, merged, torch.float32)
+    write_adapters(run, adapters, torch.float32)
+    return {**sequence_0(run), "saved": str(save(run, Path(run_dir), 1))}
+
+
+def test_a_lora_run_is_sent_merged_or_as_its_adapters(tmp_path):
+    """LoRA over the experts and attention from 4 ranks after a step: the merged weights give
+    transformers the trainer's log-probs (adapters on, 1e-5), and the adapters alone are the PEFT files
+    the run's checkpoint writes at the same step, bit for bit."""
+    from safetensors.torch import load_file
+
+    lora = ["--train.finetune=lora", "--lora.rank=4", "--lora.alpha=8",
+            "--lora.targets=attention,dense_mlp,routed_experts"]
+    ranks = run_distributed(export_lora, 4, [*COMMON, *MODEL["qwen3_moe"], *lora], str(tmp_path / "merged"),
+                            str(tmp_path / "adapters"), str(tmp_path / "run"))
+    check_transformers_log_probs(tmp_path / "merged", ranks)
+    sent = load_file(tmp_path / "adapters" / "adapter_model.safetensors")
+    saved = load_file(f"{ranks[0]['saved']}/peft/adapter_model.safetensors")
+    assert sorted(sent) == sorted(saved) and len(sent) > 8
+    for key, value in saved.items():
+        assert torch.equal(sent[key], value), key

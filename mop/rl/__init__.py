@@ -7,6 +7,6 @@
 - `engine`: an inference engine behind one interface (transformers' `generate` on the CPU), whose
   rollouts are rows `data.format = "rollouts"` reads;
 - `rewards`: verifiable rewards a run names.
-Not yet: a trainer interface for RL frameworks, vLLM's and SGLang's senders and engines, the export
-of LoRA runs and of published FP8/MXFP4 formats.
+The trainer an RL framework drives is `mop.trainer` (above `mop.train`, whose step it runs). Not yet:
+vLLM's and SGLang's senders and engines.
 """

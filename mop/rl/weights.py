@@ -28,7 +28,12 @@ re-quantized (fp8 e4m3 with its block scales as `<key>` and `<key>_scale_inv`; M
 serving the published checkpoint takes (vLLM re-quantizes nothing then), the trainer's weights
 quantized as the base's publisher quantized its own.
 
-Not yet (`NotImplementedError`): LoRA runs (merged, or the adapters alone).
+A LoRA run exports its base with the adapters merged in (`W + alpha/r B A` in fp32, `mop convert merge`'s
+arithmetic): each adapted weight's adapters are gathered like any parameter, and rank 0 reads the base
+weight whole from the run's base (its Hugging Face folder, dequantized as the model computes with it,
+or its initial values) and merges them; any format above then applies (`published`: the merged weight
+re-quantized as the base publishes it). `write_adapters` sends the adapters alone in PEFT's layout,
+for an engine that serves the base and loads adapters (vLLM's and SGLang's LoRA APIs).
 """
 
 from __future__ import annotations
@@ -41,11 +46,16 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from mop.build import TrainingRun
+from mop.build import TrainingRun, base_weights
 from mop.models.families import family_of
 from mop.models.hf import AsPublished, config_to_hf
 from mop.models.hf_mapping import Piece, model_pieces
+from mop.models.lora import adapted_weights
+from mop.models.lora import merged as lora_merged
+from mop.models.peft import save_peft
+from mop.models.transformer import MoETransformer
 from mop.parallel.checkpointing import canonical_name
+from mop.parallel.materialize import initial_values
 
 Bucket = list[tuple[str, torch.Tensor]]
 
@@ -53,28 +63,85 @@ Bucket = list[tuple[str, torch.Tensor]]
 def weight_buckets(run: TrainingRun, bucket_bytes: int, dtype: torch.dtype = torch.bfloat16,
                    published: AsPublished | None = None) -> Iterator[Bucket]:
     """The run's weights as buckets of `(hf_name, tensor)` on rank 0, none on the others, in `dtype` or, with
-    `published`, in the base's published format (module docstring); every rank iterates it to the end."""
-    if run.config.adapters is not None:
-        raise NotImplementedError("exporting a LoRA run's weights (merged, or its adapters alone) is not implemented; "
-                                  "export a full fine-tuning run, or merge with mop convert merge")
+    `published`, in the base's published format (a LoRA run's: its base with the adapters merged in; module
+    docstring); every rank iterates it to the end."""
     run.optimizer.synchronize()  # the host optimizer's last updates, settled into the device weights
     cfg = run.config.model
-    tensors = {canonical_name(n): t for n, t in (*run.model.named_parameters(), *run.model.named_buffers())}
     main = run.runtime.rank == 0
     bucket, size = [], 0
-    for name, pieces in _by_tensor(model_pieces(cfg, family_of(cfg).hf, set())):
-        whole = _gathered(run, tensors[name], dtype if published is None else torch.float32)
-        for piece in pieces if main else ():
-            sent = _as_sent(piece.key, whole[piece.index], dtype, published)
-            nbytes = sum(value.nbytes for value in sent.values())
-            if bucket and size + nbytes > bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-            bucket.extend(sent.items())
-            size += nbytes
-        del whole
+    with base_weights(run.config) as base:
+        whole_of = _merged(run, base) if run.config.adapters is not None else _trained(run)
+        for name, pieces in _by_tensor(model_pieces(cfg, family_of(cfg).hf, set())):
+            whole = whole_of(name, dtype if published is None else torch.float32)
+            for piece in pieces if main else ():
+                sent = _as_sent(piece.key, whole[piece.index], dtype, published)
+                nbytes = sum(value.nbytes for value in sent.values())
+                if bucket and size + nbytes > bucket_bytes:
+                    yield bucket
+                    bucket, size = [], 0
+                bucket.extend(sent.items())
+                size += nbytes
+            del whole
     if bucket:
         yield bucket
+
+
+def adapter_tensors(run: TrainingRun) -> dict[str, torch.Tensor]:
+    """A LoRA run's adapters, each whole in fp32 on rank 0 (collective; empty on the other ranks)."""
+    run.optimizer.synchronize()
+    params = {canonical_name(n): t for n, t in run.model.named_parameters() if t.requires_grad}
+    gathered = {name: _gathered(run, tensor, torch.float32) for name, tensor in params.items()}
+    return gathered if run.runtime.rank == 0 else {}
+
+
+def write_adapters(run: TrainingRun, path: str | Path, dtype: torch.dtype) -> Path:
+    """A sender of a LoRA run's adapters alone: PEFT's folder (`mop.models.peft`, what `mop convert to-peft`
+    writes and vLLM's and SGLang's LoRA loading take), written by rank 0; collective."""
+    adapters = adapter_tensors(run)
+    if run.runtime.rank == 0:
+        save_peft(path, run.config.model, run.config.adapters, adapters, dtype)
+    return Path(path)
+
+
+def _trained(run: TrainingRun):
+    """Full fine-tuning: each parameter whole on rank 0, gathered from its owners (module docstring)."""
+    tensors = {canonical_name(n): t for n, t in (*run.model.named_parameters(), *run.model.named_buffers())}
+    return lambda name, dtype: _gathered(run, tensors[name], dtype)
+
+
+def _merged(run: TrainingRun, base):
+    """LoRA: each base weight whole on rank 0 as the run's base holds it (`base`: its Hugging Face folder,
+    dequantized; None: its initial values), with the adapters, gathered, merged in (`W + alpha/r B A` in
+    fp32, as `mop convert merge`); the buffers as the model holds them."""
+    config = run.config
+    with torch.device("meta"):
+        adapted = MoETransformer(config.model, config.adapters)
+    updates = adapted_weights(adapted)
+    params = {canonical_name(n): t for n, t in run.model.named_parameters()}
+    buffers = {canonical_name(n): t for n, t in run.model.named_buffers()}
+    if base is None and config.lora.base_format not in ("none", "auto"):
+        raise NotImplementedError(f"exporting a LoRA run whose base is its initial weights stored as "
+                                  f"lora.base_format = '{config.lora.base_format}' is not implemented; export a run "
+                                  "on a published base (lora.base) or with lora.base_format = 'none'")
+    with torch.device("meta"):
+        shapes = {name: t.shape for name, t in MoETransformer(config.model).state_dict().items()}
+    rows = base.rows if base is not None else initial_values(config.train.seed, config.model.init_std)
+    main = run.runtime.rank == 0
+
+    def whole(name: str, dtype: torch.dtype) -> torch.Tensor | None:
+        if name in buffers:
+            return buffers[name].detach().to(dtype)
+        update = updates.get(name)
+        if update is not None:  # every rank: the adapters' gathers are collective
+            a, b = (_gathered(run, params[key], torch.float32) for key in (update.lora_a, update.lora_b))
+        if not main:
+            return None
+        weight = rows(name, shapes[name], 0, shapes[name][0])
+        if update is not None:
+            weight = lora_merged(weight, a, b, config.adapters.scaling, update.transposed)
+        return weight.to(dtype)
+
+    return whole
 
 
 def _as_sent(key: str, value: torch.Tensor, dtype: torch.dtype, published: AsPublished | None) -> dict:

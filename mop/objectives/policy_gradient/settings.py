@@ -89,9 +89,6 @@ def check_loop(config: Config) -> None:
     if rl.reference == "precomputed":
         raise ConfigError("rl.reference", "'precomputed' covers recorded rollouts, and the RL loop samples new ones "
                           "every batch; set --rl.beta=0, or train LoRA (the KL's reference is then its base)")
-    if config.adapters is not None:
-        raise NotImplementedError("the RL loop with train.finetune = 'lora': exporting a LoRA run's weights to the "
-                                  "engine is not implemented; set --train.finetune=full")
     if rl.engine != "transformers":
         raise NotImplementedError(f"rl.engine = '{rl.engine}': the vLLM and SGLang engines are not implemented "
                                   "(mop/rl/PROTOCOLS.md has their protocols); set --rl.engine=transformers")
