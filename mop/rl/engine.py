@@ -3,7 +3,9 @@ the rows `data.format = "rollouts"` reads (`mop.data.rollouts`), with what routi
 train-inference correction need (sampling log-probs, routed experts).
 
 `TransformersEngine` (the tests' engine, on the CPU): a Hugging Face model loaded from the folder
-the trainer's weights were sent to (`mop.rl.weights.write_folder`), reloaded on each update. It draws
+the trainer's weights were sent to (`mop.rl.weights.write_folder`), reloaded on each update (a folder,
+not the buckets in memory: transformers 5 turns the hub's per-expert tensors into its fused expert
+modules as it loads a checkpoint, which a copy into its state dict would skip). It draws
 `group` completions of each prompt with transformers' `generate` (multinomial at temperature 1,
 no top-k or top-p, from `torch.manual_seed(seed)`: generate draws from torch's global generator),
 each cut after its first end-of-text token; each completion token's sampling log-prob is the
@@ -61,8 +63,8 @@ class TransformersEngine(Engine):
         rows = []
         for prompt in prompts:
             ids = torch.tensor([prompt] * group)
-            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
-                                      top_p=1.0, max_new_tokens=max_new_tokens, output_logits=True,
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
+                                      top_k=0, top_p=1.0, max_new_tokens=max_new_tokens, output_logits=True,
                                       return_dict_in_generate=True, eos_token_id=self.eos_id,
                                       pad_token_id=self.eos_id)
             completions = out.sequences[:, len(prompt):]

@@ -19,7 +19,8 @@ weights, rewarded, and packed as recorded rollouts are (`mop.data.rollout_packin
 With `rl.off_policy` the engine samples batch b + 1 in a thread, with the weights batch b starts
 from, while the trainer trains on batch b (sampled the same way one batch earlier): generation
 overlaps training, and every batch is one update off-policy (the sampling log-probs' correction,
-`rl.correction`, accounts for it); batch 0 is sampled on-policy first.
+`rl.correction`, accounts for it); batch 0 is sampled on-policy first. The engine takes the new
+weights once that thread is done.
 
 The stream's position counts the sequences of the batches drawn (as a `SequenceStream`'s does), and
 it is the state a checkpoint keeps: a resume draws the next batch with the resumed weights (synced
@@ -129,44 +130,56 @@ class RolloutFeed:
     # Drawing a batch.
 
     def _draw(self, batch: int) -> None:
-        run, rl = self.run, self.config.rl
-        start = time.perf_counter()
-        dtype = torch.float32 if run.config.compute_dtype == torch.float32 else torch.bfloat16
-        folder = write_folder(weight_buckets(run, rl.sync_bucket_mb << 20, dtype), run, self.run_dir / "engine",
-                              dtype)
-        synced = time.perf_counter()
-        failure = None
-        if self.is_main:
+        rl = self.config.rl
+        failure, rows, waited = None, None, 0.0
+        if self.is_main and self._pending is not None:  # sampled during the last batch, with its weights
+            start = time.perf_counter()
             try:
-                rows, generating = self._rows(batch, folder)
-                write_rows(self._file(batch), rows)
+                rows = self._pending.result()
             except Exception as err:  # said on every rank below, then raised here
                 failure = err
+            self._pending, waited = None, time.perf_counter() - start
+        start = time.perf_counter()
+        failure = self._sync(failure)
+        synced = time.perf_counter()
+        if self.is_main and failure is None:
+            try:
+                rows = rows if rows is not None else self._sample(batch)
+                if self._threads is not None:
+                    self._pending = self._threads.submit(self._sample, batch + 1)
+                write_rows(self._file(batch), rows)
+            except Exception as err:
+                failure = err
+        self._agree(failure, batch)
+        self._load(batch)
+        if self.is_main:
+            sampled = waited if self._threads is not None else time.perf_counter() - synced
+            self._dataset.stats.update(_completion_stats(rows, rl.max_completion_length, self.tokenizer.eos_id),
+                                       **{"rl/sync_s": synced - start, "rl/generate_s": sampled})
+
+    def _sync(self, failure: Exception | None) -> Exception | None:
+        """The run's weights to rank 0's engine (fp32 for an fp32 run, else bf16), through the folder
+        `<run dir>/engine` (`write_folder`, collective: every rank takes part whatever failed)."""
+        run = self.run
+        dtype = torch.float32 if run.config.compute_dtype == torch.float32 else torch.bfloat16
+        folder = write_folder(weight_buckets(run, self.config.rl.sync_bucket_mb << 20, dtype), run,
+                              self.run_dir / "engine", dtype)
+        if self.is_main and failure is None:
+            try:
+                self.engine.load(folder)
+            except Exception as err:
+                failure = err
+        return failure
+
+    def _agree(self, failure: Exception | None, batch: int) -> None:
+        """Rank 0's failure to draw, raised on every rank (one broadcast: never a hang)."""
         said = [None if failure is None else f"{type(failure).__name__}: {failure}"]
-        if run.runtime.layout is not None:
-            dist.broadcast_object_list(said, src=0, group=run.runtime.layout.world_group)
+        if self.run.runtime.layout is not None:
+            dist.broadcast_object_list(said, src=0, group=self.run.runtime.layout.world_group)
         if failure is not None:
             raise failure
         if said[0] is not None:
             raise DataError(f"rl.prompts: rank 0 failed to draw batch {batch}'s rollouts ({said[0]})")
-        self._load(batch)
-        if self.is_main:
-            self._dataset.stats.update(_completion_stats(rows, rl.max_completion_length, self.tokenizer.eos_id),
-                                       **{"rl/sync_s": synced - start, "rl/generate_s": generating})
-
-    def _rows(self, batch: int, folder: Path) -> tuple[list[dict], float]:
-        """Rank 0: batch `batch`'s rewarded rows, and the seconds the loop waited for them."""
-        start = time.perf_counter()
-        if self._pending is not None:  # sampled during the last batch, with its weights
-            rows, self._pending = self._pending.result(), None
-            self.engine.load(folder)
-        else:
-            self.engine.load(folder)
-            rows = self._sample(batch)
-        waited = time.perf_counter() - start
-        if self._threads is not None:
-            self._pending = self._threads.submit(self._sample, batch + 1)
-        return rows, waited
 
     def _sample(self, batch: int) -> list[dict]:
         rl = self.config.rl
