@@ -7,6 +7,7 @@ batches of rollout rows handed in instead of read from data.source.
     records = trainer.train(rows)             # rl.updates_per_batch optimizer steps on the rows
     for bucket in trainer.weights():          # the weights for the engine, rank 0's buckets (or as published)
         engine_update(bucket)
+    trainer.send_weights(sender)              # or to vLLM or SGLang over their weight-update APIs (mop.rl.senders)
     trainer.save(); trainer.load(path)        # checkpoints any layout reads
     trainer.sleep(); trainer.wake()           # device memory released and restored between phases
 
@@ -162,6 +163,16 @@ class Trainer:
             with HFWeights(Path(published)) as base:
                 form = AsPublished(base)
         return weight_buckets(self.run, (bucket_mb or self.config.rl.sync_bucket_mb) << 20, dtype, form)
+
+    def send_weights(self, sender, weight_version: str | None = None, **export) -> None:
+        """The weights to a running engine through `sender` (`mop.rl.senders`, made and connected on rank 0
+        only; None elsewhere): rank 0 sends the buckets of `weights(**export)`, the other ranks take their
+        part in gathering them; collective."""
+        buckets = self.weights(**export)
+        if sender is not None:
+            sender.send(buckets, weight_version)
+        for _ in buckets:  # the other ranks' part (rank 0's sender took every bucket)
+            pass
 
     def save(self) -> Path:
         """A checkpoint of the trainer's step (`<run dir>/checkpoints/step_<N>`), collective."""
