@@ -385,8 +385,20 @@ class RlConfig:
     """Prompts per batch of the RL loop; their prompts_per_batch x group rollouts are packed into
     train.global_batch sequences of data.seq_len (padded with empty ones)."""
     engine: Literal["transformers", "vllm", "sglang"] = "transformers"
-    """The RL loop's inference engine: transformers' generate on the CPU from a folder the weights are written
-    to (mop.rl.engine); vLLM and SGLang are not implemented."""
+    """The RL loop's inference engine (mop.rl.engine): "transformers", generate on the CPU from a folder the
+    weights are written to; "vllm" or "sglang", a running server at rl.engine_url, the weights pushed through its
+    weight-update API (mop.rl.senders: vLLM needs --weight-transfer-config '{"backend":"nccl"}' and
+    VLLM_SERVER_DEV_MODE=1; both --enable-return-routed-experts for routing replay)."""
+    engine_url: str = ""
+    """With rl.engine "vllm" or "sglang": the server's base URL (e.g. http://10.0.0.5:8000)."""
+    engine_model: str = ""
+    """With rl.engine "vllm": the served model's name ("": the server's only one)."""
+    engine_ranks: int = 1
+    """With rl.engine "vllm" or "sglang": the server's workers (its tensor-parallel x pipeline ranks), which join
+    the weight group beside the trainer's rank 0."""
+    sync_address: str = "127.0.0.1:29700"
+    """With rl.engine "vllm" or "sglang": host:port of the trainer's rank 0 where the server's workers join the
+    weight group (a free port they can reach)."""
     sync_bucket_mb: int = 512
     """The weight sync's bucket: the most MiB of checkpoint tensors gathered on rank 0 before they are sent."""
     off_policy: bool = False

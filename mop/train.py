@@ -280,7 +280,7 @@ def _train(config: Config, runtime: Runtime, stop: StopRequest | None = None,
     # On the CPU what the process holds before the run exists (interpreter, libraries, process
     # groups): the part of `peak_mem_bytes` no memory model of the run accounts for.
     before = peak_memory_bytes(runtime.device)
-    feed = sampled_data(config, run_dir, runtime.is_main)  # the RL loop's: rollouts drawn each batch
+    feed = sampled_data(config, run_dir, runtime.is_main, runtime.device)  # the RL loop's: rollouts drawn each batch
     with closing(build_run(config, runtime, feed)) as run:  # its worker threads end on every way out
         if feed is not None:
             feed.bind(run)

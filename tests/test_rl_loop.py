@@ -173,7 +173,7 @@ def test_a_bad_prompt_row_is_one_line_naming_it(tmp_path, row, says):
 @pytest.mark.parametrize("setting, says", [
     ("--rl.group=1", "rl.group: a prompt's advantages compare its group's rewards"),
     ("--rl.beta=0.1", "rl.reference: 'precomputed' covers recorded rollouts"),
-    ("--rl.engine=vllm", "rl.engine = 'vllm': the vLLM and SGLang engines are not implemented"),
+    ("--rl.engine=vllm", "rl.engine_url: rl.engine = 'vllm' samples from a running server"),
     ("--data.seq_len=8", "data.seq_len: 8 cannot hold the longest prompt"),
     ("--train.global_batch=1", "train.global_batch: the batch's rollouts fill"),
 ])

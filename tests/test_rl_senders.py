@@ -8,6 +8,8 @@ Not a real vLLM or SGLang: they need GPUs (NCCL), and their wheels pull CUDA bui
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import multiprocessing as mp
 import socket
@@ -15,11 +17,15 @@ from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from mop.data.rollouts import RolloutRows, RouteShape, read_rollouts
+from mop.data.tokenizer import ByteTokenizer
+from mop.rl.engine import SGLangServer, VLLMServer
 from mop.rl.senders import EngineError, SGLangSender, VLLMSender, custom_group
 
 SGLANG_INIT = {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"}
@@ -37,8 +43,10 @@ def free_port() -> int:
 class StandIn:
     """The engine's side of both protocols, one worker (rank 1)."""
 
-    def __init__(self, out: Path):
+    def __init__(self, out: Path, shape: tuple[int, int, int] = (2, 4, 2)):
         self.out, self.group, self.session, self.received, self.log = out, None, False, {}, []
+        self.layers, self.experts, self.top_k = shape
+        self.version = 0
 
     def route(self, path: str, body: dict | None) -> dict:
         self.log.append([path, body])
@@ -46,8 +54,45 @@ class StandIn:
                    "/update_weights_from_distributed": lambda b: self.receive(b, "dtypes"),
                    "/end_weight_update": self.end, "/init_weight_transfer_engine": self.vllm_init,
                    "/start_weight_update": self.begin, "/finish_weight_update": self.end,
-                   "/update_weights": lambda b: self.receive(b["update_info"], "dtype_names")}[path]
+                   "/update_weights": lambda b: self.receive(b["update_info"], "dtype_names"),
+                   "/v1/completions": self.completions, "/generate": self.generate}[path]
         return handler(body)
+
+    def completion(self, prompt: list[int], index: int, length: int) -> tuple[list[int], list[float], np.ndarray]:
+        """A sample: `length - 1` bytes then the end of text, each with log-prob -5.5 (a uniform draw
+        over 244 ids), and distinct experts per token and layer, all from the sample's index."""
+        g = torch.Generator().manual_seed(index)
+        tokens = torch.randint(0, 256, (length - 1,), generator=g).tolist() + [257]
+        rows = len(prompt) + len(tokens) - 1
+        routes = torch.rand(rows, self.layers, self.experts, generator=g).argsort(-1)[..., :self.top_k]
+        return tokens, [-5.5] * len(tokens), routes.numpy()
+
+    def completions(self, body: dict) -> dict:  # vLLM's /v1/completions, as PROTOCOLS.md reads it
+        assert body["logprobs"] == 0 and body["return_token_ids"] and body["temperature"] == 1.0, body
+        choices = []
+        for p, prompt in enumerate(body["prompt"]):
+            for j in range(body["n"]):
+                index = p * body["n"] + j
+                tokens, logps, routes = self.completion(prompt, body["seed"] + index, body["max_tokens"])
+                buffer = io.BytesIO()
+                np.save(buffer, routes.astype(np.uint8), allow_pickle=False)
+                choices.append({"index": index, "text": "", "token_ids": tokens, "finish_reason": "stop",
+                                "logprobs": {"tokens": [f"token_id:{t}" for t in tokens], "token_logprobs": logps},
+                                "routed_experts": base64.b64encode(buffer.getvalue()).decode()})
+        return {"choices": choices[::-1]}  # any order: the index says which
+
+    def generate(self, body: dict) -> list:  # SGLang's /generate
+        params = body["sampling_params"]
+        assert body["return_logprob"] and body["logprob_start_len"] == -1 and params["top_k"] == -1, body
+        outputs = []
+        for p, prompt in enumerate(body["input_ids"]):
+            for j in range(params["n"]):
+                tokens, logps, routes = self.completion(prompt, 1000 + p * params["n"] + j, params["max_new_tokens"])
+                routed = base64.b64encode(routes.astype("<i4").tobytes()).decode()
+                outputs.append({"text": "", "output_ids": tokens, "meta_info": {
+                    "finish_reason": {"type": "stop", "matched": 257}, "routed_experts": routed,
+                    "output_token_logprobs": [[lp, t, None] for lp, t in zip(logps, tokens)]}})
+        return outputs
 
     def sglang_init(self, body: dict) -> dict:
         assert set(body) == SGLANG_INIT, body
@@ -87,8 +132,8 @@ class StandIn:
         return {"success": True, "message": "ok"}
 
 
-def serve(port: int, out: str) -> None:
-    engine = StandIn(Path(out))
+def serve(port: int, out: str, shape: tuple[int, int, int]) -> None:
+    engine = StandIn(Path(out), shape)
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self):
@@ -110,7 +155,7 @@ def serve(port: int, out: str) -> None:
 @pytest.fixture
 def engine(tmp_path):
     port = free_port()
-    process = mp.get_context("spawn").Process(target=serve, args=(port, str(tmp_path)), daemon=True)
+    process = mp.get_context("spawn").Process(target=serve, args=(port, str(tmp_path), (2, 4, 2)), daemon=True)
     process.start()
     for _ in range(200):  # until it listens
         try:
@@ -206,3 +251,47 @@ def test_a_trainer_sends_its_weights_through_a_sender(engine, tmp_path):
     assert sorted(received) == sorted(exported) and len(received) > 20
     for key, tensor in exported.items():
         assert torch.equal(received[key], tensor), key
+
+
+@pytest.mark.parametrize("kind", ["vllm", "sglang"])
+def test_a_server_engine_gives_rows_the_rollout_reader_takes(engine, tmp_path, kind):
+    """Samples come back prompt-major whatever the reply's order, each with its end of text, its
+    log-probs and its routes in the server's form (vLLM's .npy, SGLang's raw int32)."""
+    url, _ = engine
+    server = (VLLMServer(url, sender=None) if kind == "vllm" else SGLangServer(url, sender=None))
+    prompts = [[51, 43, 52, 61], [49, 61]]
+    rows = server.sample(prompts, group=3, max_new_tokens=5, seed=7)
+    assert [row["prompt_ids"] for row in rows] == [prompts[0]] * 3 + [prompts[1]] * 3
+    assert all(row["completion_ids"][-1] == 257 and len(row["sampling_logps"]) == 5 for row in rows)
+    assert len({tuple(row["completion_ids"]) for row in rows}) == 6
+    source = tmp_path / "rows.jsonl"
+    source.write_text("".join(json.dumps({**row, "reward": float(k % 2), "group": str(k // 3)}) + "\n"
+                              for k, row in enumerate(rows)))
+    corpus = read_rollouts(str(source), RolloutRows(ByteTokenizer(), None, RouteShape(2, 0, 4, 2)), "group", False)
+    assert len(corpus) == 6 and corpus.routes is not None
+
+
+def test_the_loop_trains_on_a_servers_rollouts_and_pushes_it_each_batch(engine, tmp_path):
+    """`mop rl --rl.engine=sglang`: each batch the weights go through the sender (a session per sync,
+    versions 1, 2), the rows are the server's samples, and the loop trains on them."""
+    from test_rl_loop import LOOP, REFERENCE
+
+    from mop.cli import main
+    from mop.metrics import read_metrics
+
+    url, out = engine
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"{a}+1=", "answer": str(a + 1)}) + "\n" for a in range(4)))
+    run_dir = tmp_path / "run"
+    assert main(["rl", *LOOP, *REFERENCE, f"--rl.prompts={prompts}", f"--log.run_dir={run_dir}", "--train.steps=2",
+                 "--rl.engine=sglang", f"--rl.engine_url={url}", f"--rl.sync_address=127.0.0.1:{free_port()}"]) == 0
+    records = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2] and all(r["rollouts"] == 12 for r in records)
+    requests = json.loads((out / "requests.json").read_text())
+    paths = [path for path, _ in requests]
+    assert paths.count("/init_weights_update_group") == 1 and paths.count("/begin_weight_update") == 2
+    versions = [body.get("weight_version") for path, body in requests if path == "/update_weights_from_distributed"]
+    assert [v for v in versions if v] == ["1", "2"]
+    assert len(load_file(out / "received.safetensors")) > 10
+    rows = [json.loads(line) for line in (run_dir / "rollouts" / "batch_000001.jsonl").open()]
+    assert all(row["completion_ids"][-1] == 257 and set(row["sampling_logps"]) == {-5.5} for row in rows)

@@ -14,17 +14,29 @@ temperature 1); the routed experts come from one forward over each whole sequenc
 MoE layer's router (`model.layers.{i}.mlp.gate`, whose last output is its top-k ids in transformers
 5), in vLLM's form: `[tokens - 1, layers, top_k]`, the dense layers' rows 0.
 
-vLLM and SGLang engines (their weight-update and generation APIs) are not built
-(`NotImplementedError`).
+`VLLMServer` and `SGLangServer`: a running server of either, the weights pushed through its
+weight-update API (`mop.rl.senders`), rollouts asked for by token ids at temperature 1 with no top-k or
+top-p (every sampling field sent, as vLLM otherwise fills them from the model's generation config):
+vLLM's `POST /v1/completions` (`n`, `logprobs: 0` for the sampled token's log-prob, `return_token_ids`,
+`seed`; choices prompt-major) and SGLang's `POST /generate` (`sampling_params.n`, `return_logprob`,
+`logprob_start_len: -1`; a flat list, prompt-major; its seed works only under deterministic
+inference, so none is sent). Both keep the end-of-text token with its log-prob, and return the routed
+experts (with the server's `--enable-return-routed-experts`) in the forms the rollout reader takes.
+Their log-probs are the raw model's at temperature 1, which here is the distribution sampled from.
+Read from their sources (mop/rl/PROTOCOLS.md); tested against a stand-in server only.
 """
 
 from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
+
+from mop.rl.senders import EngineClient, SGLangSender, VLLMSender
+from mop.rl.weights import Bucket, save_folder
 
 ROUTER = re.compile(r"^model\.layers\.(\d+)\.mlp\.gate$")
 
@@ -33,8 +45,9 @@ class Engine(ABC):
     """What the RL loop asks of an inference engine."""
 
     @abstractmethod
-    def load(self, folder: Path) -> None:
-        """Take the weights the trainer sent to `folder` (`mop.rl.weights.write_folder`)."""
+    def take(self, buckets: Iterable[Bucket], config: dict) -> None:
+        """The trainer's weights as rank 0 exports them (`mop.rl.weights.weight_buckets`), of the Hugging
+        Face `config` (its config.json)."""
 
     @abstractmethod
     def sample(self, prompts: list[list[int]], group: int, max_new_tokens: int, seed: int) -> list[dict]:
@@ -45,10 +58,15 @@ class Engine(ABC):
 class TransformersEngine(Engine):
     """transformers' model and `generate` on the CPU (module docstring)."""
 
-    def __init__(self, eos_id: int):
-        self.eos_id, self.model = eos_id, None
+    def __init__(self, eos_id: int, folder: Path | None = None):
+        self.eos_id, self.folder, self.model = eos_id, folder, None
+
+    def take(self, buckets: Iterable[Bucket], config: dict) -> None:
+        """The buckets written to the engine's folder, then loaded (module docstring)."""
+        self.load(save_folder(buckets, self.folder, config))
 
     def load(self, folder: Path) -> None:
+        """The weights of a Hugging Face folder (`mop.rl.weights.write_folder`'s)."""
         import transformers
 
         transformers.utils.logging.disable_progress_bar()  # a bar per sync would bury the run's own
@@ -95,3 +113,55 @@ class TransformersEngine(Engine):
         for layer, ids_of_layer in chosen.items():
             routes[:, layer] = ids_of_layer.view(len(ids), top_k)
         return routes[:-1].tolist()
+
+
+class VLLMServer(Engine):
+    """A running vLLM server (module docstring); `model`: its served model's name ("": the server's one)."""
+
+    def __init__(self, url: str, sender: VLLMSender, model: str = "", timeout_s: float = 600.0):
+        self.client, self.sender, self.model, self.version = EngineClient(url, timeout_s), sender, model, 0
+
+    def take(self, buckets: Iterable[Bucket], config: dict) -> None:
+        _push(self, buckets)
+
+    def sample(self, prompts: list[list[int]], group: int, max_new_tokens: int, seed: int) -> list[dict]:
+        body = {**({"model": self.model} if self.model else {}), "prompt": prompts, "n": group,
+                "max_tokens": max_new_tokens, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+                "logprobs": 0, "return_token_ids": True, "skip_special_tokens": False, "seed": seed,
+                "routed_experts_prompt_start": 0}
+        choices = sorted(self.client.post("/v1/completions", body)["choices"], key=lambda c: c["index"])
+        return [_row(prompts[c["index"] // group], c["token_ids"], c["logprobs"]["token_logprobs"],
+                     c.get("routed_experts")) for c in choices]
+
+
+class SGLangServer(Engine):
+    """A running SGLang server (module docstring)."""
+
+    def __init__(self, url: str, sender: SGLangSender, timeout_s: float = 600.0):
+        self.client, self.sender, self.version = EngineClient(url, timeout_s), sender, 0
+
+    def take(self, buckets: Iterable[Bucket], config: dict) -> None:
+        _push(self, buckets)
+
+    def sample(self, prompts: list[list[int]], group: int, max_new_tokens: int, seed: int) -> list[dict]:
+        body = {"input_ids": prompts, "return_logprob": True, "logprob_start_len": -1, "top_logprobs_num": 0,
+                "return_routed_experts": True, "routed_experts_start_len": 0,
+                "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 1.0, "top_p": 1.0, "top_k": -1,
+                                    "min_p": 0.0, "n": group, "skip_special_tokens": False}}
+        outputs = self.client.post("/generate", body)
+        outputs = outputs if isinstance(outputs, list) else [outputs]
+        return [_row(prompts[k // group], out["output_ids"], [t[0] for t in out["meta_info"]["output_token_logprobs"]],
+                     out["meta_info"].get("routed_experts")) for k, out in enumerate(outputs)]
+
+
+def _push(engine: VLLMServer | SGLangServer, buckets: Iterable[Bucket]) -> None:
+    """The buckets through the engine's sender (joining its group first), as weight version 1, 2, ..."""
+    if engine.version == 0:
+        engine.sender.connect()
+    engine.version += 1
+    engine.sender.send(buckets, str(engine.version))
+
+
+def _row(prompt: list[int], completion: list[int], logps: list[float], routes) -> dict:
+    return {"prompt_ids": prompt, "completion_ids": completion, "sampling_logps": logps,
+            **({"routed_experts": routes} if routes is not None else {})}

@@ -5,8 +5,9 @@ weights, rewarded, and packed as recorded rollouts are (`mop.data.rollout_packin
 `RolloutFeed` stands where a run's `Data` does (`tokenizer`, `dataset`, `stream`). Drawing batch b
 (`stream.next_batch`, every rank at the same point of the loop):
 1. sync: the run's weights are exported in buckets (`mop.rl.weights.weight_buckets`: collective,
-   rank 0 gathers each tensor once) to the engine's folder (`write_folder`; fp32 for an fp32 run, else
-   bf16), which rank 0's engine loads;
+   rank 0 gathers each tensor once; fp32 for an fp32 run, else bf16) to rank 0's engine (`rl.engine`,
+   `mop.rl.engine`: the CPU engine's folder `<run dir>/engine`, or a vLLM or SGLang server's
+   weight-update API);
 2. sample (rank 0): the engine draws `rl.group` completions of each of the batch's
    `rl.prompts_per_batch` prompts (the prompts' order: a permutation per pass from `train.seed`, as
    the data stream's; the engine's seed from `train.seed` and b), with their sampling log-probs and
@@ -43,21 +44,36 @@ from mop.build import TrainingRun, rollout_settings
 from mop.config import Config, ConfigError
 from mop.data import DataError, SequenceStream, load_dataset, load_tokenizer, source_options
 from mop.data.prepared import ChatSettings
-from mop.rl.engine import TransformersEngine
+from mop.models.hf import config_to_hf
+from mop.rl.engine import Engine, SGLangServer, TransformersEngine, VLLMServer
 from mop.rl.prompts import Prompts, read_prompts
 from mop.rl.rewards import reward_function
-from mop.rl.weights import weight_buckets, write_folder
+from mop.rl.senders import SGLangSender, VLLMSender
+from mop.rl.weights import weight_buckets
 
 
-def sampled_data(config: Config, run_dir: Path, is_main: bool) -> RolloutFeed | None:
+def sampled_data(config: Config, run_dir: Path, is_main: bool, device: torch.device) -> RolloutFeed | None:
     """The RL loop's data where `rl.prompts` names prompts (`mop rl`), else None: the run reads data.source."""
-    return RolloutFeed(config, run_dir, is_main) if config.rl.prompts else None
+    return RolloutFeed(config, run_dir, is_main, device) if config.rl.prompts else None
+
+
+def engine_for(config: Config, eos_id: int, folder: Path, device: torch.device) -> Engine:
+    """Rank 0's engine (`rl.engine`), a server's with its sender joining the weight group from `device`."""
+    rl = config.rl
+    if rl.engine == "transformers":
+        return TransformersEngine(eos_id, folder)
+    host, _, port = rl.sync_address.rpartition(":")
+    if rl.engine == "vllm":
+        return VLLMServer(rl.engine_url, VLLMSender(rl.engine_url, host, int(port), rl.engine_ranks, device),
+                          rl.engine_model)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    return SGLangServer(rl.engine_url, SGLangSender(rl.engine_url, host, int(port), rl.engine_ranks, backend, device))
 
 
 class RolloutFeed:
     """The RL loop's data (module docstring); `bind` gives it the run whose weights it samples with."""
 
-    def __init__(self, config: Config, run_dir: Path, is_main: bool):
+    def __init__(self, config: Config, run_dir: Path, is_main: bool, device: torch.device):
         d, rl = config.data, config.rl
         self.config, self.run_dir, self.is_main = config, run_dir, is_main
         self.tokenizer = load_tokenizer(d.tokenizer, d.eos_token or None)
@@ -69,7 +85,7 @@ class RolloutFeed:
                               f"rl.max_completion_length = {rl.max_completion_length} tokens ({longest}); raise it")
         self.order = SequenceStream(len(self.prompts), config.train.seed, 0, self.prompts.fingerprint)
         self.reward = reward_function(rl.reward)
-        self.engine = TransformersEngine(self.tokenizer.eos_id) if is_main else None  # rl.engine's only
+        self.engine = engine_for(config, self.tokenizer.eos_id, run_dir / "engine", device) if is_main else None
         self.position, self.run, self._dataset, self._batch, self._drawn_ahead = 0, None, None, None, False
         self._pending: Future | None = None
         self._threads = ThreadPoolExecutor(1) if rl.off_policy and is_main else None
@@ -158,17 +174,18 @@ class RolloutFeed:
                                        **{"rl/sync_s": synced - start, "rl/generate_s": sampled})
 
     def _sync(self, failure: Exception | None) -> Exception | None:
-        """The run's weights to rank 0's engine (fp32 for an fp32 run, else bf16), through the folder
-        `<run dir>/engine` (`write_folder`, collective: every rank takes part whatever failed)."""
+        """The run's weights to rank 0's engine (`Engine.take`; fp32 for an fp32 run, else bf16); the export is
+        collective: every rank iterates it to its end whatever failed."""
         run = self.run
         dtype = torch.float32 if run.config.compute_dtype == torch.float32 else torch.bfloat16
-        folder = write_folder(weight_buckets(run, self.config.rl.sync_bucket_mb << 20, dtype), run,
-                              self.run_dir / "engine", dtype)
+        buckets = weight_buckets(run, self.config.rl.sync_bucket_mb << 20, dtype)
         if self.is_main and failure is None:
             try:
-                self.engine.load(folder)
+                self.engine.take(buckets, config_to_hf(run.config.model, dtype=dtype))
             except Exception as err:
                 failure = err
+        for _ in buckets:  # the other ranks' part, or what a failed take left
+            pass
         return failure
 
     def _agree(self, failure: Exception | None, batch: int) -> None:

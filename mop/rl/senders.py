@@ -57,7 +57,7 @@ class EngineClient:
     def __init__(self, url: str, timeout_s: float = 600.0):
         self.url, self.timeout_s = url.rstrip("/"), timeout_s
 
-    def post(self, path: str, body: dict | None = None) -> dict:
+    def post(self, path: str, body: dict | None = None) -> dict | list:
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(self.url + path, data=data, method="POST",
                                          headers={"Content-Type": "application/json"})
@@ -68,8 +68,8 @@ class EngineClient:
             raise EngineError(f"{self.url}{path}: HTTP {err.code}: {err.read().decode()[:500]}") from None
         except OSError as err:
             raise EngineError(f"{self.url}{path}: {err}") from None
-        reply = json.loads(text) if text.strip().startswith("{") else {"message": text}
-        if reply.get("success") is False:
+        reply = json.loads(text) if text.strip()[:1] in ("{", "[") else {"message": text}  # vLLM's LoRA: plain text
+        if isinstance(reply, dict) and reply.get("success") is False:
             raise EngineError(f"{self.url}{path}: {reply.get('message', reply)}")
         return reply
 

@@ -39,7 +39,7 @@ for an engine that serves the base and loads adapters (vLLM's and SGLang's LoRA 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -177,21 +177,27 @@ def _gathered(run: TrainingRun, tensor: torch.Tensor, dtype: torch.dtype) -> tor
 
 def write_folder(buckets: Iterator[Bucket], run: TrainingRun, path: str | Path, dtype: torch.dtype,
                  published: AsPublished | None = None) -> Path:
-    """A sender: the buckets as a Hugging Face checkpoint folder (one safetensors file per bucket,
-    the index, config.json last, with the base's `quantization_config` when they are `published`),
-    written by rank 0; every rank iterates the buckets."""
+    """A sender: the buckets as a Hugging Face checkpoint folder (`save_folder`, with the base's
+    `quantization_config` when they are `published`), written by rank 0; every rank iterates the buckets."""
+    config = None
+    if run.runtime.rank == 0:
+        config = config_to_hf(run.config.model, dtype=dtype)
+        if published is not None and published.config:
+            config["quantization_config"] = published.config
+    return save_folder(buckets, path, config)
+
+
+def save_folder(buckets: Iterable[Bucket], path: str | Path, config: dict | None) -> Path:
+    """The buckets as a Hugging Face checkpoint folder: one safetensors file per bucket, then the index and
+    `config` as config.json (None: neither, a rank without buckets)."""
     path = Path(path)
-    names, weight_map = [], {}
+    weight_map = {}
     for number, bucket in enumerate(buckets):
         name = f"model-{number + 1:05d}.safetensors"
         path.mkdir(parents=True, exist_ok=True)
         save_file(dict(bucket), path / name, metadata={"format": "pt"})
         weight_map.update({key: name for key, _ in bucket})
-        names.append(name)
-    if run.runtime.rank == 0:
+    if config is not None:
         (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-        config = config_to_hf(run.config.model, dtype=dtype)
-        if published is not None and published.config:
-            config["quantization_config"] = published.config
         (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return path

@@ -89,6 +89,11 @@ def check_loop(config: Config) -> None:
     if rl.reference == "precomputed":
         raise ConfigError("rl.reference", "'precomputed' covers recorded rollouts, and the RL loop samples new ones "
                           "every batch; set --rl.beta=0, or train LoRA (the KL's reference is then its base)")
-    if rl.engine != "transformers":
-        raise NotImplementedError(f"rl.engine = '{rl.engine}': the vLLM and SGLang engines are not implemented "
-                                  "(mop/rl/PROTOCOLS.md has their protocols); set --rl.engine=transformers")
+    if rl.engine != "transformers" and not rl.engine_url:
+        raise ConfigError("rl.engine_url", f"rl.engine = '{rl.engine}' samples from a running server: set its URL, "
+                          "e.g. --rl.engine_url=http://localhost:8000")
+    host, _, port = rl.sync_address.rpartition(":")
+    if rl.engine != "transformers" and not (host and port.isdigit()):
+        raise ConfigError("rl.sync_address", f"{rl.sync_address!r} is not host:port")
+    if rl.engine_ranks < 1:
+        raise ConfigError("rl.engine_ranks", f"must be >= 1, got {rl.engine_ranks}")
