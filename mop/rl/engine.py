@@ -54,6 +54,9 @@ class Engine(ABC):
         """`group` rollouts of each prompt as rollout rows (`prompt_ids`, `completion_ids`,
         `sampling_logps`, `routed_experts`), prompts in order."""
 
+    def close(self) -> None:
+        """End what the engine holds open (a server's sender: its thread and weight group)."""
+
 
 class TransformersEngine(Engine):
     """transformers' model and `generate` on the CPU (module docstring)."""
@@ -115,7 +118,14 @@ class TransformersEngine(Engine):
         return routes[:-1].tolist()
 
 
-class VLLMServer(Engine):
+class _Server(Engine):
+    """What both server engines share: their sender, connected at the first push."""
+
+    def close(self) -> None:
+        self.sender.close()
+
+
+class VLLMServer(_Server):
     """A running vLLM server (module docstring); `model`: its served model's name ("": the server's one)."""
 
     def __init__(self, url: str, sender: VLLMSender, model: str = "", timeout_s: float = 600.0):
@@ -134,7 +144,7 @@ class VLLMServer(Engine):
                      c.get("routed_experts")) for c in choices]
 
 
-class SGLangServer(Engine):
+class SGLangServer(_Server):
     """A running SGLang server (module docstring)."""
 
     def __init__(self, url: str, sender: SGLangSender, timeout_s: float = 600.0):

@@ -96,6 +96,8 @@ class RolloutFeed:
     def close(self) -> None:
         if self._threads is not None:
             self._threads.shutdown(wait=True, cancel_futures=True)
+        if self.engine is not None:
+            self.engine.close()
 
     # What the loop and checkpoints read of a run's data.
 
