@@ -154,6 +154,9 @@ class TrainingRun:
     data: object  # mop.data.Data, or the RL loop's mop.rl.feed.RolloutFeed
     held_out: HeldOut | None  # the sequences evaluations read (`mop.evaluation`), None without evaluation
     base: dict | None = None  # a LoRA run's base (`mop.adapters.base_identity`), None for full fine-tuning
+    expert_counts: torch.Tensor | None = None
+    """The last step's global expert counts `[moe_layers, E]` (float64, on the host; `mop.train.train_step`):
+    what the records' expert load is built from."""
     reference: dict | None = None
     """What its objective prepared before step 0 (`Objective.prepare`: what a DPO run's precomputed
     reference log-probs are of), recorded in every checkpoint; None: nothing."""

@@ -294,6 +294,9 @@ class LogConfig:
     split its time into attention, experts, the vocabulary projection and the rest, each with its
     collectives' part (`mop.profiling`; the step's record gets `time_<phase>_s`, worst rank); 0: none.
     The profiler slows the step it records."""
+    dead_expert_window: int = 50
+    """Steps over which an expert given no token counts as dead (the records' experts/dead, and a warning line when
+    experts join them; the window restarts on resume); 0: not tracked."""
 
 
 @dataclass(frozen=True)

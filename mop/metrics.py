@@ -13,8 +13,10 @@ trainer only logs the result.
 
 from __future__ import annotations
 
+import collections
 import importlib.util
 import json
+import math
 import resource
 import uuid
 from pathlib import Path
@@ -76,6 +78,60 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def expert_load(counts: torch.Tensor | None) -> dict:
+    """A step's experts' load from its global expert counts `[moe_layers, E]` (tokens routed to each
+    expert, summed over every rank; {} without MoE layers), as record values:
+    `experts/load_max_over_mean` the most loaded expert's tokens over its layer's mean, worst layer (1:
+    even); `experts/load_entropy` the entropy of each layer's experts' shares over log E, mean over the
+    layers (1: even, 0: one expert takes every token); `experts/idle` the experts given no token in the
+    step, over all layers."""
+    if counts is None:
+        return {}
+    counts = counts.double()
+    shares = counts / counts.sum(-1, keepdim=True).clamp(min=1)
+    entropy = -(shares * shares.clamp(min=1e-300).log()).sum(-1) / math.log(counts.shape[-1])
+    worst = (counts.max(-1).values / counts.mean(-1).clamp(min=1e-300)).max()
+    return {"experts/load_max_over_mean": float(worst), "experts/load_entropy": float(entropy.mean()),
+            "experts/idle": int((counts == 0).sum())}
+
+
+class DeadExperts:
+    """Rank 0's window of the last `window` steps' expert counts (0: none kept): the experts given no
+    token in all of them, `experts/dead` once the window is full, and a warning line when experts join
+    them (router collapse, an expert the routers stopped choosing)."""
+
+    def __init__(self, window: int, first_layer: int):
+        self.window, self.first_layer = window, first_layer
+        self.steps: collections.deque = collections.deque(maxlen=window or 1)
+        self.dead: set[tuple[int, int]] = set()
+
+    def update(self, counts: torch.Tensor | None) -> tuple[dict, str | None]:
+        """The step's record value and the warning to print (None: none)."""
+        if counts is None or not self.window:
+            return {}, None
+        self.steps.append(counts.double())
+        if len(self.steps) < self.window:
+            return {}, None
+        total = torch.stack(list(self.steps)).sum(0)
+        dead = {(self.first_layer + layer, expert) for layer, expert in (total == 0).nonzero().tolist()}
+        joined, self.dead = dead - self.dead, dead
+        warning = None
+        if joined:
+            named = ", ".join(f"layer {layer} expert {expert}" for layer, expert in sorted(joined)[:8])
+            warning = (f"{len(dead)} expert(s) got no token in the last {self.window} steps, {len(joined)} new: {named}"
+                       f"{' ...' if len(joined) > 8 else ''} (router collapse? the records' experts/* show the load)")
+        return {"experts/dead": len(dead)}, warning
+
+
+def expert_shares(counts: torch.Tensor | None, first_layer: int) -> dict:
+    """Each MoE layer's experts' shares of its routed tokens (`experts/layer_<L>`, L the model's layer
+    number), what TensorBoard and W&B show as histograms ({} without MoE layers)."""
+    if counts is None:
+        return {}
+    shares = counts.double() / counts.double().sum(-1, keepdim=True).clamp(min=1)
+    return {f"experts/layer_{first_layer + layer}": row.numpy() for layer, row in enumerate(shares)}
+
+
 class MetricsLogger:
     """metrics.jsonl (one JSON record per step), TensorBoard scalars and, with `wandb`, the same
     scalars in a Weights & Biases run (`WandbRun`) in `run_dir`.
@@ -104,16 +160,21 @@ class MetricsLogger:
             self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
         self.wandb = wandb
 
-    def log(self, record: dict) -> None:
+    def log(self, record: dict, histograms: dict | None = None) -> None:
+        """A step's record (metrics.jsonl, scalars) and `histograms` (name -> values; TensorBoard and W&B
+        only: too many numbers per step for the records)."""
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
         scalars = {key: float(value) if isinstance(value, bool) else value for key, value in record.items()
                    if key != "step" and isinstance(value, (int, float))}  # a flag (skipped, rollback) as 0/1
+        histograms = histograms or {}
         if self.writer is not None:
             for key, value in scalars.items():
                 self.writer.add_scalar(key, value, record["step"])
+            for key, values in histograms.items():
+                self.writer.add_histogram(key, values, record["step"])
         if self.wandb is not None:
-            self.wandb.log(scalars, record["step"])
+            self.wandb.log(scalars, record["step"], histograms)
 
     def close(self) -> None:
         self.file.close()
@@ -154,8 +215,11 @@ class WandbRun:
         id_file.write_text(run_id)
         print(f"mop: wandb run {self.run.name!r} ({self.run.settings.mode}) in {self.run.dir}")
 
-    def log(self, scalars: dict, step: int) -> None:
-        self.run.log(scalars, step=step)
+    def log(self, scalars: dict, step: int, histograms: dict | None = None) -> None:
+        import wandb
+
+        self.run.log({**scalars, **{key: wandb.Histogram(values) for key, values in (histograms or {}).items()}},
+                     step=step)
 
     def close(self) -> None:
         import wandb

@@ -30,7 +30,9 @@ import time
 from collections.abc import Callable
 from contextlib import closing, nullcontext
 from pathlib import Path
+from typing import NamedTuple
 
+import torch
 import torch.distributed as dist
 
 from mop import checkpoint
@@ -43,8 +45,11 @@ from mop.evaluation import evaluate
 from mop.faults import PEER_LOST, PeerLost, Stopped, StopRequest, collective_timeout, quiet_exit_code
 from mop.flops import attended_keys, peak_flops
 from mop.metrics import (
+    DeadExperts,
     MetricsLogger,
     WandbRun,
+    expert_load,
+    expert_shares,
     peak_memory_bytes,
     plot_run,
     reset_peak_memory,
@@ -101,11 +106,21 @@ def worst_rank_state(run: TrainingRun, before_run: int) -> dict:
     return {**state, **{k: v if k.startswith("device_bytes_per_param") else int(v) for k, v in worst.items()}}
 
 
+class StepSums(NamedTuple):
+    """This rank's sums of a step's micro-batches, on the device (`forward_backward`)."""
+
+    parts: torch.Tensor
+    """float64 `[parts]`: its shares of the step loss's parts."""
+    expert_counts: torch.Tensor | None
+    """float64 `[moe_layers, E]`: the tokens each expert was routed (None without MoE layers)."""
+
+
 def forward_backward(model: MoETransformer, batches: list[dict], micro_batch_loss: MicroBatchLoss,
-                     runtime: Runtime, autocast=nullcontext(), optimizer: Optimizer | None = None) -> list[float]:
+                     runtime: Runtime, autocast=nullcontext(), optimizer: Optimizer | None = None) -> StepSums:
     """Forward and backward of this rank's micro-batches, accumulating gradients; returns this
-    rank's shares of the step loss's parts (`micro_batch_loss(batch)`: a micro-batch's loss, its
-    float64 parts and its expert counts, `mop.objectives.base.MicroBatchLoss`).
+    rank's shares of the step loss's parts and its expert counts (`micro_batch_loss(batch)`: a
+    micro-batch's loss, its float64 parts and its expert counts, `mop.objectives.base.MicroBatchLoss`),
+    summed on the device.
 
     The optimizer (None: gradients are left on the parameters) is told the phases of the step
     (`mop.optim.optimizer`): the host optimizer's forward waits only for the parameters whose
@@ -113,7 +128,7 @@ def forward_backward(model: MoETransformer, batches: list[dict], micro_batch_los
     reduced; the last one's are final.
     """
     totals = 0  # summed on the device: one host read per step, not per micro-batch
-    expert_counts = 0
+    expert_counts = None
     if optimizer is not None:
         optimizer.before_forward()
     for index, batch in enumerate(batches):
@@ -126,19 +141,32 @@ def forward_backward(model: MoETransformer, batches: list[dict], micro_batch_los
         if optimizer is not None:
             optimizer.after_backward()
         totals = totals + parts
-        if counts is not None:
-            expert_counts = expert_counts + counts.double()  # exact counts past 2^24
-    if model.balances_router_biases:  # after the backward: the next forward routes with the moved biases
-        model.update_router_biases(sum_tensor_over_ranks(expert_counts, runtime))
-    return totals.tolist()
+        if counts is not None:  # float64: exact counts past 2^24
+            expert_counts = counts.double() if expert_counts is None else expert_counts + counts.double()
+    return StepSums(totals, expert_counts)
+
+
+def reduced_sums(sums: StepSums, model: MoETransformer, runtime: Runtime) -> tuple[list[float], torch.Tensor | None]:
+    """The step's parts and expert counts summed over all ranks in one all-reduce and one host read; the
+    routers' biases moved by the counts (auxiliary-loss-free balancing: after the backward, so the next
+    forward routes with them)."""
+    flat = sums.parts if sums.expert_counts is None else torch.cat([sums.parts, sums.expert_counts.flatten()])
+    flat = sum_tensor_over_ranks(flat.clone(), runtime)
+    n = len(sums.parts)
+    counts = None if sums.expert_counts is None else flat[n:].view_as(sums.expert_counts)
+    if counts is not None and model.balances_router_biases:
+        model.update_router_biases(counts)
+    host = flat.cpu()
+    return host[:n].tolist(), None if counts is None else host[n:].view_as(sums.expert_counts)
 
 
 def train_step(run: TrainingRun, batches: list[dict], update: int = 0, objective: Objective | None = None) -> dict:
     """Forward/backward over this rank's micro-batches of a step (`update`: which of its batch's
     updates, `StepCounts.update`; `objective`: the loop's, None: the run's made now); returns the
     objective's record of the globally reduced losses (`mop.objectives.base`), the step's targets,
-    their share of its token positions, its tokens that are data (not padding) and its model FLOPs
-    (`mop.flops`)."""
+    their share of its token positions, its tokens that are data (not padding), its model FLOPs
+    (`mop.flops`) and its experts' load (`mop.metrics.expert_load`); the step's expert counts are kept
+    in `run.expert_counts`."""
     runtime, objective = run.runtime, objective or objective_for(run)
     local_targets = count_targets(batches)
     keys = run.spec.layer_keys(lambda window: sum(int(attended_keys(b["position_ids"], window).sum()) for b in batches))
@@ -147,12 +175,13 @@ def train_step(run: TrainingRun, batches: list[dict], update: int = 0, objective
     counts = sum_over_ranks([local_targets, keys, tokens, padding, *objective.local_counts(batches)], runtime)
     global_targets, keys, tokens, padding = counts[:4]
     step = StepCounts(int(global_targets), run.config.train.global_batch, tuple(counts[4:]), update)
-    parts = sum_over_ranks(forward_backward(run.model, batches, objective.micro_batch_loss(step), runtime,
-                                            run.autocast(), run.optimizer), runtime)
+    sums = forward_backward(run.model, batches, objective.micro_batch_loss(step), runtime, run.autocast(),
+                            run.optimizer)
+    parts, run.expert_counts = reduced_sums(sums, run.model, runtime)
     # Every rank of a sequence group holds distinct tokens, so the sums count each token once.
     model_flops = run.spec.flops_per_token(keys / tokens) * tokens
     return {**objective.record(parts, step), "targets": int(global_targets), "target_share": global_targets / tokens,
-            "tokens": int(tokens - padding), "model_flops": model_flops}
+            "tokens": int(tokens - padding), "model_flops": model_flops, **expert_load(run.expert_counts)}
 
 
 def update(run: TrainingRun) -> dict:
@@ -359,10 +388,17 @@ def _loop(run: TrainingRun, run_dir: Path, stop: StopRequest, steps: range, reco
             batches = run.last_batches()
         return batches
 
+    first_moe = config.model.dense_layers
+    dead = DeadExperts(config.log.dead_expert_window, first_moe) if runtime.is_main else None
     for step in steps:
         done = step + 1  # every record, checkpoint and line numbers a step by the steps done after it
         record = run_step(run, step, lambda: batches_of(step), objective, state_memory)
         record.update(skips.count(done, record["skipped"]))
+        if dead is not None:
+            dead_record, warning = dead.update(run.expert_counts)
+            record.update(dead_record)
+            if warning:
+                print(f"mop: warning: {warning}", file=sys.stderr, flush=True)
         if run.held_out is not None and (done % config.eval.every == 0 or done == config.train.steps):
             record["eval_loss"] = evaluate(run)
         records.append(record)
@@ -370,7 +406,7 @@ def _loop(run: TrainingRun, run_dir: Path, stop: StopRequest, steps: range, reco
                            **({"eval": f"{record['eval_loss']:.4f}"} if "eval_loss" in record else {}),
                            **({"skipped": record["skipped_steps"]} if record["skipped_steps"] else {}))
         if logger is not None:
-            logger.log(record)
+            logger.log(record, expert_shares(run.expert_counts, first_moe))
         skips.check(checkpoint.checkpoint_dir(config, run_dir))
         signum = stop.agreed(runtime.world_group, runtime.device)
         if signum is not None and done < config.train.steps:

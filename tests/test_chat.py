@@ -256,7 +256,7 @@ def packed_step(rank, world, config):
     targets = torch.tensor(float(count_targets(batches)))
     torch.distributed.all_reduce(targets)
     objective = NextTokenLoss(run.model, int(targets), config.train.global_batch)
-    ce, aux = forward_backward(run.model, batches, objective, run.runtime)
+    ce, aux = forward_backward(run.model, batches, objective, run.runtime).parts.tolist()
     loss = torch.tensor(ce + aux)
     torch.distributed.all_reduce(loss)
     grads = {canonical_name(n): full_gradient(run.views, q) for n, q in run.model.named_parameters()}
