@@ -151,7 +151,7 @@ def reduced_sums(sums: StepSums, model: MoETransformer, runtime: Runtime) -> tup
     routers' biases moved by the counts (auxiliary-loss-free balancing: after the backward, so the next
     forward routes with them)."""
     flat = sums.parts if sums.expert_counts is None else torch.cat([sums.parts, sums.expert_counts.flatten()])
-    flat = sum_tensor_over_ranks(flat.clone(), runtime)
+    flat = sum_tensor_over_ranks(flat, runtime)  # in place: `flat` is the step's own sum (or a fresh concatenation)
     n = len(sums.parts)
     counts = None if sums.expert_counts is None else flat[n:].view_as(sums.expert_counts)
     if counts is not None and model.balances_router_biases:

@@ -41,25 +41,23 @@ import torch.distributed as dist
 from mop import checkpoint
 from mop.build import build_run
 from mop.config import Config
-from mop.data import DataError, load_tokenizer
+from mop.data import DataError
 from mop.metrics import peak_memory_bytes
 from mop.models.hf import AsPublished, HFWeights
 from mop.objectives import objective_for
 from mop.objectives.policy_gradient.reference import token_tables
-from mop.rl.feed import rollout_batch, write_rows
+from mop.rl.feed import BatchData, rollout_batch, write_rows
 from mop.rl.weights import Bucket, weight_buckets
 from mop.run_dir import shared_run_dir
 from mop.runtime import Runtime
 from mop.train import run_step, save, setup_runtime, start_from, worst_rank_state
 
 
-class HandedRows:
+class HandedRows(BatchData):
     """A trainer's data: the batch of rows handed in last (`take`), served whole as one global batch."""
 
     def __init__(self, config: Config):
-        d = config.data
-        self.config, self.tokenizer = config, load_tokenizer(d.tokenizer, d.eos_token or None)
-        self.position, self._dataset = 0, None
+        super().__init__(config)
         self._folder = tempfile.TemporaryDirectory(prefix="mop-rows-")
 
     def take(self, rows: list[dict]) -> None:
@@ -79,14 +77,6 @@ class HandedRows:
         if self._dataset is None:
             raise RuntimeError("the trainer has no rows yet: hand a batch to train() or log_probs()")
         return self._dataset
-
-    @property
-    def stream(self) -> HandedRows:
-        return self
-
-    @property
-    def num_sequences(self) -> int:
-        return self.config.train.global_batch
 
     def next_batch(self, size: int) -> list[int]:
         self.position += size

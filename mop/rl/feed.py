@@ -70,13 +70,32 @@ def engine_for(config: Config, eos_id: int, folder: Path, device: torch.device) 
     return SGLangServer(rl.engine_url, SGLangSender(rl.engine_url, host, int(port), rl.engine_ranks, backend, device))
 
 
-class RolloutFeed:
+class BatchData:
+    """Data served one global batch at a time (the RL loop's, `mop.trainer.Trainer`'s), read where a run reads
+    a `mop.data.Data`: `tokenizer`, `dataset` (the batch's), `stream` (itself; `position`: the sequences
+    served)."""
+
+    def __init__(self, config: Config):
+        d = config.data
+        self.config, self.tokenizer = config, load_tokenizer(d.tokenizer, d.eos_token or None)
+        self.position, self._dataset = 0, None
+
+    @property
+    def stream(self) -> BatchData:
+        return self
+
+    @property
+    def num_sequences(self) -> int:
+        return self.config.train.global_batch
+
+
+class RolloutFeed(BatchData):
     """The RL loop's data (module docstring); `bind` gives it the run whose weights it samples with."""
 
     def __init__(self, config: Config, run_dir: Path, is_main: bool, device: torch.device):
+        super().__init__(config)
         d, rl = config.data, config.rl
-        self.config, self.run_dir, self.is_main = config, run_dir, is_main
-        self.tokenizer = load_tokenizer(d.tokenizer, d.eos_token or None)
+        self.run_dir, self.is_main = run_dir, is_main
         self.chat = ChatSettings(d.tokenizer, d.chat_template, False, "rollouts")
         self.prompts: Prompts = read_prompts(rl.prompts, self.tokenizer, self.chat.template(required=False))
         longest = max(map(len, self.prompts.ids)) + rl.max_completion_length
@@ -86,7 +105,7 @@ class RolloutFeed:
         self.order = SequenceStream(len(self.prompts), config.train.seed, 0, self.prompts.fingerprint)
         self.reward = reward_function(rl.reward)
         self.engine = engine_for(config, self.tokenizer.eos_id, run_dir / "engine", device) if is_main else None
-        self.position, self.run, self._dataset, self._batch, self._drawn_ahead = 0, None, None, None, False
+        self.run, self._batch, self._drawn_ahead = None, None, False
         self._pending: Future | None = None
         self._threads = ThreadPoolExecutor(1) if rl.off_policy and is_main else None
 
@@ -100,14 +119,6 @@ class RolloutFeed:
             self.engine.close()
 
     # What the loop and checkpoints read of a run's data.
-
-    @property
-    def stream(self) -> RolloutFeed:
-        return self
-
-    @property
-    def num_sequences(self) -> int:
-        return self.config.train.global_batch
 
     @property
     def dataset(self):

@@ -59,11 +59,10 @@ class PolicyGradient(Objective):
         return local_counts(batches)
 
     def micro_batch_loss(self, counts: StepCounts) -> PolicyGradientLoss:
-        run = self.run
+        run, named = self.run, self._counts(counts)
         # the aux loss's mean over the sequences holding rollouts: the RL loop's empty ones are not data
-        return PolicyGradientLoss(run.model, run.config.rl, self._counts(counts), self._counts(counts)["sequences"],
-                                  run.data.dataset.rollouts_max, self.replay, self.moe_layers, counts.update,
-                                  self.cache)
+        return PolicyGradientLoss(run.model, run.config.rl, named, named["sequences"], run.data.dataset.rollouts_max,
+                                  self.replay, self.moe_layers, counts.update, self.cache)
 
     def record(self, parts: list[float], counts: StepCounts) -> dict:
         names = part_names(policy_loss(self.run.config.rl), self.run.config.rl, self.replay != "off", self.moe_layers)

@@ -24,7 +24,8 @@ then holds every sum and uses it on its own tokens only: no 1/D share, unlike DP
 
 Counts (summed over every rank before the first forward): the step's generated tokens N (its targets,
 which the loop counts) and, the objective's own (`local_counts`), its rollouts S (their
-`rollout_starts`), its tokens with a known sampling log-prob and its rollouts with a known reward.
+`rollout_starts`), its tokens with a known sampling log-prob, its rollouts with a known reward and its
+sequences holding rollouts (`sequence_starts`: the load-balancing loss's mean is over them).
 Records (`step_record`): TRL's names, each a mean over the whole step (TRL's are means over each
 process's micro-batch, or of per-process means: equal on one process and micro-batch),
 the rewards' mean and unbiased std over the step's rollouts, and per MoE layer the share of replayed
