@@ -87,11 +87,16 @@ def weight_buckets(run: TrainingRun, bucket_bytes: int, dtype: torch.dtype = tor
 
 
 def adapter_tensors(run: TrainingRun) -> dict[str, torch.Tensor]:
-    """A LoRA run's adapters, each whole in fp32 on rank 0 (collective; empty on the other ranks)."""
+    """A LoRA run's adapters, each whole in fp32 on rank 0 (collective; empty on the other ranks, which keep
+    no gathered buffer past its reduce)."""
     run.optimizer.synchronize()
-    params = {canonical_name(n): t for n, t in run.model.named_parameters() if t.requires_grad}
-    gathered = {name: _gathered(run, tensor, torch.float32) for name, tensor in params.items()}
-    return gathered if run.runtime.rank == 0 else {}
+    main, adapters = run.runtime.rank == 0, {}
+    for name, tensor in run.model.named_parameters():
+        if tensor.requires_grad:
+            whole = _gathered(run, tensor, torch.float32)
+            if main:
+                adapters[canonical_name(name)] = whole
+    return adapters
 
 
 def write_adapters(run: TrainingRun, path: str | Path, dtype: torch.dtype) -> Path:
