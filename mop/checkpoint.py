@@ -19,7 +19,8 @@ Content of one checkpoint (a directory `step_<N>`, N = optimizer steps completed
   byte tokenizer its exact HF equivalent), so that `mop convert to-hf` is self-contained and a
   run can name the checkpoint's own copy as `data.tokenizer`;
 - `peft/` (a LoRA run's, written by rank 0 from the saved shards): the adapters in PEFT's layout
-  (`mop.models.peft`), which `PeftModel.from_pretrained` and the serving engines load onto the base.
+  (`mop.models.peft`), which `PeftModel.from_pretrained` loads onto the base, and in `peft/serve/`
+  in the layout vLLM and SGLang load (`mop.models.served_adapters`).
 A Hugging Face import (`save_hf_import`) is a `mop.json` and a `tokenizer/` alone, naming the HF
 directory whose safetensors each rank reads its own rows from when it loads.
 
@@ -67,7 +68,7 @@ from mop.data.tokenizer import AnyTokenizer, describe
 from mop.models.config import ModelConfig
 from mop.models.hf import HFWeights
 from mop.models.lora import LoraConfig
-from mop.models.peft import save_peft
+from mop.models.served_adapters import save_adapters
 from mop.models.transformer import MoETransformer
 from mop.optim.optimizer import Optimizer
 from mop.parallel.checkpointing import canonical_name
@@ -184,11 +185,12 @@ def save_hf_import(path: Path, hf_dir: Path, fingerprint: dict[str, str], config
 
 
 def _write_peft(directory: Path, meta: dict, config: Config) -> None:
-    """A LoRA checkpoint's adapters in PEFT's layout, in `directory/peft` (`mop.models.peft`), read
+    """A LoRA checkpoint's adapters in PEFT's layout, in `directory/peft` (`mop.models.peft`), and the
+    engines' in `directory/peft/serve` (`mop.models.served_adapters`), read
     back from the shards just saved, in the dtype the run computes in."""
     dtype = torch.bfloat16 if config.train.dtype == "bfloat16" else torch.float32
     adapters = read_adapters(directory, meta, config.model, config.adapters)
-    save_peft(directory / PEFT, config.model, config.adapters, adapters, dtype)
+    save_adapters(directory / PEFT, config.model, config.adapters, adapters, dtype)
 
 
 def read_adapters(path: Path, meta: dict, cfg: ModelConfig, lora: LoraConfig) -> dict[str, torch.Tensor]:

@@ -20,8 +20,10 @@
   safetensors files, so HF_DIR must stay where it is.
 - `to-peft CHECKPOINT OUT`: a LoRA checkpoint's adapters in PEFT's layout (`mop.models.peft`):
   `adapter_config.json` and `adapter_model.safetensors` that `PeftModel.from_pretrained` loads onto
-  the base's transformers model, for serving (vLLM and SGLang load the same files); every LoRA
-  checkpoint also holds them, in `peft/`, written when it is saved.
+  the base's transformers model; and in `OUT/serve/` the same adapters in the layout the serving
+  engines load (`mop.models.served_adapters`: per-expert adapters where the hub publishes experts
+  one by one, vLLM's fused form for gpt-oss), with a warning for an adapter an engine is known to
+  drop. Every LoRA checkpoint also holds both, in `peft/`, written when it is saved.
 - `merge CHECKPOINT OUT`: the base with the adapters merged in (`W + alpha/r B A`, in fp32) as a
   Hugging Face directory, written file by file like `to-hf`: in bf16 or fp32 (`--dtype`), or
   `--dtype=published`, each tensor as the base publishes it (re-quantized to its format, fp8
@@ -38,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
@@ -53,7 +56,7 @@ from mop.models.families import FAMILIES
 from mop.models.hf import MAX_SHARD_BYTES, AsPublished, HFConversionError, HFWeights, model_types, write_hf
 from mop.models.lora import LoraConfig, adapted_weights
 from mop.models.lora import merged as lora_merged
-from mop.models.peft import save_peft
+from mop.models.served_adapters import SERVE, save_adapters, serving_warnings
 from mop.models.transformer import MoETransformer
 from mop.parallel.materialize import initial_values
 
@@ -120,8 +123,10 @@ def export_adapters(path: Path, out: Path, dtype: torch.dtype) -> None:
     """A LoRA checkpoint's adapters as a PEFT adapter directory `out` (module docstring)."""
     meta, cfg, lora = lora_checkpoint(path)
     make_directory(out, out)
-    save_peft(out, cfg, lora, checkpoint.read_adapters(path, meta, cfg, lora), dtype)
-    print(f"mop: wrote {out} from {path}")
+    save_adapters(out, cfg, lora, checkpoint.read_adapters(path, meta, cfg, lora), dtype)
+    for warning in serving_warnings(cfg, lora):
+        print(f"mop: warning: {warning}", file=sys.stderr)
+    print(f"mop: wrote {out} (PEFT's layout) and {out / SERVE} (the serving engines') from {path}")
 
 
 def merge(path: Path, out: Path, dtype: str, base_dir: Path | None) -> None:

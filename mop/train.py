@@ -55,6 +55,7 @@ from mop.metrics import (
     reset_peak_memory,
     technique_metrics,
 )
+from mop.models.served_adapters import serving_warnings
 from mop.models.transformer import MoETransformer
 from mop.objectives import Objective, StepCounts, objective_for
 from mop.objectives.base import MicroBatchLoss
@@ -214,6 +215,8 @@ def announce(run: TrainingRun, run_dir: Path) -> None:
         print(f"mop: warning: {warning}", file=sys.stderr)
     if config.adapters is not None:
         print(f"mop: {adapters_summary(run.model, config)}")
+        for warning in serving_warnings(config.model, config.adapters):
+            print(f"mop: warning: {warning}", file=sys.stderr)
 
 
 class SkippedSteps:

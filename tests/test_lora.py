@@ -141,6 +141,16 @@ def test_a_dequantized_projection_saves_only_its_stored_bytes_for_the_backward()
 # ---------------------------------------------------------------- PEFT
 
 
+@torch.no_grad()
+def randomize_adapters(model, seed=3) -> dict:
+    """Every adapter of `model` set to N(0, 0.1) (B too, so that they change the function); returns them by name."""
+    adapters = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    generator = torch.Generator().manual_seed(seed)
+    for p in adapters.values():
+        p.copy_(0.1 * torch.randn(p.shape, generator=generator))
+    return adapters
+
+
 def peft_cases():
     import test_deepseek_v3
     import test_gpt_oss
@@ -171,11 +181,7 @@ def test_peft_loads_the_adapters_mop_writes_and_computes_the_same_logits_and_gra
     mop = build_model(cfg, 0, lora=lora)
     missing, unexpected = mop.load_state_dict(load_hf(tmp_path / "base").state_dict(), strict=False)
     assert not unexpected and all(name.endswith(("lora_A", "lora_B")) for name in missing)
-    adapters = {name: p for name, p in mop.named_parameters() if p.requires_grad}
-    generator = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for p in adapters.values():
-            p.copy_(0.1 * torch.randn(p.shape, generator=generator))
+    adapters = randomize_adapters(mop)
     save_peft(tmp_path / "adapter", cfg, lora, adapters)
     theirs_model = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter", is_trainable=True)
     ids, labels = batch(2), shifted(batch(2))
@@ -342,7 +348,8 @@ def test_peft_loads_the_runs_adapters_onto_the_base_and_equals_the_merged_model(
     peft = pytest.importorskip("peft")
     base, step = trained_on_a_hf_base
     assert main(["convert", "to-peft", str(step), str(tmp_path / "adapter"), "--dtype=float32"]) == 0
-    for name in ("adapter_config.json", "adapter_model.safetensors"):
+    for name in ("adapter_config.json", "adapter_model.safetensors", "serve/adapter_config.json",
+                 "serve/adapter_model.safetensors"):  # PEFT's layout, and the engines' (test_served_adapters)
         assert (step / "peft" / name).read_bytes() == (tmp_path / "adapter" / name).read_bytes()
     assert main(["convert", "merge", str(step), str(tmp_path / "merged"), "--dtype=float32"]) == 0
     with_adapters = peft.PeftModel.from_pretrained(

@@ -32,8 +32,9 @@ A LoRA run exports its base with the adapters merged in (`W + alpha/r B A` in fp
 arithmetic): each adapted weight's adapters are gathered like any parameter, and rank 0 reads the base
 weight whole from the run's base (its Hugging Face folder, dequantized as the model computes with it,
 or its initial values) and merges them; any format above then applies (`published`: the merged weight
-re-quantized as the base publishes it). `write_adapters` sends the adapters alone in PEFT's layout,
-for an engine that serves the base and loads adapters (vLLM's and SGLang's LoRA APIs).
+re-quantized as the base publishes it). `write_adapters` sends the adapters alone in PEFT's layout
+with the engines' in its `serve/`, for an engine that serves the base and loads adapters (vLLM's and
+SGLang's LoRA APIs load `serve/`).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from mop.models.hf import AsPublished, config_to_hf
 from mop.models.hf_mapping import Piece, model_pieces
 from mop.models.lora import adapted_weights
 from mop.models.lora import merged as lora_merged
-from mop.models.peft import save_peft
+from mop.models.served_adapters import save_adapters
 from mop.models.transformer import MoETransformer
 from mop.parallel.checkpointing import canonical_name
 from mop.parallel.materialize import initial_values
@@ -101,10 +102,11 @@ def adapter_tensors(run: TrainingRun) -> dict[str, torch.Tensor]:
 
 def write_adapters(run: TrainingRun, path: str | Path, dtype: torch.dtype) -> Path:
     """A sender of a LoRA run's adapters alone: PEFT's folder (`mop.models.peft`, what `mop convert to-peft`
-    writes and vLLM's and SGLang's LoRA loading take), written by rank 0; collective."""
+    writes) with the engines' layout in its `serve/` (`mop.models.served_adapters`: what vLLM's and
+    SGLang's LoRA loading take), written by rank 0; collective."""
     adapters = adapter_tensors(run)
     if run.runtime.rank == 0:
-        save_peft(path, run.config.model, run.config.adapters, adapters, dtype)
+        save_adapters(path, run.config.model, run.config.adapters, adapters, dtype)
     return Path(path)
 
 
