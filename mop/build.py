@@ -157,6 +157,10 @@ class TrainingRun:
     expert_counts: torch.Tensor | None = None
     """The last step's global expert counts `[moe_layers, E]` (float64, on the host; `mop.train.train_step`):
     what the records' expert load is built from."""
+    mtp: dict | None = None
+    """Where the model's multi-token-prediction layers are kept, frozen (`mop.checkpoint.save_hf_import`'s
+    record: a Hugging Face directory, its fingerprint, the layer count), from the checkpoint it started
+    from; recorded in every checkpoint so that `mop convert to-hf` passes them through. None: none."""
     reference: dict | None = None
     """What its objective prepared before step 0 (`Objective.prepare`: what a DPO run's precomputed
     reference log-probs are of), recorded in every checkpoint; None: nothing."""

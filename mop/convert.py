@@ -9,6 +9,11 @@
   transformers would freeze that embedding row in a fine-tune, and mop's pad is often eos itself.
   The weights are written in the dtype the run trained in (`train.dtype` in the checkpoint's
   config; float32 for an import that was never trained: lossless) unless `--dtype` says otherwise.
+  Multi-token-prediction layers (DeepSeek-V3's, GLM-4.5's): mop trains the main model only and keeps
+  them frozen, so the checkpoint records where they are (`mtp` in mop.json, from the import) and
+  `to-hf` copies them from there, dequantized and cast like the rest, with the original
+  `num_nextn_predict_layers` (`mop.models.hf.MtpLayers`); `--mtp=drop` writes none
+  (`num_nextn_predict_layers = 0`), which is also what it writes for a model without them.
 - `from-hf HF_DIR CHECKPOINT`: a HF directory as a step-0 mop checkpoint (the optimizer starts
   fresh) with a copy of its tokenizer, plus `model.toml`: the matching [model] section and a
   [data] section naming that copy as `data.tokenizer`, so that
@@ -30,7 +35,8 @@
   blocks or MXFP4 experts, under its own tensor names; the others in its dtypes). The base is
   the one the checkpoint trained on (`lora_base`): its directory, checked by fingerprint, or
   `--base` for a copy of it elsewhere (a base of another fingerprint is refused), or its run's
-  initial weights.
+  initial weights. A base with multi-token-prediction layers gets them back as it publishes them
+  (`--dtype=published`: their stored bytes and scales) or cast like the rest, unless `--mtp=drop`.
 `to-hf` and `merge` run in one process and hold one output file's tensors (and the whole
 parameters spanning it) at a time, never the model.
 """
@@ -53,7 +59,15 @@ from mop.config import Config, ConfigError, DataConfig
 from mop.data.tokenizer import COMPANION_FILES, AnyTokenizer, load_tokenizer
 from mop.models.config import ModelConfig
 from mop.models.families import FAMILIES
-from mop.models.hf import MAX_SHARD_BYTES, AsPublished, HFConversionError, HFWeights, model_types, write_hf
+from mop.models.hf import (
+    MAX_SHARD_BYTES,
+    AsPublished,
+    HFConversionError,
+    HFWeights,
+    MtpLayers,
+    model_types,
+    write_hf,
+)
 from mop.models.lora import LoraConfig, adapted_weights
 from mop.models.lora import merged as lora_merged
 from mop.models.served_adapters import SERVE, save_adapters, serving_warnings
@@ -62,6 +76,8 @@ from mop.parallel.materialize import initial_values
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 GENERATION_CONFIG = "generation_config.json"
+MTP_HELP = ("keep (default): write the frozen multi-token-prediction layers the model was imported with; "
+            "drop: write none (num_nextn_predict_layers = 0)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,6 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="family to write as (default: the checkpoint's model.family)")
     to_hf.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                        help="dtype of the written weights (default: the train.dtype the checkpoint was trained in)")
+    to_hf.add_argument("--mtp", choices=["keep", "drop"], default="keep", help=MTP_HELP)
     to_peft = directions.add_parser("to-peft", help="export a LoRA checkpoint's adapters in PEFT's layout")
     to_peft.add_argument("checkpoint", type=Path, help="a step_<N> directory of a LoRA run")
     to_peft.add_argument("out", type=Path, help="the adapter directory to write")
@@ -85,6 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="bfloat16 or float32, or 'published': each tensor as the base publishes it")
     merge.add_argument("--base", type=Path, default=None,
                        help="the base's directory, if it moved (its fingerprint must be the recorded one)")
+    merge.add_argument("--mtp", choices=["keep", "drop"], default="keep", help=MTP_HELP)
     from_hf = directions.add_parser("from-hf", help="import a Hugging Face model directory as a mop checkpoint")
     from_hf.add_argument("hf_dir", type=Path, help="a Hugging Face directory (config.json + safetensors) of model_type "
                          f"{', '.join(model_types())}")
@@ -99,11 +117,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> None:
     if args.direction == "to-hf":
-        export(args.checkpoint, args.out, args.model_type, args.dtype)
+        export(args.checkpoint, args.out, args.model_type, args.dtype, keep_mtp=args.mtp == "keep")
     elif args.direction == "to-peft":
         export_adapters(args.checkpoint, args.out, DTYPES[args.dtype])
     elif args.direction == "merge":
-        merge(args.checkpoint, args.out, args.dtype, args.base)
+        merge(args.checkpoint, args.out, args.dtype, args.base, keep_mtp=args.mtp == "keep")
     else:
         import_hf(args.hf_dir, args.checkpoint, args.tokenizer, args.eos_token)
 
@@ -129,7 +147,7 @@ def export_adapters(path: Path, out: Path, dtype: torch.dtype) -> None:
     print(f"mop: wrote {out} (PEFT's layout) and {out / SERVE} (the serving engines') from {path}")
 
 
-def merge(path: Path, out: Path, dtype: str, base_dir: Path | None) -> None:
+def merge(path: Path, out: Path, dtype: str, base_dir: Path | None, keep_mtp: bool = True) -> None:
     """The checkpoint's base with its adapters merged in, as a HF directory `out` (module docstring)."""
     meta, cfg, lora = lora_checkpoint(path)
     recorded = meta["lora_base"]
@@ -166,12 +184,13 @@ def merge(path: Path, out: Path, dtype: str, base_dir: Path | None) -> None:
         make_directory(out, out)
         token_ids = export_tokenizer(path, meta, out)
         published = AsPublished(base) if dtype == "published" else None
-        write_hf(cfg, out, read, DTYPES.get(dtype, torch.bfloat16), None, MAX_SHARD_BYTES, token_ids, published)
+        mtp = MtpLayers(base) if keep_mtp and base is not None and base.mtp else None
+        write_hf(cfg, out, read, DTYPES.get(dtype, torch.bfloat16), None, MAX_SHARD_BYTES, token_ids, published, mtp)
     print(f"mop: wrote {out}: the base with the adapters of {path} merged in")
 
 
 def export(path: Path, out: Path, model_type: str | None, dtype: str | None,
-           max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+           max_shard_bytes: int = MAX_SHARD_BYTES, keep_mtp: bool = True) -> None:
     """Checkpoint `path` as a HF folder `out`, written file by file: only one output file's tensors are read
     from the checkpoint at a time (`write_hf`), so no process holds the whole model."""
     if not (path / checkpoint.META).is_file():
@@ -189,9 +208,27 @@ def export(path: Path, out: Path, model_type: str | None, dtype: str | None,
 
     make_directory(out, out)
     token_ids = export_tokenizer(path, meta, out)
-    write_hf(cfg, out, read, DTYPES[dtype or meta["config"]["train"]["dtype"]], model_type, max_shard_bytes,
-             token_ids)
-    print(f"mop: wrote {out} from {path}")
+    record = meta.get("mtp") if keep_mtp else None
+    with (mtp_source(record, path) if record else nullcontext()) as source:
+        write_hf(cfg, out, read, DTYPES[dtype or meta["config"]["train"]["dtype"]], model_type, max_shard_bytes,
+                 token_ids, mtp=MtpLayers(source) if source is not None else None)
+    print(f"mop: wrote {out} from {path}" + (f" with the {record['layers']} multi-token-prediction layer(s) of "
+                                             f"{record['path']}" if record else ""))
+
+
+def mtp_source(record: dict, path: Path) -> HFWeights:
+    """The Hugging Face directory a checkpoint's frozen multi-token-prediction layers are read from,
+    opened, checked unchanged (its `mtp` record's fingerprint)."""
+    source = Path(record["path"])
+    problem = None if (source / "config.json").is_file() else "is gone"
+    weights = HFWeights(source) if problem is None else None
+    if weights is not None and weights.fingerprint(mtp=True) != record["fingerprint"]:
+        weights.__exit__()
+        problem = "has changed since"
+    if problem:
+        raise ConfigError("--mtp", f"{path} keeps its multi-token-prediction layers in {source}, which {problem}; "
+                          "restore that directory, or pass --mtp=drop to write the model without them")
+    return weights
 
 
 def export_tokenizer(path: Path, meta: dict, out: Path) -> dict[str, int]:
@@ -220,15 +257,17 @@ def import_hf(hf_dir: Path, path: Path, tokenizer_spec: str | None, eos_token: s
     if path.exists():
         raise ConfigError(str(path), "already exists; choose a new checkpoint directory")
     with HFWeights(hf_dir) as weights:  # checks keys and shapes; reads no tensor data
-        cfg, fingerprint, dropped = weights.cfg, weights.fingerprint(), weights.dropped
-    if dropped:
-        print(f"mop: left out {len(dropped)} multi-token-prediction tensor(s) of {hf_dir} (e.g. {dropped[0]}): "
-              "mop trains the main model only")
+        cfg, fingerprint = weights.cfg, weights.fingerprint()
+        mtp = {"path": str(hf_dir.resolve()), "fingerprint": weights.fingerprint(mtp=True),
+               "layers": MtpLayers(weights).layers, "tensors": len(weights.mtp)} if weights.mtp else None
+    if mtp:
+        print(f"mop: the {mtp['layers']} multi-token-prediction layer(s) of {hf_dir} ({mtp['tensors']} tensors) stay "
+              "frozen outside the model mop trains; mop convert to-hf writes them back")
     tokenizer = import_tokenizer(hf_dir, tokenizer_spec, eos_token, cfg.vocab_size)
     own = "byte" if tokenizer.kind == "byte" else str(path.resolve() / checkpoint.TOKENIZER)
     config = Config(model=cfg, data=DataConfig(tokenizer=own, eos_token=eos_token or ""))
     make_directory(path.parent, path)
-    checkpoint.save_hf_import(path, hf_dir, fingerprint, config, tokenizer)
+    checkpoint.save_hf_import(path, hf_dir, fingerprint, config, tokenizer, mtp)
     (path / "model.toml").write_text(config_toml(config))
     print(f"mop: wrote {path} (tokenizer {tokenizer.name}); fine-tune with: "
           f"mop train {path / 'model.toml'} --checkpoint.resume={path}")

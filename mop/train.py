@@ -213,6 +213,9 @@ def announce(run: TrainingRun, run_dir: Path) -> None:
         print(f"mop: {fit_summary(config.fit)}")
     for warning in objective.warnings():
         print(f"mop: warning: {warning}", file=sys.stderr)
+    if run.mtp is not None:
+        print(f"mop: the {run.mtp['layers']} multi-token-prediction layer(s) of {run.mtp['path']} stay frozen, "
+              "outside the model trained; mop convert to-hf passes them through")
     if config.adapters is not None:
         print(f"mop: {adapters_summary(run.model, config)}")
         for warning in serving_warnings(config.model, config.adapters):
@@ -445,7 +448,7 @@ def save(run: TrainingRun, run_dir: Path, done: int) -> Path:
     config = run.config
     return checkpoint.save(checkpoint.checkpoint_dir(config, run_dir), done, run.model, run.optimizer, run.views,
                            run.data.stream.state_dict(), config, config.checkpoint.keep, run.data.tokenizer, run.base,
-                           run.reference)
+                           run.reference, run.mtp)
 
 
 def resume(run: TrainingRun, run_dir: Path) -> int:
@@ -466,6 +469,7 @@ def resume(run: TrainingRun, run_dir: Path) -> int:
             run.data.stream.load_state_dict(meta["data"])
     elif config.checkpoint.init:
         meta = start_from(run, Path(config.checkpoint.init))
+    run.mtp = meta.get("mtp") if meta is not None else None
     run.reference = objective_for(run).prepare(run_dir, meta)
     return meta["step"] if meta is not None else 0
 

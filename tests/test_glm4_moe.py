@@ -117,24 +117,3 @@ def test_bf16_in_the_mop_layout_stays_within_the_bf16_tolerance_of_the_bf16_refe
     check_bf16_mop_layout_against_the_bf16_reference(tmp_path, GLM_RUN, [
         "--parallel.nproc=2", "--parallel.sequence=2", "--parallel.expert=2", "--parallel.vocab=2",
         "--parallel.expert_balance=llep", "--train.activation_checkpointing=full"])
-
-
-def test_multi_token_prediction_layers_are_left_out_and_said(tmp_path, capsys):
-    from safetensors.torch import load_file, save_file
-
-    from mop.cli import main
-    from mop.models.hf import HFWeights
-
-    hf_config = transformers.Glm4MoeConfig(
-        vocab_size=259, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
-        first_k_dense_replace=1, num_nextn_predict_layers=1)
-    transformers.AutoModelForCausalLM.from_config(hf_config).save_pretrained(tmp_path / "hf")
-    weights = tmp_path / "hf" / "model.safetensors"
-    tensors = load_file(weights)
-    tensors.update({"model.layers.2.eh_proj.weight": torch.zeros(64, 128), "model.layers.2.enorm.weight": torch.ones(64)})
-    save_file(tensors, weights, metadata={"format": "pt"})
-    with HFWeights(tmp_path / "hf") as read:
-        assert read.dropped == ["model.layers.2.eh_proj.weight", "model.layers.2.enorm.weight"]
-    assert main(["convert", "from-hf", str(tmp_path / "hf"), str(tmp_path / "imported"), "--tokenizer=byte"]) == 0
-    assert "left out 2 multi-token-prediction tensor(s)" in capsys.readouterr().out

@@ -128,13 +128,12 @@ class HFWeights:
         self.quantized = reader_for(hf.get("quantization_config"), self.path / "config.json")
         self._stack = ExitStack()
         self.tensors = _open_checkpoint(self.path, self._stack)
-        # Multi-token-prediction layers (after the last block, in DeepSeek-V3 and GLM-4.5 checkpoints)
-        # are not part of the model mop trains: left out, and `dropped` says so.
-        mtp = FAMILIES[self.cfg.family].hf.mtp_layers
-        self.dropped = sorted(key for key in self.tensors if _layer_of(key) >= self.cfg.layers) if mtp else []
-        for key in self.dropped:
-            del self.tensors[key]
         self.quantized.split(self.tensors, self.path)  # a quantized weight's scales are read with it
+        # Multi-token-prediction layers (after the last block, in DeepSeek-V3 and GLM-4.5 checkpoints)
+        # are not part of the model mop trains: kept aside (`MtpLayers` passes them through).
+        mtp = FAMILIES[self.cfg.family].hf.mtp_layers
+        self.mtp = {key: self.tensors.pop(key) for key in sorted(self.tensors)
+                    if mtp and _layer_of(key) >= self.cfg.layers}
         stacked = {i for i in range(self.cfg.layers) if stacked_experts_key(i) in self.tensors}
         pieces = model_pieces(self.cfg, FAMILIES[self.cfg.family].hf, stacked)
         _check_keys(pieces, self.tensors, self.path)
@@ -150,11 +149,12 @@ class HFWeights:
             self.quantized.check(piece.key, shape, file)
             self.pieces.setdefault(piece.param, []).append(piece)
 
-    def fingerprint(self) -> dict[str, str]:
-        """Per safetensors file: its size and a hash of its header (every tensor's name, dtype,
-        shape and byte range), to tell a changed directory from the one imported. Weights
-        rewritten in place with the same layout are not told apart."""
-        files = sorted({file for _, file in self.tensors.values()})
+    def fingerprint(self, mtp: bool = False) -> dict[str, str]:
+        """Per safetensors file of the model (with `mtp`, of the multi-token-prediction layers too):
+        its size and a hash of its header (every tensor's name, dtype, shape and byte range), to
+        tell a changed directory from the one imported. Weights rewritten in place with the same
+        layout are not told apart."""
+        files = sorted({file for _, file in [*self.tensors.values(), *(self.mtp.values() if mtp else ())]})
         return {file.name: f"{file.stat().st_size}:{_header_digest(file)}" for file in files}
 
     def __enter__(self) -> "HFWeights":
@@ -297,7 +297,7 @@ def save_hf(model: MoETransformer, path: str | Path, dtype: torch.dtype | None =
 
 def write_hf(cfg: ModelConfig, path: str | Path, read, dtype: torch.dtype, model_type: str | None = None,
              max_shard_bytes: int = MAX_SHARD_BYTES, token_ids: dict[str, int] | None = None,
-             published: "AsPublished | None" = None) -> None:
+             published: "AsPublished | None" = None, mtp: "MtpLayers | None" = None) -> None:
     """Write the model `cfg` describes to the directory `path` as a HF checkpoint, file by file:
     `read(names)` returns the whole tensors of those parameters and buffers, and is asked for one
     output file's at a time, so a process holds one file's tensors (and whole parameters spanning
@@ -309,7 +309,9 @@ def write_hf(cfg: ModelConfig, path: str | Path, read, dtype: torch.dtype, model
     written once. `model_type` as in `config_to_hf`; `token_ids` (e.g. `eos_token_id`,
     `bos_token_id`) are added to config.json as they are. `published`: each tensor is written as a
     published base stores it (`AsPublished`: its format's data and scales under the base's names,
-    and its `quantization_config`; the other tensors in the base's dtypes).
+    and its `quantization_config`; the other tensors in the base's dtypes). `mtp`: a checkpoint's
+    multi-token-prediction layers, passed through (`MtpLayers`: as published with `published`, else
+    in `dtype`) in shards of their own after the model's, with its `num_nextn_predict_layers`.
     """
     family = _expressible_family(cfg, model_type)
     with torch.device("meta"):
@@ -318,8 +320,11 @@ def write_hf(cfg: ModelConfig, path: str | Path, read, dtype: torch.dtype, model
     path.mkdir(parents=True, exist_ok=True)
     _remove_old_weights(path)
     shards = _plan_shards(model_pieces(cfg, family.hf, set()), shapes, dtype, max_shard_bytes)
-    names = [SINGLE_FILE] if len(shards) == 1 else [
-        f"model-{n:05d}-of-{len(shards):05d}.safetensors" for n in range(1, len(shards) + 1)]
+    mtp_dtype = None if published is not None else dtype
+    extra = mtp.plan(mtp_dtype, max_shard_bytes) if mtp is not None else []
+    count = len(shards) + len(extra)
+    names = [SINGLE_FILE] if count == 1 else [f"model-{n:05d}-of-{count:05d}.safetensors" for n in range(1, count + 1)]
+    weight_map, total = {}, 0
     for name, shard in zip(names, shards):
         tensors = read(list(dict.fromkeys(piece.param for piece in shard)))
         out = {}
@@ -327,16 +332,68 @@ def write_hf(cfg: ModelConfig, path: str | Path, read, dtype: torch.dtype, model
             value = tensors[piece.param][piece.index]
             stored = published(piece.key, value) if published is not None else None
             out.update(stored if stored is not None else {piece.key: _disk_tensor(value, dtype)})
-        save_file(out, path / name, metadata={"format": "pt"})
+        weight_map, total = _saved(out, path / name, weight_map, total)
         del tensors, out
-    if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(_nbytes(piece, shapes, dtype) for shard in shards for piece in shard)},
-                 "weight_map": {piece.key: name for name, shard in zip(names, shards) for piece in shard}}
+    for name, keys in zip(names[len(shards):], extra):
+        weight_map, total = _saved(mtp.read(keys, mtp_dtype), path / name, weight_map, total)
+    if count > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     # config.json goes last: a save interrupted earlier leaves no directory that looks loadable.
     config = {**config_to_hf(cfg, family.name, dtype), **(token_ids or {}),
-              **({"quantization_config": published.config} if published is not None and published.config else {})}
+              **({"quantization_config": published.config} if published is not None and published.config else {}),
+              **({"num_nextn_predict_layers": mtp.layers} if mtp is not None else {})}
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _saved(tensors: dict[str, torch.Tensor], file: Path, weight_map: dict, total: int) -> tuple[dict, int]:
+    """Write one shard; the index's weight map and total size with it."""
+    save_file(tensors, file, metadata={"format": "pt"})
+    return ({**weight_map, **dict.fromkeys(tensors, file.name)},
+            total + sum(t.numel() * t.element_size() for t in tensors.values()))
+
+
+class MtpLayers:
+    """A Hugging Face checkpoint's multi-token-prediction layers (`HFWeights.mtp`), which mop keeps
+    frozen and passes through to what it writes (`write_hf`): `layers` is the checkpoint's
+    `num_nextn_predict_layers`; each tensor is read as published (the stored bytes and the scales,
+    under their own names) or dequantized to fp32 and cast to the dtype written (a quantized
+    weight's scales then go with it: the written model has no `quantization_config`)."""
+
+    def __init__(self, weights: HFWeights):
+        self.weights = weights
+        self.layers = int(weights.hf_config.get("num_nextn_predict_layers") or 0)
+
+    def read(self, keys: list[str], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+        """The tensors of weights `keys` as written: `dtype` None: as published."""
+        out = {}
+        companions = getattr(self.weights.quantized, "companions", {})
+        for key in keys:
+            handle = self.weights.mtp[key][0]
+            if dtype is not None:
+                out[key] = self.weights.quantized.rows(handle, key).to(dtype).contiguous()
+            elif key in companions:
+                stored, scale, scale_handle = companions[key]
+                out.update({stored: handle.get_tensor(stored), scale: scale_handle.get_tensor(scale)})
+            else:
+                out[key] = handle.get_tensor(key)
+        return out
+
+    def plan(self, dtype: torch.dtype | None, max_bytes: int) -> list[list[str]]:
+        """The weights in shards of at most `max_bytes` (a bigger one alone), by their size as written."""
+        shards, size = [[]], 0
+        for key in self.weights.mtp:
+            nbytes = self._nbytes(key, dtype)
+            if shards[-1] and size + nbytes > max_bytes:
+                shards.append([])
+                size = 0
+            shards[-1].append(key)
+            size += nbytes
+        return shards if shards[-1] else []
+
+    def _nbytes(self, key: str, dtype: torch.dtype | None) -> int:
+        shape = self.weights.quantized.shape(self.weights.mtp, key)
+        return math.prod(shape) * (dtype.itemsize if dtype is not None else 1)  # as published: about a byte each
 
 
 class AsPublished:

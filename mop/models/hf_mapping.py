@@ -75,7 +75,7 @@ class HFMapping:
     """The `model_type`s its checkpoints carry besides the family's name (Kimi-K2's `kimi_k2`)."""
     mtp_layers: bool = False
     """Its checkpoints hold multi-token-prediction layers after the last block, which mop does not
-    train: `mop.models.hf` leaves them out on import and says how many."""
+    train: `mop.models.hf` keeps them aside (`HFWeights.mtp`) and passes them through (`MtpLayers`)."""
 
 
 # ---------------------------------------------------------------- config

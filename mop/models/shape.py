@@ -56,6 +56,10 @@ class ModelShape:
     """Weight of the load-balancing loss added to the language-model loss (0 disables it)."""
     z_loss_coef: float = 0.0
     """Weight of the z-loss, the mean over targets of log(sum(exp(logits)))^2 (0 disables it)."""
+    mtp_loss_coef: float = 0.0
+    """Weight of DeepSeek-V3's multi-token-prediction loss on an imported model's MTP layers. Only 0
+    is built: the layers stay frozen outside the model trained and `mop convert to-hf` passes them
+    through; training them is not implemented yet."""
     tie_embeddings: bool = False
     """Share the embedding matrix with the output projection."""
     init_std: float = 0.02
@@ -91,6 +95,9 @@ class ModelShape:
         for key in ("aux_loss_coef", "z_loss_coef"):
             if getattr(self, key) < 0:
                 problems.append((key, f"must be >= 0 (0 disables it), got {getattr(self, key)}"))
+        if self.mtp_loss_coef:
+            problems.append(("mtp_loss_coef", "training the multi-token-prediction layers is not implemented yet; "
+                             "leave it 0: they stay frozen and mop convert to-hf passes them through"))
         for key in ("init_std", "norm_eps", "rope_theta"):
             if getattr(self, key) <= 0:
                 problems.append((key, f"must be > 0, got {getattr(self, key)}"))

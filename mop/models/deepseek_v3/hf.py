@@ -12,7 +12,9 @@ Tensors beyond the shared norms: self_attn.{q_proj | q_a_proj, q_a_layernorm, q_
 self_attn.{kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj} (biases on q_a, kv_a and o with
 attention_bias), the sigmoid router's bias and the shared experts (`sigmoid_router_pieces`), hub
 experts mlp.experts.{e}.{gate,up,down}_proj. Multi-token-prediction layers
-(`model.layers.{num_hidden_layers}.*`) are dropped on import and counted; `to-hf` writes none.
+(`model.layers.{num_hidden_layers}.*`) stay frozen outside the model mop trains and are passed
+through by `to-hf` and `merge` (`mop.models.hf.MtpLayers`); without them it writes
+num_nextn_predict_layers=0.
 """
 
 from __future__ import annotations

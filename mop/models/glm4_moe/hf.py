@@ -10,8 +10,9 @@ Tensors beyond the shared ones: self_attn.{q,k,v}_proj.bias with attention_bias;
 mlp.router.score_correction_bias <- mlp.gate.e_score_correction_bias (fp32 buffer);
 mlp.shared.{gate,up,down}_proj <- mlp.shared_experts.<same>; hub experts
 mlp.experts.{e}.{gate,up,down}_proj. The multi-token-prediction layers of the hub checkpoints
-(`model.layers.{num_hidden_layers}.*`, which transformers ignores too) are dropped on import, and
-`mop convert from-hf` says how many; `to-hf` writes none (num_nextn_predict_layers=0).
+(`model.layers.{num_hidden_layers}.*`, which transformers ignores too) stay frozen outside the
+model mop trains and are passed through by `to-hf` and `merge` (`mop.models.hf.MtpLayers`); without
+them it writes num_nextn_predict_layers=0.
 """
 
 from __future__ import annotations
