@@ -78,21 +78,28 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def expert_load(counts: torch.Tensor | None) -> dict:
+def expert_load(counts: torch.Tensor | None, entropy_sums: torch.Tensor | None = None, top_k: int = 1) -> dict:
     """A step's experts' load from its global expert counts `[moe_layers, E]` (tokens routed to each
     expert, summed over every rank; {} without MoE layers), as record values:
     `experts/load_max_over_mean` the most loaded expert's tokens over its layer's mean, worst layer (1:
     even); `experts/load_entropy` the entropy of each layer's experts' shares over log E, mean over the
     layers (1: even, 0: one expert takes every token); `experts/idle` the experts given no token in the
-    step, over all layers."""
+    step, over all layers; with `entropy_sums [moe_layers]` (each layer's summed router entropy over
+    its tokens, `RouterStats.entropy`), `experts/router_entropy`: the mean router entropy per token over
+    log E, mean over the layers (1: the routers spread each token evenly, 0: they are certain), the
+    tokens of a layer being its counts over `top_k`."""
     if counts is None:
         return {}
+    router = {}
+    if entropy_sums is not None:
+        tokens = (counts.double().sum(-1) / top_k).clamp(min=1)
+        router = {"experts/router_entropy": float((entropy_sums.double() / tokens).mean() / math.log(counts.shape[-1]))}
     counts = counts.double()
     shares = counts / counts.sum(-1, keepdim=True).clamp(min=1)
     entropy = -(shares * shares.clamp(min=1e-300).log()).sum(-1) / math.log(counts.shape[-1])
     worst = (counts.max(-1).values / counts.mean(-1).clamp(min=1e-300)).max()
     return {"experts/load_max_over_mean": float(worst), "experts/load_entropy": float(entropy.mean()),
-            "experts/idle": int((counts == 0).sum())}
+            "experts/idle": int((counts == 0).sum()), **router}
 
 
 class DeadExperts:

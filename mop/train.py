@@ -112,15 +112,16 @@ class StepSums(NamedTuple):
 
     parts: torch.Tensor
     """float64 `[parts]`: its shares of the step loss's parts."""
-    expert_counts: torch.Tensor | None
-    """float64 `[moe_layers, E]`: the tokens each expert was routed (None without MoE layers)."""
+    expert_stats: torch.Tensor | None
+    """float64 `[moe_layers, E + 1]`: the tokens each expert was routed, then the tokens' summed router
+    entropy (`mop.models.transformer.LossTerms.expert_stats`; None without MoE layers)."""
 
 
 def forward_backward(model: MoETransformer, batches: list[dict], micro_batch_loss: MicroBatchLoss,
                      runtime: Runtime, autocast=nullcontext(), optimizer: Optimizer | None = None) -> StepSums:
     """Forward and backward of this rank's micro-batches, accumulating gradients; returns this
-    rank's shares of the step loss's parts and its expert counts (`micro_batch_loss(batch)`: a
-    micro-batch's loss, its float64 parts and its expert counts, `mop.objectives.base.MicroBatchLoss`),
+    rank's shares of the step loss's parts and its expert statistics (`micro_batch_loss(batch)`: a
+    micro-batch's loss, its float64 parts and its expert statistics, `mop.objectives.base.MicroBatchLoss`),
     summed on the device.
 
     The optimizer (None: gradients are left on the parameters) is told the phases of the step
@@ -129,36 +130,36 @@ def forward_backward(model: MoETransformer, batches: list[dict], micro_batch_los
     reduced; the last one's are final.
     """
     totals = 0  # summed on the device: one host read per step, not per micro-batch
-    expert_counts = None
+    expert_stats = None
     if optimizer is not None:
         optimizer.before_forward()
     for index, batch in enumerate(batches):
         batch = to_device(batch, runtime.device)
         with autocast:
-            loss, parts, counts = micro_batch_loss(batch)
+            loss, parts, stats = micro_batch_loss(batch)
         if optimizer is not None:
             optimizer.before_backward(last=index == len(batches) - 1)
         loss.backward()
         if optimizer is not None:
             optimizer.after_backward()
         totals = totals + parts
-        if counts is not None:  # float64: exact counts past 2^24
-            expert_counts = counts.double() if expert_counts is None else expert_counts + counts.double()
-    return StepSums(totals, expert_counts)
+        if stats is not None:  # float64: exact counts past 2^24
+            expert_stats = stats.double() if expert_stats is None else expert_stats + stats.double()
+    return StepSums(totals, expert_stats)
 
 
 def reduced_sums(sums: StepSums, model: MoETransformer, runtime: Runtime) -> tuple[list[float], torch.Tensor | None]:
-    """The step's parts and expert counts summed over all ranks in one all-reduce and one host read; the
-    routers' biases moved by the counts (auxiliary-loss-free balancing: after the backward, so the next
-    forward routes with them)."""
-    flat = sums.parts if sums.expert_counts is None else torch.cat([sums.parts, sums.expert_counts.flatten()])
+    """The step's parts and expert statistics summed over all ranks in one all-reduce and one host read;
+    the routers' biases moved by the expert counts (auxiliary-loss-free balancing: after the backward,
+    so the next forward routes with them)."""
+    flat = sums.parts if sums.expert_stats is None else torch.cat([sums.parts, sums.expert_stats.flatten()])
     flat = sum_tensor_over_ranks(flat, runtime)  # in place: `flat` is the step's own sum (or a fresh concatenation)
     n = len(sums.parts)
-    counts = None if sums.expert_counts is None else flat[n:].view_as(sums.expert_counts)
-    if counts is not None and model.balances_router_biases:
-        model.update_router_biases(counts)
+    stats = None if sums.expert_stats is None else flat[n:].view_as(sums.expert_stats)
+    if stats is not None and model.balances_router_biases:
+        model.update_router_biases(stats[:, :-1])
     host = flat.cpu()
-    return host[:n].tolist(), None if counts is None else host[n:].view_as(sums.expert_counts)
+    return host[:n].tolist(), None if stats is None else host[n:].view_as(sums.expert_stats)
 
 
 def train_step(run: TrainingRun, batches: list[dict], update: int = 0, objective: Objective | None = None) -> dict:
@@ -166,8 +167,8 @@ def train_step(run: TrainingRun, batches: list[dict], update: int = 0, objective
     updates, `StepCounts.update`; `objective`: the loop's, None: the run's made now); returns the
     objective's record of the globally reduced losses (`mop.objectives.base`), the step's targets,
     their share of its token positions, its tokens that are data (not padding), its model FLOPs
-    (`mop.flops`) and its experts' load (`mop.metrics.expert_load`); the step's expert counts are kept
-    in `run.expert_counts`."""
+    (`mop.flops`) and its experts' load and router entropy (`mop.metrics.expert_load`); the step's
+    expert counts are kept in `run.expert_counts`."""
     runtime, objective = run.runtime, objective or objective_for(run)
     local_targets = count_targets(batches)
     keys = run.spec.layer_keys(lambda window: sum(int(attended_keys(b["position_ids"], window).sum()) for b in batches))
@@ -178,11 +179,13 @@ def train_step(run: TrainingRun, batches: list[dict], update: int = 0, objective
     step = StepCounts(int(global_targets), run.config.train.global_batch, tuple(counts[4:]), update)
     sums = forward_backward(run.model, batches, objective.micro_batch_loss(step), runtime, run.autocast(),
                             run.optimizer)
-    parts, run.expert_counts = reduced_sums(sums, run.model, runtime)
+    parts, stats = reduced_sums(sums, run.model, runtime)
+    run.expert_counts = None if stats is None else stats[:, :-1]
+    load = expert_load(run.expert_counts, None if stats is None else stats[:, -1], run.config.model.top_k)
     # Every rank of a sequence group holds distinct tokens, so the sums count each token once.
     model_flops = run.spec.flops_per_token(keys / tokens) * tokens
     return {**objective.record(parts, step), "targets": int(global_targets), "target_share": global_targets / tokens,
-            "tokens": int(tokens - padding), "model_flops": model_flops, **expert_load(run.expert_counts)}
+            "tokens": int(tokens - padding), "model_flops": model_flops, **load}
 
 
 def update(run: TrainingRun) -> dict:

@@ -191,7 +191,8 @@ def test_auxiliary_loss_free_balancing_moves_each_layers_bias_against_its_load()
                                                "router_bias_update_rate": 0.1})
     model = build_model(cfg, seed=0)
     terms = model.loss_terms(batch(2) % 259, batch(2, seed=2) % 259)
-    assert terms.expert_counts.shape == (2, 4) and terms.expert_counts.sum() == 2 * 2 * 24 * cfg.top_k
+    counts = terms.expert_stats[:, :-1]  # the last column: the summed router entropy
+    assert counts.shape == (2, 4) and counts.sum() == 2 * 2 * 24 * cfg.top_k
     model.update_router_biases(torch.tensor([[1.0, 2.0, 4.0, 5.0], [3.0, 3.0, 3.0, 3.0]]))
     biases = [b for name, b in model.named_buffers() if name.endswith("score_correction_bias")]
     assert torch.equal(biases[0], torch.tensor([0.1, 0.1, -0.1, -0.1])) and torch.equal(biases[1], torch.zeros(4))

@@ -80,10 +80,10 @@ def test_an_objective_gives_a_step_its_loss_parts_and_record(data_format, tmp_pa
     own = objective.local_counts([batch])
     assert all(count >= 0 for count in own)
     counts = StepCounts(count_targets([batch]), config.train.global_batch, tuple(own))
-    loss, parts, expert_counts = objective.micro_batch_loss(counts)(batch)
+    loss, parts, expert_stats = objective.micro_batch_loss(counts)(batch)
     assert loss.dim() == 0 and loss.requires_grad and torch.isfinite(loss)
     assert parts.dtype == torch.float64 and parts.dim() == 1
-    assert expert_counts is None or expert_counts.shape[-1] == config.model.experts
+    assert expert_stats is None or expert_stats.shape[-1] == config.model.experts + 1  # counts, router entropy
     record = objective.record(parts.tolist(), counts)
     assert_close(torch.tensor(record["loss"], dtype=torch.float64), loss.detach().double(), rtol=1e-6, atol=1e-7)
     loss.backward()

@@ -46,7 +46,7 @@ def test_replaying_the_models_own_routes_changes_nothing(family):
     replayed = model.policy_terms(ids, labels, routes=routes)
     assert torch.equal(free.logps, replayed.logps)
     assert torch.equal(free.entropy, replayed.entropy)
-    assert torch.equal(free.expert_counts, replayed.expert_counts)
+    assert torch.equal(free.expert_stats, replayed.expert_stats)
     assert free.replay is None
     moe_layers = cfg.layers - cfg.dense_layers
     expected = torch.tensor([[0.0, ids.numel()]] * moe_layers, dtype=torch.float64)

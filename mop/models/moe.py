@@ -40,8 +40,10 @@ class RouterStats:
     `assignments[b, e]`: token-expert assignments of row b to expert e (top-k picks, no grad).
     `prob_sum[b, e]`: sum over row b's tokens of the router probability of expert e (has grad).
     `rows[b]`: token-layer pairs that contributed (tokens of row b x MoE layers).
-    `replay`: one layer's routing replay (`replay_counts`; None: nothing replayed) and `selected`: the
-    experts it ran for each token `[T, k]`, per layer only: a sum over layers keeps neither
+    `replay`: one layer's routing replay (`replay_counts`; None: nothing replayed), `selected`: the
+    experts it ran for each token `[T, k]`, and `entropy`: the sum over its real tokens of the
+    entropy of each token's router probabilities (normalised to sum 1: a sigmoid router's scores
+    too; no grad), per layer only: a sum over layers keeps none of them
     (`MoETransformer.hidden_states` collects them layer by layer).
     """
 
@@ -50,6 +52,7 @@ class RouterStats:
     rows: torch.Tensor
     replay: torch.Tensor | None = None
     selected: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
 
     def __add__(self, other: "RouterStats") -> "RouterStats":
         return RouterStats(self.assignments + other.assignments, self.prob_sum + other.prob_sum, self.rows + other.rows)
@@ -362,4 +365,9 @@ class MoE(nn.Module):
         real = probs.new_ones(probs.shape[:2]) if padding is None else (~padding).to(probs.dtype)
         per_pick = real.repeat_interleave(ids.shape[1] // real.shape[1], dim=1)
         picks = probs.new_zeros(batch, experts).scatter_add_(1, ids, per_pick)
-        return RouterStats(picks, (probs * real.unsqueeze(-1)).sum(1), real.sum(1).float())
+        with torch.no_grad():
+            shares = probs.detach().float()
+            shares = shares / shares.sum(-1, keepdim=True).clamp(min=1e-30)
+            entropy = -(shares * shares.clamp(min=1e-30).log()).sum(-1)  # [B, S]
+        return RouterStats(picks, (probs * real.unsqueeze(-1)).sum(1), real.sum(1).float(),
+                           entropy=(entropy * real).sum())

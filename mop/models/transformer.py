@@ -62,11 +62,12 @@ class LossTerms:
     """Per-sequence router sums (None for a model without MoE layers)."""
     sequences: int
     """Number of sequences (rows) in the forward pass."""
-    expert_counts: torch.Tensor | None = None
-    """Token-expert assignments of this forward's own tokens per MoE layer and expert `[moe_layers,
-    E]` (no grad): what auxiliary-loss-free balancing (`update_router_biases`) reads, summed over
-    a step's micro-batches and ranks. Taken from the forward's outputs, never from a checkpointed
-    block's recomputation, so each token counts once."""
+    expert_stats: torch.Tensor | None = None
+    """`[moe_layers, E + 1]` (no grad), per MoE layer: the token-expert assignments of this forward's
+    own tokens per expert, what auxiliary-loss-free balancing (`update_router_biases`) reads, then
+    the sum of their router entropies (`RouterStats.entropy`); summed over a step's micro-batches
+    and ranks. Taken from the forward's outputs, never from a checkpointed block's recomputation, so
+    each token counts once."""
 
 
 class Block(nn.Module):
@@ -99,8 +100,9 @@ class Trunk:
     """Final-norm hidden states `[B, S, H]`."""
     router: RouterStats | None
     """The router sums of every MoE layer (None without MoE layers)."""
-    expert_counts: torch.Tensor | None
-    """Each MoE layer's expert counts `[moe_layers, E]` (None without MoE layers)."""
+    expert_stats: torch.Tensor | None
+    """Each MoE layer's expert counts and summed router entropy `[moe_layers, E + 1]`
+    (`LossTerms.expert_stats`; None without MoE layers)."""
     replay: torch.Tensor | None = None
     """Each MoE layer's routing replay `[moe_layers, 2]` (`mop.models.moe.replay_counts`: tokens whose own
     top-k differs from the replayed one, tokens replayed), None without routes."""
@@ -122,7 +124,7 @@ class PreferenceTerms:
     """`[B * pairs_max, 2]` the batch's stored reference sums (`reference_logps`), None without them."""
     router: RouterStats | None
     sequences: int
-    expert_counts: torch.Tensor | None = None
+    expert_stats: torch.Tensor | None = None
 
 
 @dataclass
@@ -135,7 +137,7 @@ class PolicyTerms:
     """`[B, S]` the entropy of each token's next-token distribution (fp32, no gradient)."""
     router: RouterStats | None
     sequences: int
-    expert_counts: torch.Tensor | None = None
+    expert_stats: torch.Tensor | None = None
     replay: torch.Tensor | None = None
     """`[moe_layers, 2]` the routing replay's counts (`Trunk.replay`), None without routes."""
     routes: torch.Tensor | None = None
@@ -276,22 +278,23 @@ class MoETransformer(nn.Module):
                 torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids))
         documents = self.documents(document_ids, prefix_lengths)  # once per forward, shared by every layer
         h = self.embed(input_ids)
-        router, counts, replay, selected = None, [], [], []
+        router, expert_stats, replay, selected = None, [], [], []
         for layer, block in enumerate(self.layers):
             moe = layer - self.cfg.dense_layers  # the MoE layers' index (Block.is_moe)
             layer_routes = None if routes is None or moe < 0 else routes[:, :, moe]
             h, stats = block(h, position_ids, documents, padding, layer_routes)
             if stats is not None:
                 router = stats if router is None else router + stats
-                counts.append(stats.assignments.sum(0))
+                entropy = stats.entropy.view(1).to(stats.assignments.dtype)
+                expert_stats.append(torch.cat([stats.assignments.sum(0), entropy]))
                 replay.append(stats.replay)
                 if record_routes:
                     selected.append(stats.selected.view(*input_ids.shape, -1).to(torch.int16))
         recorded = torch.stack(selected, 2) if selected else None
         if recorded is not None and padding is not None:  # padding replays nothing (-1), as the rollouts' routes
             recorded = recorded.masked_fill(padding[:, :, None, None], -1)
-        return Trunk(self.norm(h), router, torch.stack(counts) if counts else None,
-                     torch.stack(replay) if routes is not None and counts else None, recorded)
+        return Trunk(self.norm(h), router, torch.stack(expert_stats) if expert_stats else None,
+                     torch.stack(replay) if routes is not None and expert_stats else None, recorded)
 
     def loss_terms(self, input_ids, labels, position_ids=None, document_ids=None, padding=None,
                    prefix_lengths=None) -> LossTerms:
@@ -301,7 +304,7 @@ class MoETransformer(nn.Module):
         with vocabulary_scope():  # a profiled step's phase (`mop.profiling`)
             ce_sum = self.lm_head.loss_sum(trunk.hidden, labels)
         targets = int((labels != IGNORE_INDEX).sum())
-        return LossTerms(ce_sum, targets, self._router_sums(trunk), input_ids.shape[0], trunk.expert_counts)
+        return LossTerms(ce_sum, targets, self._router_sums(trunk), input_ids.shape[0], trunk.expert_stats)
 
     def preference_terms(self, input_ids, labels, response_ids, pairs_max: int, position_ids=None, document_ids=None,
                          padding=None, prefix_lengths=None, reference_logps=None) -> PreferenceTerms:
@@ -328,7 +331,7 @@ class MoETransformer(nn.Module):
         sums = self.response_sums(torch.stack(parts)).view(len(parts), rows * pairs_max, 2).unbind(0)
         logps, targets, *reference = (part.clone() for part in sums)
         return PreferenceTerms(logps, targets.detach(), reference[0].detach() if reference else None,
-                               self._router_sums(trunk), rows, trunk.expert_counts)
+                               self._router_sums(trunk), rows, trunk.expert_stats)
 
     def _router_sums(self, trunk: Trunk) -> RouterStats | None:
         """The forward's router sums over its sequences (the `router_sums` seam)."""
@@ -345,7 +348,7 @@ class MoETransformer(nn.Module):
             logps, entropy = self.lm_head.token_logprobs_and_entropy(trunk.hidden, labels)
         # Copies, not views: FSDP2 hooks a wrapped model's outputs and warns on views.
         return PolicyTerms(logps.clone(), entropy.clone(), self._router_sums(trunk), input_ids.shape[0],
-                           trunk.expert_counts, trunk.replay, trunk.routes)
+                           trunk.expert_stats, trunk.replay, trunk.routes)
 
     @torch.no_grad()
     def update_router_biases(self, expert_counts: torch.Tensor) -> None:

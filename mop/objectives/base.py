@@ -32,7 +32,8 @@ from mop.config import Config
 
 MicroBatchLoss = Callable[[dict], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
 """A micro-batch's loss (the share of the step's objective it adds), its float64 parts (the
-record's terms, summed over forwards and ranks) and its expert counts (None: none)."""
+record's terms, summed over forwards and ranks) and its expert statistics (`LossTerms.expert_stats`;
+None: none)."""
 
 
 @dataclass(frozen=True)

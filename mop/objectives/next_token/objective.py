@@ -28,7 +28,7 @@ class NextTokenLoss:
                                       batch["document_ids"], batch.get("padding"))
         loss = self.model.objective(terms, self.global_targets, self.global_batch)
         ce = terms.ce_sum.detach().double() / max(self.global_targets, 1)
-        return loss, torch.stack([ce, loss.detach().double() - ce]), terms.expert_counts
+        return loss, torch.stack([ce, loss.detach().double() - ce]), terms.expert_stats
 
 
 class NextToken(Objective):

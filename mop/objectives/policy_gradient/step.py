@@ -169,7 +169,7 @@ class PolicyGradientLoss:
             if self.index < len(self.cache.routes):
                 self.cache.routes[self.index] = None
         self.index += 1
-        return loss, torch.cat([head, parts]), terms.expert_counts
+        return loss, torch.cat([head, parts]), terms.expert_stats
 
     def _old(self, logps: torch.Tensor, routes: torch.Tensor | None, first: bool) -> torch.Tensor:
         """The old log-probs (module docstring): the live ones on the batch's first step, kept with its

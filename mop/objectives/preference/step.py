@@ -61,7 +61,7 @@ class PreferenceLoss:
                               1 / (max(self.totals.pairs, 1) * copies))
         parts = torch.cat([torch.stack([torch.as_tensor(p, device=records.device).detach().double()
                                         for p in (dpo, nll, aux)]), records])
-        return loss, parts, terms.expert_counts
+        return loss, parts, terms.expert_stats
 
 
 def step_record(parts: list[float], nll_alpha: float, totals: StepTotals) -> dict:
