@@ -274,11 +274,19 @@ def _last_line(err: BaseException) -> str:
     return (str(err).strip().splitlines() or [type(err).__name__])[-1][:200]
 
 
+IMPORT_LOSS_WEIGHTS = ("aux_loss_coef", "z_loss_coef", "mtp_loss_coef")
+"""What a fine-tune of a Hugging Face import may set for itself: its config.json's loss weights are defaults,
+not a choice (with `mtp_loss_coef` > 0 the import's MTP layers are read as the model's)."""
+
+
 def check_compatible(meta: dict, config: Config, path: Path) -> None:
-    """The checkpoint's model must be the configured one (the layout may differ)."""
+    """The checkpoint's model must be the configured one (the layout may differ; a Hugging Face
+    import's loss weights too, `IMPORT_LOSS_WEIGHTS`)."""
     # Checkpoints written before model families carry no family: their modules are qwen3_moe's.
     saved = {"family": "qwen3_moe", **meta["config"]["model"]}
     for key, value in asdict(config.model).items():
+        if meta.get("hf_weights") and key in IMPORT_LOSS_WEIGHTS:
+            continue
         if saved.get(key) != value:
             raise ConfigError(f"model.{key}", f"checkpoint {path} was saved with model.{key}={saved.get(key)!r}, "
                               f"this run has {value!r}; use the checkpoint's model settings")
@@ -357,7 +365,7 @@ def _load_hf_weights(path: Path, meta: dict, model, optimizer: Optimizer | None,
     if not source.is_dir():
         raise ConfigError("checkpoint.resume", f"{path} imports the weights of {source}, which is not a directory "
                           "any more; restore it or import again with mop convert from-hf")
-    with HFWeights(source) as weights:
+    with HFWeights(source, model.cfg) as weights:
         if weights.fingerprint() != meta["hf_fingerprint"]:
             raise ConfigError("checkpoint.resume", f"{source} has changed since it was imported into {path}; "
                               "import it again with mop convert from-hf")

@@ -472,7 +472,8 @@ def resume(run: TrainingRun, run_dir: Path) -> int:
             run.data.stream.load_state_dict(meta["data"])
     elif config.checkpoint.init:
         meta = start_from(run, Path(config.checkpoint.init))
-    run.mtp = meta.get("mtp") if meta is not None else None
+    # the frozen MTP layers' record (`TrainingRun.mtp`), unless the run trains them as part of its model
+    run.mtp = meta.get("mtp") if meta is not None and not config.model.trained_mtp_layers else None
     run.reference = objective_for(run).prepare(run_dir, meta)
     return meta["step"] if meta is not None else 0
 

@@ -15,7 +15,8 @@ from mop.models.transformer import MoETransformer, build_model, document_positio
 CFG = ModelConfig(vocab_size=97, hidden=16, layers=3, heads=4, kv_heads=2, head_dim=8, experts=4, top_k=4,
                   expert_intermediate=8, shared_expert_intermediate=8, dense_layers=1, dense_intermediate=24)
 SHAPES = [CFG, dataclasses.replace(CFG, tie_embeddings=True, qk_norm=False, shared_expert_intermediate=0),
-          dataclasses.replace(CFG, dense_layers=0, head_dim=6, heads=2, kv_heads=1)]
+          dataclasses.replace(CFG, dense_layers=0, head_dim=6, heads=2, kv_heads=1),
+          dataclasses.replace(CFG, mtp_layers=2, mtp_loss_coef=0.1)]  # two trained MTP depths (mop.models.mtp)
 
 
 def category(name: str) -> str:
@@ -107,3 +108,11 @@ def test_mop_bench_gpu_without_a_gpu_says_so_in_one_line(capsys):
     assert main(["bench", "gpu", "--skip-tests"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("mop: error: mop bench gpu: needs a CUDA GPU") and "\n" not in err
+
+
+def test_a_token_meets_every_matrix_of_the_mtp_depths_and_the_head_once_per_depth():
+    cfg = dataclasses.replace(CFG, mtp_layers=2, mtp_loss_coef=0.1)
+    model = build_model(cfg, seed=0)
+    matrices = sum(p.numel() for name, p in model.named_parameters() if p.dim() >= 2 and name != "embed.weight")
+    head = cfg.vocab_size * cfg.hidden
+    assert model_spec(cfg).matmul_parameters_per_token() == matrices + 2 * head

@@ -131,9 +131,3 @@ def test_a_merge_gives_back_an_fp8_bases_mtp_layers_as_published_or_dequantized(
             assert torch.equal(exact[weight], expected), weight
     for config in ("published", "fp32"):
         assert json.loads((tmp_path / config / "config.json").read_text())["num_nextn_predict_layers"] == 1
-
-
-def test_training_the_mtp_layers_is_refused_in_one_line(capsys):
-    assert main(["train", "--model.mtp_loss_coef=0.1", "--train.steps=1"]) == 2
-    message = capsys.readouterr().err.strip()
-    assert "model.mtp_loss_coef" in message and "not implemented" in message and len(message.splitlines()) == 1

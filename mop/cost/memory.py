@@ -321,10 +321,10 @@ def _forward(config: Config, s: Shapes, counts: ParameterCounts, lora: AdapterCo
     checkpointing, their inputs), this block's attention and router activations, the routed rows,
     the expert intermediate, and the weights FSDP2 has gathered."""
     m, p = config.model, config.parallel
-    moe = m.moe_layers > 0  # the last block
+    moe = m.moe_blocks > 0  # the last block (an MTP depth's, when trained)
     forward = Moment("forward: last block's expert GEMMs", dict(persistent))
     add(forward.rows, _gathered_in_block(config, s, counts, lora))
-    add(forward.rows, _saved_between_passes(config, s, m.moe_layers - moe, m.dense_layers - (not moe)))
+    add(forward.rows, _saved_between_passes(config, s, m.moe_blocks - moe, m.dense_layers - (not moe)))
     add(forward.rows, _last_block_before_experts(config, s, moe))
     if moe:
         forward.rows["moe_activations"] += experts_forward_peak(s, p.llep_chunks)
@@ -353,7 +353,7 @@ def _loss(config: Config, s: Shapes, persistent: dict[str, int]) -> Moment:
     buffers under the ring; the full `[T, V]` logits, their log-softmax and its gradient without it)."""
     m = config.model
     loss = Moment("loss: the vocabulary projection's backward", dict(persistent))
-    add(loss.rows, _saved_between_passes(config, s, m.moe_layers, m.dense_layers))
+    add(loss.rows, _saved_between_passes(config, s, m.moe_blocks, m.dense_layers))
     loss.rows["residual_and_norms"] += s.T * s.H * s.act + norm(s, s.H)
     add(loss.rows, loss_working_set(s, config))
     return loss
@@ -365,10 +365,10 @@ def _backward(config: Config, s: Shapes, counts: ParameterCounts, lora: AdapterC
     checkpointing) plus the expert backward's gradients and the unsharded gradients of the running
     units, and the weights FSDP2 has gathered (the GEMMs dequantize theirs again under LoRA)."""
     m, p, t = config.model, config.parallel, config.train
-    moe = m.moe_layers > 0  # the last block
+    moe = m.moe_blocks > 0  # the last block
     backward = Moment("backward: last block's experts", dict(persistent))
     add(backward.rows, _gathered_in_block(config, s, counts, lora))
-    add(backward.rows, _saved_between_passes(config, s, m.moe_layers, m.dense_layers))
+    add(backward.rows, _saved_between_passes(config, s, m.moe_blocks, m.dense_layers))
     if t.activation_checkpointing == "full":  # the block recomputed from its kept input (from the host with offload)
         add(backward.rows, block_saved(s, config, moe))
         backward.rows["residual_and_norms"] -= s.T * s.H * s.act  # the input is the kept one
@@ -423,4 +423,4 @@ def offloaded_activations(config: Config, s: Shapes) -> int:
     """Bytes `train.offload_activations` moves to the host per micro-batch: every block's kept tensors."""
     if not config.train.offload_activations:
         return 0
-    return config.model.layers * sum(block_kept(s, config).values())
+    return config.model.blocks * sum(block_kept(s, config).values())

@@ -145,13 +145,13 @@ def step_time(config: Config, cluster: Cluster, s: Shapes, counts: ParameterCoun
     # FSDP2: gather twice, reduce-scatter once, per unit
     dense_world, replicas = world // tp, world // (p.expert * tp)
     if adapters is None:
-        expert_units = m.moe_layers * counts.expert_partition  # a rank's expert partitions
+        expert_units = m.moe_blocks * counts.expert_partition  # a rank's expert partitions
         dense_units = counts.total // tp - expert_units * p.expert - (m.vocab_size * m.hidden if p.vocab > 1 else 0)
         dense_traffic, expert_traffic = dense_units * (2 * s.act + FP32), expert_units * (2 * s.act + FP32)
     else:  # gathered as stored; only the adapters' gradients are reduced
         gathers = 2 + config.reference_forward
         dense_traffic = gathers * adapters.dense_gathered + adapters.dense_trained * FP32
-        expert_traffic = m.moe_layers * (gathers * adapters.partition_bytes + adapters.partition_trained * FP32)
+        expert_traffic = m.moe_blocks * (gathers * adapters.partition_bytes + adapters.partition_trained * FP32)
     links[_link(cluster, dense_world, strided=tp > 1)] += _share(dense_world) * dense_traffic
     links[_link(cluster, replicas, strided=True)] += _share(replicas) * expert_traffic
     # the vocabulary ring (a frozen head sends no gradient)
@@ -161,13 +161,13 @@ def step_time(config: Config, cluster: Cluster, s: Shapes, counts: ParameterCoun
         links[_link(cluster, p.vocab)] += (p.vocab - 1) * shard * 2 * s.act + gradient
     # all-to-alls: passes = forward + backward (+ recomputations)
     passes = 2 + checkpointed + config.reference_forward
-    ulysses = _share(p.sequence) * m.layers * s.T * spec.attention.exchanged_width * s.act
+    ulysses = _share(p.sequence) * m.blocks * s.T * spec.attention.exchanged_width * s.act
     ulysses_passes = passes + (p.attention_head_chunks > 1 and not checkpointed)
-    dispatch = _share(p.expert) * m.moe_layers * 2 * s.A * s.H * s.act
+    dispatch = _share(p.expert) * m.moe_blocks * 2 * s.A * s.H * s.act
     # chunked: rows out and back in forward, then [rows | gradients] out and [row gradients] back:
     # 2.5 passes' bytes, checkpointed or not (a checkpointed block's recomputation keeps its output)
     dispatch_passes = (2.5 + config.reference_forward) if p.llep_chunks > 1 else passes
-    tensor = 4 * _share(tp) * m.layers * s.T * tp * s.H * s.act  # TP+SP: gather/scatter around attention and MLP
+    tensor = 4 * _share(tp) * m.blocks * s.T * tp * s.H * s.act  # TP+SP: gather/scatter around attention and MLP
     # under TP a sequence (or expert) group's members are tp ranks apart: the group spans cp x tp ranks
     a2a = ulysses * ulysses_passes / _bandwidth(cluster, _link(cluster, p.sequence * tp))
     a2a += tensor * passes / cluster.nvlink_bytes_per_s

@@ -80,6 +80,8 @@ def _expressible_family(cfg: ModelConfig, model_type: str | None) -> Family:
     if name not in FAMILIES:
         raise HFConversionError(f"model_type={name!r} is not supported; use one of {', '.join(FAMILIES)}")
     problems = FAMILIES[name].hf.inexpressible(cfg)
+    if cfg.trained_mtp_layers and not FAMILIES[name].hf.mtp_layers:
+        problems.append(f"model.mtp_layers={cfg.mtp_layers} (trained multi-token-prediction depths)")
     if problems:
         raise HFConversionError(f"cannot save as {name}: it has no equivalent of " + "; ".join(problems))
     return FAMILIES[name]
@@ -120,11 +122,13 @@ class HFWeights:
     what it holds. Use as a context manager (it keeps the files open).
     """
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, model: ModelConfig | None = None):
+        """`model`: the model a run builds from it (None: config.json's), config.json's up to its loss
+        weights: with `mtp_loss_coef` > 0 its MTP layers are read as the model's (`mtp_pieces`)."""
         self.path = Path(path)
         hf = read_hf_config(self.path)
         self.hf_config = hf
-        self.cfg = config_from_hf(hf)
+        self.cfg = model or config_from_hf(hf)
         self.quantized = reader_for(hf.get("quantization_config"), self.path / "config.json")
         self._stack = ExitStack()
         self.tensors = _open_checkpoint(self.path, self._stack)
@@ -133,8 +137,9 @@ class HFWeights:
         # are not part of the model mop trains: kept aside (`MtpLayers` passes them through).
         mtp = FAMILIES[self.cfg.family].hf.mtp_layers
         self.mtp = {key: self.tensors.pop(key) for key in sorted(self.tensors)
-                    if mtp and _layer_of(key) >= self.cfg.layers}
-        stacked = {i for i in range(self.cfg.layers) if stacked_experts_key(i) in self.tensors}
+                    if mtp and _layer_of(key) >= self.cfg.layers + self.cfg.trained_mtp_layers}
+        stacked = {i for i in range(self.cfg.layers + self.cfg.trained_mtp_layers)
+                   if stacked_experts_key(i) in self.tensors}
         pieces = model_pieces(self.cfg, FAMILIES[self.cfg.family].hf, stacked)
         _check_keys(pieces, self.tensors, self.path)
         with torch.device("meta"):
@@ -147,6 +152,8 @@ class HFWeights:
                 raise HFConversionError(f"{file}: {piece.key} has shape {shape} but config.json implies {expected}; "
                                         "the config and the weights are from different models")
             self.quantized.check(piece.key, shape, file)
+            if piece.index == () and piece.param in self.pieces:
+                continue  # a copy (an MTP layer's embedding and head, `mtp_pieces`): read once
             self.pieces.setdefault(piece.param, []).append(piece)
 
     def fingerprint(self, mtp: bool = False) -> dict[str, str]:
@@ -154,7 +161,8 @@ class HFWeights:
         its size and a hash of its header (every tensor's name, dtype, shape and byte range), to
         tell a changed directory from the one imported. Weights rewritten in place with the same
         layout are not told apart."""
-        files = sorted({file for _, file in [*self.tensors.values(), *(self.mtp.values() if mtp else ())]})
+        entries = [*self.tensors.items(), *self.mtp.items()]  # the MTP layers' wherever they are read
+        files = sorted({file for key, (_, file) in entries if mtp or _layer_of(key) < self.cfg.layers})
         return {file.name: f"{file.stat().st_size}:{_header_digest(file)}" for file in files}
 
     def __enter__(self) -> "HFWeights":

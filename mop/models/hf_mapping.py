@@ -74,8 +74,9 @@ class HFMapping:
     model_types: tuple[str, ...] = ()
     """The `model_type`s its checkpoints carry besides the family's name (Kimi-K2's `kimi_k2`)."""
     mtp_layers: bool = False
-    """Its checkpoints hold multi-token-prediction layers after the last block, which mop does not
-    train: `mop.models.hf` keeps them aside (`HFWeights.mtp`) and passes them through (`MtpLayers`)."""
+    """Its checkpoints hold multi-token-prediction layers after the last block (`mtp_pieces`): trained
+    with `model.mtp_loss_coef` > 0, else kept aside by `mop.models.hf` (`HFWeights.mtp`) and passed
+    through (`MtpLayers`)."""
 
 
 # ---------------------------------------------------------------- config
@@ -198,12 +199,31 @@ def shared_config_to_hf(cfg: ModelShape, architecture: str, dtype: torch.dtype) 
 
 
 def model_pieces(cfg: ModelShape, mapping: HFMapping, stacked_layers: set[int]) -> list[Piece]:
-    """The checkpoint tensors of a model, MoE layers in `stacked_layers` in the stacked layout."""
+    """The checkpoint tensors of a model, MoE layers in `stacked_layers` in the stacked layout (its
+    trained multi-token-prediction depths included, `mtp_pieces`)."""
     pieces = [Piece("embed.weight", (), "model.embed_tokens.weight"), Piece("norm.weight", (), "model.norm.weight")]
     if not cfg.tie_embeddings:
         pieces.append(Piece("lm_head.weight", (), "lm_head.weight"))
     for layer in range(cfg.layers):
         pieces += mapping.block_pieces(cfg, layer, layer in stacked_layers)
+    return pieces + mtp_pieces(cfg, mapping, stacked_layers)
+
+
+def mtp_pieces(cfg: ModelShape, mapping: HFMapping, stacked_layers: set[int]) -> list[Piece]:
+    """A model's trained MTP depths (`mop.models.mtp`) as DeepSeek-V3 and GLM-4.5 publish them: depth
+    k's layer `model.layers.{layers + k - 1}` holds its block's tensors (`layers.{layers + k - 1}` in
+    mop), `enorm`, `hnorm`, `eh_proj` and `shared_head.norm` (`mtp.{k - 1}.*`), and copies of the
+    embedding and the output projection (`embed_tokens`, `shared_head.head`): written from mop's one
+    embedding and head, read once (`mop.models.hf.HFWeights`)."""
+    pieces = []
+    for k in range(cfg.trained_mtp_layers):
+        layer, mop = cfg.layers + k, f"mtp.{k}."
+        hf = f"model.layers.{layer}."
+        pieces += mapping.block_pieces(cfg, layer, layer in stacked_layers)
+        pieces += [Piece(f"{mop}{name}.weight", (), f"{hf}{name}.weight") for name in ("enorm", "hnorm", "eh_proj")]
+        head = "embed.weight" if cfg.tie_embeddings else "lm_head.weight"
+        pieces += [Piece(f"{mop}norm.weight", (), f"{hf}shared_head.norm.weight"),
+                   Piece("embed.weight", (), f"{hf}embed_tokens.weight"), Piece(head, (), f"{hf}shared_head.head.weight")]
     return pieces
 
 

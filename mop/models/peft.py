@@ -41,7 +41,11 @@ def hf_names(cfg: ModelConfig) -> dict[str, str]:
     """The HF tensor name of every mop parameter that is one whole checkpoint tensor (the experts in
     the stacked layout transformers keeps in memory)."""
     pieces = model_pieces(cfg, FAMILIES[cfg.family].hf, set(range(cfg.layers)))
-    return {piece.param: piece.key for piece in pieces if piece.index == ()}
+    names = {}
+    for piece in pieces:
+        if piece.index == ():
+            names.setdefault(piece.param, piece.key)  # an MTP layer's copies of the embedding and head come after
+    return names
 
 
 def adapter_names(cfg: ModelConfig, lora: LoraConfig) -> dict[str, str]:

@@ -56,10 +56,14 @@ class ModelShape:
     """Weight of the load-balancing loss added to the language-model loss (0 disables it)."""
     z_loss_coef: float = 0.0
     """Weight of the z-loss, the mean over targets of log(sum(exp(logits)))^2 (0 disables it)."""
+    mtp_layers: int = 0
+    """Multi-token-prediction modules after the last block, DeepSeek-V3's MTP of depth D
+    (`num_nextn_predict_layers` of an imported DeepSeek-V3 or GLM-4.5): built and trained only with
+    `mtp_loss_coef` > 0 (`mop.models.mtp`); otherwise an import's stay frozen outside the model and
+    `mop convert to-hf` passes them through."""
     mtp_loss_coef: float = 0.0
-    """Weight of DeepSeek-V3's multi-token-prediction loss on an imported model's MTP layers. Only 0
-    is built: the layers stay frozen outside the model trained and `mop convert to-hf` passes them
-    through; training them is not implemented yet."""
+    """lambda of DeepSeek-V3's MTP objective: the step loss adds lambda / D x the sum over depths of
+    each depth's mean cross-entropy over its targets (0: the MTP modules are not built)."""
     tie_embeddings: bool = False
     """Share the embedding matrix with the output projection."""
     init_std: float = 0.02
@@ -95,9 +99,12 @@ class ModelShape:
         for key in ("aux_loss_coef", "z_loss_coef"):
             if getattr(self, key) < 0:
                 problems.append((key, f"must be >= 0 (0 disables it), got {getattr(self, key)}"))
-        if self.mtp_loss_coef:
-            problems.append(("mtp_loss_coef", "training the multi-token-prediction layers is not implemented yet; "
-                             "leave it 0: they stay frozen and mop convert to-hf passes them through"))
+        if self.mtp_layers < 0 or self.mtp_loss_coef < 0:
+            key = "mtp_layers" if self.mtp_layers < 0 else "mtp_loss_coef"
+            problems.append((key, f"must be >= 0, got {getattr(self, key)}"))
+        elif self.mtp_loss_coef and not self.mtp_layers:
+            problems.append(("mtp_loss_coef", "trains the multi-token-prediction modules, but model.mtp_layers is 0; "
+                             "set their depth (1 for DeepSeek-V3 and GLM-4.5)"))
         for key in ("init_std", "norm_eps", "rope_theta"):
             if getattr(self, key) <= 0:
                 problems.append((key, f"must be > 0, got {getattr(self, key)}"))
@@ -106,6 +113,22 @@ class ModelShape:
     @property
     def moe_layers(self) -> int:
         return self.layers - self.dense_layers
+
+    @property
+    def blocks(self) -> int:
+        """The decoder blocks the model runs: its layers and its trained MTP depths' blocks."""
+        return self.layers + self.trained_mtp_layers
+
+    @property
+    def moe_blocks(self) -> int:
+        """The MoE blocks the model runs (an MTP depth's block is one)."""
+        return self.moe_layers + self.trained_mtp_layers
+
+    @property
+    def trained_mtp_layers(self) -> int:
+        """The multi-token-prediction modules the model builds and trains (`mtp_layers` when
+        `mtp_loss_coef` > 0, else none)."""
+        return self.mtp_layers if self.mtp_loss_coef else 0
 
 def wrong_types(config) -> list[tuple[str, str]]:
     """Values of a config dataclass that are not of their field's type (a float field takes an int

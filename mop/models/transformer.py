@@ -9,11 +9,14 @@ No collectives live here. A parallel layout changes what each module computes on
 five seams: `MoETransformer.documents` (the micro-batch's document spans, once per forward),
 `Attention.core` (sequence mixing), `Experts` (the routed FFN), `MoETransformer.router_sums`
 (the per-sequence router sums the load-balancing loss reads) and `LMHead` (the vocabulary
-projection and loss); everything else runs on the rank's own tokens unchanged.
+projection and loss); everything else runs on the rank's own tokens unchanged. Multi-token
+prediction's depths (`mop.models.mtp`; their blocks follow the model's in `layers`) add a seam,
+`MoETransformer.lookahead` (the tokens after a rank's own).
 
 Losses are returned as sums with their counts (`LossTerms`), never as per-rank means: a step's
-objective is `ce_sum / global_targets + aux_coef * aux_sum / global_sequences`, which any layout
-and any micro-batching reproduces exactly.
+objective is `ce_sum / global_targets + aux_coef * aux_sum / global_sequences` (+ the MTP depths'
+`mtp_loss_coef / D x sum_k ce_k / targets_k`), which any layout and any micro-batching reproduces
+exactly.
 
 Preference pairs (DPO, `mop.objectives.preference`): `preference_terms` sums each response's target
 log-probabilities over its tokens (`PreferenceTerms`), whichever rank holds them: a sixth seam,
@@ -44,6 +47,7 @@ from mop.models.lora import (
     stored_tensors,
 )
 from mop.models.moe import MoE, RouterStats, load_balancing_loss
+from mop.models.mtp import MtpModule, TokenLookahead
 from mop.profiling import vocabulary_scope
 
 IGNORE_INDEX = -100
@@ -63,11 +67,14 @@ class LossTerms:
     sequences: int
     """Number of sequences (rows) in the forward pass."""
     expert_stats: torch.Tensor | None = None
-    """`[moe_layers, E + 1]` (no grad), per MoE layer: the token-expert assignments of this forward's
-    own tokens per expert, what auxiliary-loss-free balancing (`update_router_biases`) reads, then
-    the sum of their router entropies (`RouterStats.entropy`); summed over a step's micro-batches
-    and ranks. Taken from the forward's outputs, never from a checkpointed block's recomputation, so
-    each token counts once."""
+    """`[moe_layers, E + 1]` (no grad), per MoE layer (the MTP depths' blocks after the others): the
+    token-expert assignments of this forward's own tokens per expert, what auxiliary-loss-free
+    balancing (`update_router_biases`) reads, then the sum of their router entropies
+    (`RouterStats.entropy`); summed over a step's micro-batches and ranks. Taken from the forward's
+    outputs, never from a checkpointed block's recomputation, so each token counts once."""
+    mtp_ce: torch.Tensor | None = None
+    """`[D]`: each multi-token-prediction depth's cross-entropy summed over its targets
+    (`mop.models.mtp`; None without MTP modules)."""
 
 
 class Block(nn.Module):
@@ -109,6 +116,10 @@ class Trunk:
     routes: torch.Tensor | None = None
     """The experts every MoE layer ran for each token `[B, S, moe_layers, k]` (int16, -1 on padding:
     what a later forward replays, `hidden_states`' `routes`), when asked for (`record_routes`)."""
+    position_ids: torch.Tensor | None = None
+    """The positions the blocks rotated by `[B, S]` (what the MTP depths' blocks use too)."""
+    documents: Documents | None = None
+    """The forward's document spans (`MoETransformer.documents`; the MTP depths' blocks reuse them)."""
 
 
 @dataclass
@@ -206,6 +217,14 @@ class LMHead(nn.Module):
         return loss
 
 
+def mtp_targets(labels: torch.Tensor, position_ids: torch.Tensor, depth: int) -> list[int]:
+    """The targets of each MTP depth k = 1..`depth` among these tokens (`mop.models.mtp`): the labels
+    not ignored at positions at least k into their document (a target of depth k sits k tokens
+    after the position that predicts it)."""
+    kept = labels != IGNORE_INDEX
+    return [int((kept & (position_ids >= k)).sum()) for k in range(1, depth + 1)]
+
+
 def document_positions(document_ids: torch.Tensor, prefix_lengths: torch.Tensor | None = None) -> torch.Tensor:
     """Positions that restart at 0 wherever `document_ids [B, S]` changes along the sequence, or
     at the prefix's length in a branch (`prefix_lengths`: its positions continue its prefix's)."""
@@ -230,9 +249,12 @@ class MoETransformer(nn.Module):
         self.documents = DocumentBoundaries()
         self.router_sums = RouterSums()
         self.response_sums = ResponseSums()
-        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.layers))
+        # the MTP depths' blocks follow the model's (`mop.models.mtp`), so every technique wraps them alike
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.layers + cfg.trained_mtp_layers))
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.lm_head = LMHead(cfg)
+        self.mtp = nn.ModuleList(MtpModule(cfg) for _ in range(cfg.trained_mtp_layers))
+        self.lookahead = TokenLookahead()
         self.tie_weights()
         self.lora = None
         if lora is not None:
@@ -279,7 +301,7 @@ class MoETransformer(nn.Module):
         documents = self.documents(document_ids, prefix_lengths)  # once per forward, shared by every layer
         h = self.embed(input_ids)
         router, expert_stats, replay, selected = None, [], [], []
-        for layer, block in enumerate(self.layers):
+        for layer, block in enumerate(self.layers[:self.cfg.layers]):
             moe = layer - self.cfg.dense_layers  # the MoE layers' index (Block.is_moe)
             layer_routes = None if routes is None or moe < 0 else routes[:, :, moe]
             h, stats = block(h, position_ids, documents, padding, layer_routes)
@@ -294,7 +316,8 @@ class MoETransformer(nn.Module):
         if recorded is not None and padding is not None:  # padding replays nothing (-1), as the rollouts' routes
             recorded = recorded.masked_fill(padding[:, :, None, None], -1)
         return Trunk(self.norm(h), router, torch.stack(expert_stats) if expert_stats else None,
-                     torch.stack(replay) if routes is not None and expert_stats else None, recorded)
+                     torch.stack(replay) if routes is not None and expert_stats else None, recorded, position_ids,
+                     documents)
 
     def loss_terms(self, input_ids, labels, position_ids=None, document_ids=None, padding=None,
                    prefix_lengths=None) -> LossTerms:
@@ -304,7 +327,25 @@ class MoETransformer(nn.Module):
         with vocabulary_scope():  # a profiled step's phase (`mop.profiling`)
             ce_sum = self.lm_head.loss_sum(trunk.hidden, labels)
         targets = int((labels != IGNORE_INDEX).sum())
-        return LossTerms(ce_sum, targets, self._router_sums(trunk), input_ids.shape[0], trunk.expert_stats)
+        mtp_ce = self._multi_token_prediction(trunk, input_ids, labels, padding) if len(self.mtp) else None
+        return LossTerms(ce_sum, targets, self._router_sums(trunk), input_ids.shape[0], trunk.expert_stats, mtp_ce)
+
+    def _multi_token_prediction(self, trunk: Trunk, input_ids, labels, padding) -> torch.Tensor:
+        """Each MTP depth's summed cross-entropy `[D]` (`mop.models.mtp`); its blocks' router sums and
+        expert statistics are added to `trunk`'s."""
+        depth, seq = len(self.mtp), input_ids.shape[-1]
+        ahead = self.lookahead(torch.stack([input_ids, labels, trunk.position_ids.to(input_ids)]), depth)
+        h, ce, stats = trunk.hidden, [], [trunk.expert_stats]
+        for k, module in enumerate(self.mtp, start=1):
+            ids, targets, positions = ahead[..., k:k + seq].unbind(0)
+            h = module(h, self.embed(ids.clamp(min=0)))
+            h, layer = self.layers[self.cfg.layers + k - 1](h, trunk.position_ids, trunk.documents, padding)
+            with vocabulary_scope():
+                ce.append(self.lm_head.loss_sum(module.norm(h), torch.where(positions >= k, targets, IGNORE_INDEX)))
+            trunk.router = layer if trunk.router is None else trunk.router + layer
+            stats.append(torch.cat([layer.assignments.sum(0), layer.entropy.view(1).to(layer.assignments.dtype)])[None])
+        trunk.expert_stats = torch.cat(stats)
+        return torch.stack(ce)
 
     def preference_terms(self, input_ids, labels, response_ids, pairs_max: int, position_ids=None, document_ids=None,
                          padding=None, prefix_lengths=None, reference_logps=None) -> PreferenceTerms:
@@ -369,10 +410,18 @@ class MoETransformer(nn.Module):
         blocks serve too)."""
         return [module.router for module in self.modules() if isinstance(module, MoE)]
 
-    def objective(self, terms: LossTerms, global_targets: int, global_sequences: int) -> torch.Tensor:
+    def objective(self, terms: LossTerms, global_targets: int, global_sequences: int,
+                  mtp_targets: tuple[int, ...] = ()) -> torch.Tensor:
         """This forward pass's share of the step loss normalised by the step's global counts (a
-        sequence whose router sums `copies` ranks hold contributes 1/copies on each)."""
-        return terms.ce_sum / max(global_targets, 1) + self.aux_objective(terms.router, global_sequences)
+        sequence whose router sums `copies` ranks hold contributes 1/copies on each); with MTP
+        depths, `mtp_targets` are the step's counts of each depth's targets (`mtp_targets`)."""
+        loss = terms.ce_sum / max(global_targets, 1) + self.aux_objective(terms.router, global_sequences)
+        return loss + self.mtp_objective(terms.mtp_ce, mtp_targets) if terms.mtp_ce is not None else loss
+
+    def mtp_objective(self, mtp_ce: torch.Tensor, mtp_targets: tuple[int, ...]) -> torch.Tensor:
+        """The MTP depths' share of the step loss: `mtp_loss_coef / D x sum_k ce_k / targets_k` (`mop.models.mtp`)."""
+        counts = mtp_ce.new_tensor([max(n, 1) for n in mtp_targets])
+        return self.cfg.mtp_loss_coef / len(mtp_targets) * (mtp_ce / counts).sum()
 
     def aux_objective(self, router: RouterStats | None, global_sequences: int) -> torch.Tensor | float:
         """The load-balancing loss's share of the step loss: `aux_coef x` the forward's summed

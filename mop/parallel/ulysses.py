@@ -19,7 +19,9 @@ Documents: once per forward (not per layer or chunk), `SequenceDocumentBoundarie
 the slices' document ids (int32, 4 bytes per token of the whole sequence, transient) and derives
 the whole sequences' `Documents` (O(documents) host integers, cumulative lengths, and pack masks
 of at most `PACK_TOKENS` bytes per token of the short documents), which every layer and chunk
-reuses. Backward runs the inverse exchanges (`comms.all_to_all`).
+reuses. Backward runs the inverse exchanges (`comms.all_to_all`). Multi-token prediction's
+lookahead (`SequenceLookahead`, `mop.models.mtp`): once per forward, an all-gather of each slice's
+first D tokens' ids, labels and positions (integers), the tokens after the previous slice's last.
 
 Grouped-query attention: query head h reads KV head h // (H / KV). Rank j's chunk needs only the
 KV heads its query heads read, so each KV head goes to exactly the ranks (and chunks) that need
@@ -257,8 +259,26 @@ def apply_sequence_parallel(model: MoETransformer, group: dist.ProcessGroup, hea
     model.documents = SequenceDocumentBoundaries(group)
     model.router_sums = SequenceRouterSums(group)
     model.response_sums = SequenceResponseSums(group)
+    model.lookahead = SequenceLookahead(group)
     for block in model.layers:
         block.attention.core = UlyssesAttention(group, heads.heads, heads.kv_heads, head_chunks, block.attention.core)
+
+
+class SequenceLookahead(nn.Module):
+    """`MoETransformer.lookahead` for a sequence group (`mop.models.mtp`): the tokens after a slice's
+    last are the next rank's first ones, all-gathered (the first `depth` of every slice's integer
+    rows, once per forward); the group's last rank has none after it (-1)."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        super().__init__()
+        self.group = group
+        self.ranks, self.rank = dist.get_world_size(group), dist.get_rank(group)
+
+    def forward(self, rows: torch.Tensor, depth: int) -> torch.Tensor:
+        firsts = all_gather_rows(rows[..., :depth].reshape(-1, depth), self.group).view(self.ranks, *rows.shape[:-1],
+                                                                                          depth)
+        after = firsts[self.rank + 1] if self.rank + 1 < self.ranks else torch.full_like(firsts[0], -1)
+        return torch.cat([rows, after], dim=-1)
 
 
 class SequenceRouterSums(nn.Module):

@@ -115,8 +115,27 @@ def plain_micro_batch(sequences_per_group: int, cap: int = MOST_SEQUENCES_PER_MI
 def checks() -> tuple:
     """Each part's own cross-field checks, `check(config, world)`, in this order."""
     parts = (checkpointing, vocab, llep, ulysses, baseline, optimizer, schedule)
-    return (*(part.check_settings for part in parts), check_batch, evaluation.check_settings, metrics.check_settings,
-            adapters.check_settings, *(objective.check_settings for objective in OBJECTIVES.values()))
+    return (*(part.check_settings for part in parts), check_batch, check_mtp, evaluation.check_settings,
+            metrics.check_settings, adapters.check_settings,
+            *(objective.check_settings for objective in OBJECTIVES.values()))
+
+
+def check_mtp(config: Config, world: int) -> None:
+    """Training multi-token-prediction depths (`mop.models.mtp`): next-token prediction's objective,
+    full fine-tuning, and a sequence group's slices at least as long as the depth (the lookahead reads
+    the next slice's first tokens)."""
+    depth = config.model.trained_mtp_layers
+    if not depth:
+        return
+    if config.data.format not in ("text", "chat"):
+        raise ConfigError("model.mtp_loss_coef", f"trains the MTP depths with next-token prediction (data.format "
+                          f"text or chat), not {config.data.format!r}; set it to 0 for this run")
+    if config.adapters is not None:
+        raise ConfigError("model.mtp_loss_coef", "trains the MTP depths' whole weights, which a LoRA run freezes; "
+                          "set it to 0 (the base's MTP layers pass through mop convert merge)")
+    if config.data.seq_len // config.parallel.sequence < depth:
+        raise ConfigError("parallel.sequence", f"{config.parallel.sequence} leaves slices shorter than "
+                          f"model.mtp_layers={depth} tokens; use fewer ranks per sequence or longer sequences")
 
 
 def check_batch(config: Config, world: int) -> None:

@@ -12,9 +12,9 @@ Tensors beyond the shared norms: self_attn.{q_proj | q_a_proj, q_a_layernorm, q_
 self_attn.{kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj} (biases on q_a, kv_a and o with
 attention_bias), the sigmoid router's bias and the shared experts (`sigmoid_router_pieces`), hub
 experts mlp.experts.{e}.{gate,up,down}_proj. Multi-token-prediction layers
-(`model.layers.{num_hidden_layers}.*`) stay frozen outside the model mop trains and are passed
-through by `to-hf` and `merge` (`mop.models.hf.MtpLayers`); without them it writes
-num_nextn_predict_layers=0.
+(`model.layers.{num_hidden_layers}.*`, num_nextn_predict_layers -> mtp_layers) are trained with
+`model.mtp_loss_coef` > 0 (`mop.models.hf_mapping.mtp_pieces`); otherwise they stay frozen outside
+the model and `to-hf` and `merge` pass them through (`mop.models.hf.MtpLayers`).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ def config_from_hf(hf: dict) -> ModelShape:
         shared_expert_intermediate=(hf.get("n_shared_experts") or 0) * expert_intermediate,
         dense_layers=hf.get("first_k_dense_replace", 0), dense_intermediate=required(hf, "intermediate_size"),
         qk_norm=False, norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        mtp_layers=int(hf.get("num_nextn_predict_layers") or 0),
         options=Options(q_lora_rank=hf.get("q_lora_rank") or 0, kv_lora_rank=required(hf, "kv_lora_rank"),
                         qk_rope_head_dim=rope, v_head_dim=required(hf, "v_head_dim"),
                         rope_interleave=bool(hf.get("rope_interleave", True)), attention_bias=bias,
@@ -56,7 +57,7 @@ def config_to_hf(cfg: ModelShape) -> dict:
                 qk_rope_head_dim=o.qk_rope_head_dim, qk_nope_head_dim=cfg.head_dim - o.qk_rope_head_dim,
                 v_head_dim=o.v_head_dim, head_dim=o.qk_rope_head_dim, rope_interleave=o.rope_interleave,
                 attention_bias=o.attention_bias, n_group=o.groups, topk_group=o.groups_per_token,
-                routed_scaling_factor=o.routed_scaling_factor, num_nextn_predict_layers=0,
+                routed_scaling_factor=o.routed_scaling_factor, num_nextn_predict_layers=cfg.trained_mtp_layers,
                 max_position_embeddings=int(o.yarn_original_context * o.yarn_factor),
                 **yarn_to_hf(cfg))
 

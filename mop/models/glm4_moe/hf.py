@@ -10,9 +10,10 @@ Tensors beyond the shared ones: self_attn.{q,k,v}_proj.bias with attention_bias;
 mlp.router.score_correction_bias <- mlp.gate.e_score_correction_bias (fp32 buffer);
 mlp.shared.{gate,up,down}_proj <- mlp.shared_experts.<same>; hub experts
 mlp.experts.{e}.{gate,up,down}_proj. The multi-token-prediction layers of the hub checkpoints
-(`model.layers.{num_hidden_layers}.*`, which transformers ignores too) stay frozen outside the
-model mop trains and are passed through by `to-hf` and `merge` (`mop.models.hf.MtpLayers`); without
-them it writes num_nextn_predict_layers=0.
+(`model.layers.{num_hidden_layers}.*`, which transformers ignores; num_nextn_predict_layers ->
+mtp_layers) are trained with `model.mtp_loss_coef` > 0 (`mop.models.hf_mapping.mtp_pieces`);
+otherwise they stay frozen outside the model and `to-hf` and `merge` pass them through
+(`mop.models.hf.MtpLayers`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def config_from_hf(hf: dict) -> ModelShape:
         shared_expert_intermediate=hf.get("n_shared_experts", 1) * expert_intermediate,
         dense_layers=hf.get("first_k_dense_replace", 1), dense_intermediate=required(hf, "intermediate_size"),
         qk_norm=bool(hf.get("use_qk_norm", False)), norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        mtp_layers=int(hf.get("num_nextn_predict_layers") or 0),
         options=Options(attention_bias=bias, partial_rotary_factor=float(rotary), groups=hf.get("n_group", 1),
                         groups_per_token=hf.get("topk_group", 1),
                         routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0))))
@@ -51,7 +53,7 @@ def config_to_hf(cfg: ModelShape) -> dict:
                 use_qk_norm=cfg.qk_norm, norm_topk_prob=cfg.norm_topk_prob, attention_bias=options.attention_bias,
                 partial_rotary_factor=options.partial_rotary_factor, n_group=options.groups,
                 topk_group=options.groups_per_token, routed_scaling_factor=options.routed_scaling_factor,
-                num_nextn_predict_layers=0)
+                num_nextn_predict_layers=cfg.trained_mtp_layers)
 
 
 def inexpressible(cfg: ModelShape) -> list[str]:
