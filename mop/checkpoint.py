@@ -365,10 +365,11 @@ def _load_hf_weights(path: Path, meta: dict, model, optimizer: Optimizer | None,
     if not source.is_dir():
         raise ConfigError("checkpoint.resume", f"{path} imports the weights of {source}, which is not a directory "
                           "any more; restore it or import again with mop convert from-hf")
-    with HFWeights(source, model.cfg) as weights:
-        if weights.fingerprint() != meta["hf_fingerprint"]:
+    with HFWeights(source) as imported:  # as imported (config.json's model), before reading it as the run's
+        if imported.fingerprint() != meta["hf_fingerprint"]:
             raise ConfigError("checkpoint.resume", f"{source} has changed since it was imported into {path}; "
                               "import it again with mop convert from-hf")
+    with HFWeights(source, model.cfg) as weights:  # the run's model: its trained MTP depths read too
         write_weights(model, views, weights.rows, optimizer)
         read_buffers(model, weights)
 

@@ -96,6 +96,22 @@ def test_mtp_training_is_the_reference_in_the_mop_layout(tmp_path):
     assert reference[-1]["mtp_ce"] < reference[0]["mtp_ce"]  # the depths train
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("family, layout", [
+    ("glm4_moe", ["--parallel.strategy=mop", "--parallel.nproc=2", "--parallel.sequence=2", "--parallel.expert=2",
+                  "--parallel.expert_balance=ep", "--parallel.vocab=1"]),
+    ("deepseek_v3", ["--parallel.strategy=fsdp2", "--parallel.nproc=2"]),
+], ids=["glm4_moe-ulysses-ep", "deepseek_v3-fsdp2"])
+def test_mtp_training_is_the_reference_in_other_layouts(tmp_path, family, layout):
+    from test_glm4_moe import GLM_RUN
+
+    settings = [*(GLM_RUN if family == "glm4_moe" else FAMILY_RUNS[family]), *MTP]
+    reference = run(tmp_path, "reference", *settings)
+    records = run(tmp_path, "layout", *settings, *layout)
+    assert_same_run(records, reference)
+    assert [r["mtp_ce"] for r in records] == pytest.approx([r["mtp_ce"] for r in reference], rel=1e-5)
+
+
 def test_from_hf_fine_tune_with_mtp_to_hf_writes_the_trained_depths(tmp_path):
     from test_hf_workflow import fine_tune, write_corpus
 
