@@ -155,7 +155,8 @@ class TrainingRun:
     held_out: HeldOut | None  # the sequences evaluations read (`mop.evaluation`), None without evaluation
     base: dict | None = None  # a LoRA run's base (`mop.adapters.base_identity`), None for full fine-tuning
     expert_counts: torch.Tensor | None = None
-    """The last step's global expert counts `[moe_layers, E]` (float64, on the host; `mop.train.train_step`):
+    """The last step's global expert counts `[moe_blocks, E]` (float64, on the host; `mop.train.train_step`;
+    the MTP depths' blocks after the model's):
     what the records' expert load is built from."""
     mtp: dict | None = None
     """Where the model's multi-token-prediction layers are kept, frozen (`mop.checkpoint.save_hf_import`'s

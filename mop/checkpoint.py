@@ -282,8 +282,9 @@ not a choice (with `mtp_loss_coef` > 0 the import's MTP layers are read as the m
 def check_compatible(meta: dict, config: Config, path: Path) -> None:
     """The checkpoint's model must be the configured one (the layout may differ; a Hugging Face
     import's loss weights too, `IMPORT_LOSS_WEIGHTS`)."""
-    # Checkpoints written before model families carry no family: their modules are qwen3_moe's.
-    saved = {"family": "qwen3_moe", **meta["config"]["model"]}
+    # Checkpoints written before model families carry no family: their modules are qwen3_moe's; a field
+    # added since (model.mtp_layers, ...) has its default in them.
+    saved = {**asdict(ModelConfig(family="qwen3_moe")), **meta["config"]["model"]}
     for key, value in asdict(config.model).items():
         if meta.get("hf_weights") and key in IMPORT_LOSS_WEIGHTS:
             continue
@@ -366,7 +367,9 @@ def _load_hf_weights(path: Path, meta: dict, model, optimizer: Optimizer | None,
         raise ConfigError("checkpoint.resume", f"{path} imports the weights of {source}, which is not a directory "
                           "any more; restore it or import again with mop convert from-hf")
     with HFWeights(source) as imported:  # as imported (config.json's model), before reading it as the run's
-        if imported.fingerprint() != meta["hf_fingerprint"]:
+        changed = imported.fingerprint() != meta["hf_fingerprint"] or (  # and its MTP layers' files, if trained
+            model.cfg.trained_mtp_layers and imported.fingerprint(mtp=True) != meta.get("mtp", {}).get("fingerprint"))
+        if changed:
             raise ConfigError("checkpoint.resume", f"{source} has changed since it was imported into {path}; "
                               "import it again with mop convert from-hf")
     with HFWeights(source, model.cfg) as weights:  # the run's model: its trained MTP depths read too

@@ -48,7 +48,7 @@ import json
 import shutil
 import sys
 from contextlib import nullcontext
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -209,8 +209,9 @@ def export(path: Path, out: Path, model_type: str | None, dtype: str | None,
     make_directory(out, out)
     token_ids = export_tokenizer(path, meta, out)
     record = meta.get("mtp") if keep_mtp else None
+    written = cfg if keep_mtp else replace(cfg, mtp_loss_coef=0.0)  # --mtp=drop: a trained model's depths too
     with (mtp_source(record, path) if record else nullcontext()) as source:
-        write_hf(cfg, out, read, DTYPES[dtype or meta["config"]["train"]["dtype"]], model_type, max_shard_bytes,
+        write_hf(written, out, read, DTYPES[dtype or meta["config"]["train"]["dtype"]], model_type, max_shard_bytes,
                  token_ids, mtp=MtpLayers(source) if source is not None else None)
     print(f"mop: wrote {out} from {path}" + (f" with the {record['layers']} multi-token-prediction layer(s) of "
                                              f"{record['path']}" if record else ""))

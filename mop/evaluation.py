@@ -80,7 +80,7 @@ def evaluate(run) -> float:
         for batch in batches:
             batch = to_device(batch, runtime.device)
             terms = run.model.loss_terms(batch["input_ids"], batch["labels"], batch["position_ids"],
-                                         batch["document_ids"], batch.get("padding"))
+                                         batch["document_ids"], batch.get("padding"), mtp=False)
             ce_sum += terms.ce_sum.double()
     drained_metrics(run.model)  # the held-out forwards are no training step's routing
     ce, count = sum_over_ranks([ce_sum.item(), count_targets(batches)], runtime)

@@ -79,8 +79,9 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 def expert_load(counts: torch.Tensor | None, entropy_sums: torch.Tensor | None = None, top_k: int = 1) -> dict:
-    """A step's experts' load from its global expert counts `[moe_layers, E]` (tokens routed to each
-    expert, summed over every rank; {} without MoE layers), as record values:
+    """A step's experts' load from its global expert counts `[moe_blocks, E]` (tokens routed to each
+    expert, summed over every rank, the MTP depths' blocks after the model's; {} without MoE layers), as
+    record values:
     `experts/load_max_over_mean` the most loaded expert's tokens over its layer's mean, worst layer (1:
     even); `experts/load_entropy` the entropy of each layer's experts' shares over log E, mean over the
     layers (1: even, 0: one expert takes every token); `experts/idle` the experts given no token in the

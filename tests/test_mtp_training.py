@@ -7,6 +7,7 @@ single-process reference run against every layout; a Hugging Face round trip (fr
 fine-tune with MTP -> to-hf) that writes the trained depths under the published names.
 """
 
+import dataclasses
 import json
 
 import pytest
@@ -71,6 +72,20 @@ def test_the_packed_forward_computes_deepseeks_mtp_objective_document_by_documen
     positions = torch.cat([torch.arange(10), torch.arange(14), torch.arange(3), torch.arange(17), torch.arange(4)])
     assert mtp_targets(labels, positions.view(2, 24), 2) == counts
     assert terms.expert_stats.shape == (cfg.moe_layers + 2, cfg.experts + 1)  # the depths' blocks' rows follow
+    # the plain forward's mean loss adds the depths' term, each depth over its own targets
+    with torch.no_grad():
+        mean = model(ids, labels, document_ids=document_ids)
+        main_terms = model.loss_terms(ids, labels, document_ids=document_ids, mtp=False)
+    by_depth = sum(ce / n for ce, n in zip(expected, counts)) * cfg.mtp_loss_coef / 2
+    plain = main_terms.ce_sum / main_terms.targets + model.aux_objective(terms.router, 2)
+    torch.testing.assert_close(mean, plain + by_depth, rtol=1e-5, atol=1e-6)
+
+
+def test_a_model_whose_layers_are_all_dense_trains_its_mtp_depths_moe_blocks():
+    cfg = dataclasses.replace(small(1), dense_layers=2)
+    ids = torch.randint(0, cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(2))
+    terms = build_model(cfg, seed=0).loss_terms(ids, ids.roll(-1, 1))
+    assert terms.expert_stats.shape == (1, cfg.experts + 1) and terms.mtp_ce.shape == (1,)
 
 
 def test_a_run_without_the_coefficient_builds_no_mtp_modules():
@@ -138,6 +153,20 @@ def test_from_hf_fine_tune_with_mtp_to_hf_writes_the_trained_depths(tmp_path):
     assert torch.equal(out["model.layers.3.eh_proj.weight"], saved["mtp.0.eh_proj.weight"])
     assert torch.equal(out["model.layers.3.mlp.gate.weight"], saved["layers.3.mlp.router.weight"])
     assert main(["convert", "from-hf", str(tmp_path / "out"), str(tmp_path / "again"), "--tokenizer=byte"]) == 0
+    assert main(["convert", "to-hf", str(step), str(tmp_path / "dropped"), "--mtp=drop"]) == 0
+    assert not [key for key in written(tmp_path / "dropped") if key.startswith("model.layers.3.")]
+    assert json.loads((tmp_path / "dropped" / "config.json").read_text())["num_nextn_predict_layers"] == 0
+
+
+def test_a_checkpoint_saved_before_the_mtp_settings_existed_resumes(tmp_path):
+    run(tmp_path, "old", "--train.steps=2")
+    step = tmp_path / "old" / "checkpoints" / "step_2"
+    meta = json.loads((step / "mop.json").read_text())
+    for key in ("mtp_layers", "mtp_loss_coef"):
+        del meta["config"]["model"][key]
+    (step / "mop.json").write_text(json.dumps(meta))
+    records = run(tmp_path, "old", "--train.steps=3", "--checkpoint.resume=latest")
+    assert records[-1]["step"] == 3
 
 
 @pytest.mark.parametrize("settings, key", [

@@ -136,8 +136,8 @@ def step_time(config: Config, cluster: Cluster, s: Shapes, counts: ParameterCoun
         extra += forward * attention_share
     if p.llep_chunks > 1:
         extra += forward * expert_share * (CHUNKED_EXPERT_RECOMPUTE - checkpointed)
-    if p.vocab > 1:
-        extra += 2 * m.hidden * m.vocab_size * tokens
+    if p.vocab > 1:  # the ring recomputes each head's logits (the model's and each MTP depth's)
+        extra += 2 * m.hidden * m.vocab_size * tokens * (1 + m.trained_mtp_layers)
     compute = (model_flops + extra) / (cluster.peak_flops * cluster.mfu)
 
     links = {"nvlink": 0.0, "network": 0.0, "host": 0.0}
@@ -158,7 +158,7 @@ def step_time(config: Config, cluster: Cluster, s: Shapes, counts: ParameterCoun
     if p.vocab > 1:
         shard = -(-m.vocab_size // p.vocab) * m.hidden
         gradient = p.vocab * shard * FP32 if adapters is None else 0
-        links[_link(cluster, p.vocab)] += (p.vocab - 1) * shard * 2 * s.act + gradient
+        links[_link(cluster, p.vocab)] += ((p.vocab - 1) * shard * 2 * s.act + gradient) * (1 + m.trained_mtp_layers)
     # all-to-alls: passes = forward + backward (+ recomputations)
     passes = 2 + checkpointed + config.reference_forward
     ulysses = _share(p.sequence) * m.blocks * s.T * spec.attention.exchanged_width * s.act

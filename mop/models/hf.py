@@ -37,6 +37,8 @@ INDEX_FILE = "model.safetensors.index.json"
 MAX_SHARD_BYTES = 5 * 10**9
 # safetensors' names of the floating dtypes a published checkpoint keeps unquantized tensors in
 SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+STORED_BYTES = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "BF16": 2, "F16": 2, "I16": 2, "U8": 1, "I8": 1, "F8_E4M3": 1,
+                "F8_E5M2": 1, "BOOL": 1}  # bytes per element of each safetensors dtype
 
 
 # ---------------------------------------------------------------- config
@@ -137,9 +139,8 @@ class HFWeights:
         # are not part of the model mop trains: kept aside (`MtpLayers` passes them through).
         mtp = FAMILIES[self.cfg.family].hf.mtp_layers
         self.mtp = {key: self.tensors.pop(key) for key in sorted(self.tensors)
-                    if mtp and _layer_of(key) >= self.cfg.layers + self.cfg.trained_mtp_layers}
-        stacked = {i for i in range(self.cfg.layers + self.cfg.trained_mtp_layers)
-                   if stacked_experts_key(i) in self.tensors}
+                    if mtp and _layer_of(key) >= self.cfg.blocks}
+        stacked = {i for i in range(self.cfg.blocks) if stacked_experts_key(i) in self.tensors}
         pieces = model_pieces(self.cfg, FAMILIES[self.cfg.family].hf, stacked)
         _check_keys(pieces, self.tensors, self.path)
         with torch.device("meta"):
@@ -355,10 +356,10 @@ def write_hf(cfg: ModelConfig, path: str | Path, read, dtype: torch.dtype, model
 
 
 def _saved(tensors: dict[str, torch.Tensor], file: Path, weight_map: dict, total: int) -> tuple[dict, int]:
-    """Write one shard; the index's weight map and total size with it."""
+    """Write one shard; the index's weight map (updated in place) and total size with it."""
     save_file(tensors, file, metadata={"format": "pt"})
-    return ({**weight_map, **dict.fromkeys(tensors, file.name)},
-            total + sum(t.numel() * t.element_size() for t in tensors.values()))
+    weight_map.update(dict.fromkeys(tensors, file.name))
+    return weight_map, total + sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 class MtpLayers:
@@ -400,8 +401,13 @@ class MtpLayers:
         return shards if shards[-1] else []
 
     def _nbytes(self, key: str, dtype: torch.dtype | None) -> int:
-        shape = self.weights.quantized.shape(self.weights.mtp, key)
-        return math.prod(shape) * (dtype.itemsize if dtype is not None else 1)  # as published: about a byte each
+        if dtype is not None:
+            return math.prod(self.weights.quantized.shape(self.weights.mtp, key)) * dtype.itemsize
+        handle = self.weights.mtp[key][0]
+        companions = getattr(self.weights.quantized, "companions", {})
+        stored = [(handle, companions[key][0]), (companions[key][2], companions[key][1])] if key in companions else [
+            (handle, key)]
+        return sum(math.prod(h.get_slice(k).get_shape()) * STORED_BYTES[h.get_slice(k).get_dtype()] for h, k in stored)
 
 
 class AsPublished:

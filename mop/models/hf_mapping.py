@@ -223,7 +223,8 @@ def mtp_pieces(cfg: ModelShape, mapping: HFMapping, stacked_layers: set[int]) ->
         pieces += [Piece(f"{mop}{name}.weight", (), f"{hf}{name}.weight") for name in ("enorm", "hnorm", "eh_proj")]
         head = "embed.weight" if cfg.tie_embeddings else "lm_head.weight"
         pieces += [Piece(f"{mop}norm.weight", (), f"{hf}shared_head.norm.weight"),
-                   Piece("embed.weight", (), f"{hf}embed_tokens.weight"), Piece(head, (), f"{hf}shared_head.head.weight")]
+                   Piece("embed.weight", (), f"{hf}embed_tokens.weight"),
+                   Piece(head, (), f"{hf}shared_head.head.weight")]
     return pieces
 
 

@@ -16,9 +16,10 @@ and each rank counts its own depth-k targets from its own tokens before any forw
 
 Positions: depth k's block rotates position i by i (vLLM by i + k): RoPE sees only the differences
 within a document, the same either way. The last k positions of a document embed the next
-document's tokens, but no later position of theirs attends them and their targets are ignored, so
-they change no loss. A depth's block counts in the load-balancing loss and the expert statistics
-like the model's last MoE layers (its rows follow theirs).
+document's tokens (past the row: token 0): no later position of theirs attends them, their targets
+are ignored and the depth's block computes them as padding (out of the router sums and expert
+counts). A depth's block counts in the load-balancing loss and the expert statistics like the
+model's last MoE layers (its rows follow theirs).
 
 The seam: `MoETransformer.lookahead` gives each token the ids, labels and positions of the D tokens
 after it. A rank holding whole rows has them in its rows; sequence parallelism, whose ranks hold

@@ -24,9 +24,9 @@ part; vLLM follows the tensors' keys), Mixtral's expert names as SGLang spells t
 up_proj, down_proj for w1, w3, w2), and no `target_parameters` (neither engine reads them).
 
 Known drops (`serving_warnings`): vLLM loads DeepSeek MLA's `kv_b_proj` adapter but never applies
-it (vllm-project/vllm#48974); neither engine adapts the multi-token-prediction layers (mop trains
-none). mop's expert adapters always cover gate, up and down, the engines' condition for wrapping
-experts at all.
+it (vllm-project/vllm#48974); neither engine adapts the multi-token-prediction layers (mop puts no
+adapters on them: LoRA keeps them frozen). mop's expert adapters always cover gate, up and down,
+the engines' condition for wrapping experts at all.
 """
 
 from __future__ import annotations

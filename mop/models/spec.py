@@ -136,11 +136,10 @@ class ModelSpec:
         trained MTP depth (`mop.models.mtp`) counts as one more MoE block plus its own norms and `eh_proj`."""
         m, depth = self.cfg, self.cfg.trained_mtp_layers
         norms = 2 * m.hidden
-        dense = ((m.layers + depth) * (self.attention.parameters + norms)
-                 + m.dense_layers * self.mlp_parameters(m.dense_intermediate)
-                 + (m.moe_layers + depth) * self.moe_dense_parameters() + m.hidden
-                 + depth * (3 * m.hidden + 2 * m.hidden * m.hidden))
-        expert = (m.moe_layers + depth) * m.experts * self.expert_parameters()
+        mtp = depth * (3 * m.hidden + 2 * m.hidden * m.hidden)  # each depth's norms and eh_proj
+        mlps = m.dense_layers * self.mlp_parameters(m.dense_intermediate) + m.moe_blocks * self.moe_dense_parameters()
+        dense = m.blocks * (self.attention.parameters + norms) + mlps + m.hidden + mtp
+        expert = m.moe_blocks * m.experts * self.expert_parameters()
         vocabulary = m.vocab_size * m.hidden * (1 if m.tie_embeddings else 2)
         return {"dense": dense, "expert": expert, "vocabulary": vocabulary}
 
@@ -152,7 +151,7 @@ class ModelSpec:
     def active_parameters(self) -> int:
         """Parameters one token uses: all but the routed experts it is not sent to."""
         m = self.cfg
-        unused = (m.moe_layers + m.trained_mtp_layers) * (m.experts - m.top_k) * self.expert_parameters()
+        unused = m.moe_blocks * (m.experts - m.top_k) * self.expert_parameters()
         return self.total_parameters - unused
 
     # ---------------------------------------------------------------- FLOPs
@@ -164,14 +163,14 @@ class ModelSpec:
         # matrices only: the router's and the experts' (a family's biases are no matmul)
         moe = m.experts * m.hidden + self.mlp_parameters(m.shared_expert_intermediate) + m.top_k * self.mlp_parameters(
             m.expert_intermediate)
-        layers = ((m.layers + depth) * self.attention.matmul_parameters
-                  + m.dense_layers * self.mlp_parameters(m.dense_intermediate) + (m.moe_layers + depth) * moe)
+        dense = m.dense_layers * self.mlp_parameters(m.dense_intermediate)
+        layers = m.blocks * self.attention.matmul_parameters + dense + m.moe_blocks * moe
         return layers + (1 + depth) * m.hidden * m.vocab_size + depth * 2 * m.hidden * m.hidden
 
     def layer_windows(self) -> list[int | None]:
         """Each layer's attention window (the keys a query sees, itself included; None: its whole
         document so far). A family with sliding-window layers says which."""
-        return [None] * (self.cfg.layers + self.cfg.trained_mtp_layers)  # the MTP depths' blocks last
+        return [None] * self.cfg.blocks  # the MTP depths' blocks last
 
     def layer_keys(self, keys_of) -> float:
         """The keys a token attends, summed over the layers: `keys_of(window)` is what one layer of
@@ -188,7 +187,7 @@ class ModelSpec:
     def routed_expert_flops(self) -> float:
         """Forward FLOPs of one token's routed experts over every MoE layer."""
         m = self.cfg
-        return 2 * (m.moe_layers + m.trained_mtp_layers) * m.top_k * self.mlp_parameters(m.expert_intermediate)
+        return 2 * m.moe_blocks * m.top_k * self.mlp_parameters(m.expert_intermediate)
 
     def flops_per_token(self, layer_keys: float) -> float:
         """Model FLOPs of training one token that attends `layer_keys` keys summed over the layers

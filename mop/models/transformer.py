@@ -217,6 +217,11 @@ class LMHead(nn.Module):
         return loss
 
 
+def layer_expert_stats(stats: RouterStats) -> torch.Tensor:
+    """One MoE layer's row of `LossTerms.expert_stats`: its expert counts, then its summed router entropy."""
+    return torch.cat([stats.assignments.sum(0), stats.entropy.view(1).to(stats.assignments.dtype)])
+
+
 def mtp_targets(labels: torch.Tensor, position_ids: torch.Tensor, depth: int) -> list[int]:
     """The targets of each MTP depth k = 1..`depth` among these tokens (`mop.models.mtp`): the labels
     not ignored at positions at least k into their document (a target of depth k sits k tokens
@@ -307,8 +312,7 @@ class MoETransformer(nn.Module):
             h, stats = block(h, position_ids, documents, padding, layer_routes)
             if stats is not None:
                 router = stats if router is None else router + stats
-                entropy = stats.entropy.view(1).to(stats.assignments.dtype)
-                expert_stats.append(torch.cat([stats.assignments.sum(0), entropy]))
+                expert_stats.append(layer_expert_stats(stats))
                 replay.append(stats.replay)
                 if record_routes:
                     selected.append(stats.selected.view(*input_ids.shape, -1).to(torch.int16))
@@ -320,30 +324,37 @@ class MoETransformer(nn.Module):
                      documents)
 
     def loss_terms(self, input_ids, labels, position_ids=None, document_ids=None, padding=None,
-                   prefix_lengths=None) -> LossTerms:
+                   prefix_lengths=None, mtp: bool = True) -> LossTerms:
         """Summed losses; `labels [B, S]` are the already-shifted next-token targets (IGNORE_INDEX skips);
-        `padding [B, S]` flags tokens that are no data, `prefix_lengths` branches (`hidden_states`)."""
+        `padding [B, S]` flags tokens that are no data, `prefix_lengths` branches (`hidden_states`);
+        `mtp`: the MTP depths' too, if the model has them (an evaluation reads the main loss only)."""
+        if len(self.mtp) and prefix_lengths is not None:
+            raise ValueError("multi-token prediction reads documents by their positions, which branches continue; "
+                             "it trains on next-token data without prefix sharing")
         trunk = self.hidden_states(input_ids, position_ids, document_ids, padding, prefix_lengths)
         with vocabulary_scope():  # a profiled step's phase (`mop.profiling`)
             ce_sum = self.lm_head.loss_sum(trunk.hidden, labels)
         targets = int((labels != IGNORE_INDEX).sum())
-        mtp_ce = self._multi_token_prediction(trunk, input_ids, labels, padding) if len(self.mtp) else None
+        mtp_ce = self._multi_token_prediction(trunk, input_ids, labels, padding) if mtp and len(self.mtp) else None
         return LossTerms(ce_sum, targets, self._router_sums(trunk), input_ids.shape[0], trunk.expert_stats, mtp_ce)
 
     def _multi_token_prediction(self, trunk: Trunk, input_ids, labels, padding) -> torch.Tensor:
-        """Each MTP depth's summed cross-entropy `[D]` (`mop.models.mtp`); its blocks' router sums and
-        expert statistics are added to `trunk`'s."""
+        """Each MTP depth's summed cross-entropy `[D]` (`mop.models.mtp`). Its blocks' router sums and
+        expert statistics are added to `trunk`'s (in place: the head's terms read them after): a
+        position whose token k ahead is in another document, or past the row, is computed as padding."""
         depth, seq = len(self.mtp), input_ids.shape[-1]
         ahead = self.lookahead(torch.stack([input_ids, labels, trunk.position_ids.to(input_ids)]), depth)
-        h, ce, stats = trunk.hidden, [], [trunk.expert_stats]
+        h, ce, stats = trunk.hidden, [], [] if trunk.expert_stats is None else [trunk.expert_stats]
         for k, module in enumerate(self.mtp, start=1):
             ids, targets, positions = ahead[..., k:k + seq].unbind(0)
+            outside = positions < k  # no token of its document k ahead
             h = module(h, self.embed(ids.clamp(min=0)))
-            h, layer = self.layers[self.cfg.layers + k - 1](h, trunk.position_ids, trunk.documents, padding)
+            h, layer = self.layers[self.cfg.layers + k - 1](h, trunk.position_ids, trunk.documents,
+                                                            outside if padding is None else outside | padding)
             with vocabulary_scope():
-                ce.append(self.lm_head.loss_sum(module.norm(h), torch.where(positions >= k, targets, IGNORE_INDEX)))
+                ce.append(self.lm_head.loss_sum(module.norm(h), torch.where(outside, IGNORE_INDEX, targets)))
             trunk.router = layer if trunk.router is None else trunk.router + layer
-            stats.append(torch.cat([layer.assignments.sum(0), layer.entropy.view(1).to(layer.assignments.dtype)])[None])
+            stats.append(layer_expert_stats(layer)[None])
         trunk.expert_stats = torch.cat(stats)
         return torch.stack(ce)
 
@@ -420,6 +431,9 @@ class MoETransformer(nn.Module):
 
     def mtp_objective(self, mtp_ce: torch.Tensor, mtp_targets: tuple[int, ...]) -> torch.Tensor:
         """The MTP depths' share of the step loss: `mtp_loss_coef / D x sum_k ce_k / targets_k` (`mop.models.mtp`)."""
+        if len(mtp_targets) != len(mtp_ce):
+            raise ValueError(f"{len(mtp_ce)} MTP depths need as many target counts (`mtp_targets`), "
+                             f"got {len(mtp_targets)}")
         counts = mtp_ce.new_tensor([max(n, 1) for n in mtp_targets])
         return self.cfg.mtp_loss_coef / len(mtp_targets) * (mtp_ce / counts).sum()
 
@@ -437,7 +451,11 @@ class MoETransformer(nn.Module):
             return self.lm_head(self.hidden_states(input_ids, position_ids, document_ids,
                                                    prefix_lengths=prefix_lengths).hidden)
         terms = self.loss_terms(input_ids, labels, position_ids, document_ids, prefix_lengths=prefix_lengths)
-        return self.objective(terms, terms.targets, terms.sequences)
+        if position_ids is None and len(self.mtp):
+            position_ids = document_positions(document_ids) if document_ids is not None else (
+                torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids))
+        counts = tuple(mtp_targets(labels, position_ids, len(self.mtp))) if len(self.mtp) else ()
+        return self.objective(terms, terms.targets, terms.sequences, counts)
 
 
 INIT_BLOCK = 1 << 20  # elements drawn from one generator key

@@ -33,7 +33,7 @@ class GptOssSpec(ModelSpec):
         return super().router_parameters() + self.cfg.experts
 
     def layer_windows(self) -> list[int | None]:
-        return [layer_window(self.cfg, layer) for layer in range(self.cfg.layers + self.cfg.trained_mtp_layers)]
+        return [layer_window(self.cfg, layer) for layer in range(self.cfg.blocks)]
 
 
 FAMILY = Family("gpt_oss", attention=gpt_oss_attention,

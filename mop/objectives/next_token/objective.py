@@ -48,8 +48,10 @@ class NextToken(Objective):
     def local_counts(self, batches: list[dict]) -> list[float]:
         """This rank's targets of each MTP depth (none without MTP: `mop.models.mtp`)."""
         depth = self.run.config.model.trained_mtp_layers
+        if not depth:
+            return []
         counts = [mtp_targets(b["labels"], b["position_ids"], depth) for b in batches]
-        return [sum(column) for column in zip(*counts)] if depth else []
+        return [sum(column) for column in zip(*counts)]
 
     def micro_batch_loss(self, counts: StepCounts) -> NextTokenLoss:
         return NextTokenLoss(self.run.model, counts.targets, counts.sequences, tuple(int(n) for n in counts.own))
