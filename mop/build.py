@@ -59,6 +59,7 @@ from mop.data import (
     source_options,
 )
 from mop.evaluation import HeldOut, held_out
+from mop.flops import Peak
 from mop.models.config import ModelConfig
 from mop.models.families import model_spec
 from mop.models.hf import HFWeights
@@ -162,6 +163,8 @@ class TrainingRun:
     """Where the model's multi-token-prediction layers are kept, frozen (`mop.checkpoint.save_hf_import`'s
     record: a Hugging Face directory, its fingerprint, the layer count), from the checkpoint it started
     from; recorded in every checkpoint so that `mop convert to-hf` passes them through. None: none."""
+    peak: Peak | None = None
+    """What its MFU divides by (`mop.flops.Peak`), measured before its first step (`mop.train.run_step`)."""
     reference: dict | None = None
     """What its objective prepared before step 0 (`Objective.prepare`: what a DPO run's precomputed
     reference log-probs are of), recorded in every checkpoint; None: nothing."""

@@ -6,10 +6,18 @@ which states the convention: causal attention counts the keys a query really att
 vocabulary ring's recomputed logits are not model FLOPs: MFU is model FLOPs / step time / peak.
 
 Peak: bf16 dense tensor-core FLOP/s of the device, from its name (H100 / H200 SXM 989e12, their
-PCIe / NVL cards less, A100 312e12); unknown devices give no MFU.
+PCIe / NVL cards less, A100 312e12), for a run computing in bf16; otherwise (a CPU, an unlisted GPU,
+another dtype) the rate a short matrix-multiply probe measures at start-up (`matmul_probe`: square
+GEMMs in the run's compute dtype on its device, each rank at once, so a shared machine's ranks
+measure what each gets; once per process, device and dtype). Every record carries the probe's
+figure beside the peak MFU divides by (`Peak`).
 """
 
 from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
 
 import torch
 
@@ -38,3 +46,52 @@ def peak_flops(device: torch.device) -> float | None:
         return None
     name = torch.cuda.get_device_name(device)
     return next((peak for key, peak in PEAK_BF16_FLOPS.items() if key in name), None)
+
+
+PROBE_SIZE = {"cuda": 8192, "cpu": 1024}  # the probe's square GEMM side, per device type
+PROBE_SECONDS = 0.25  # the probe's timed span, after one warm-up GEMM
+
+
+@functools.lru_cache(maxsize=None)
+def matmul_probe(device: torch.device, dtype: torch.dtype) -> float:
+    """FLOP/s of square GEMMs (`PROBE_SIZE`) in `dtype` on `device`, timed over `PROBE_SECONDS`: what
+    this process's matrix multiplies reach, measured once per process (cached)."""
+    n = PROBE_SIZE.get(device.type, PROBE_SIZE["cpu"])
+    a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+    out = torch.empty(n, n, device=device, dtype=dtype)
+    torch.matmul(a, b, out=out)
+    _synchronize(device)
+    start, done = time.perf_counter(), 0
+    while True:
+        torch.matmul(a, b, out=out)
+        done += 1
+        _synchronize(device)  # at start-up, not in a step: the GEMMs must have run to be timed
+        elapsed = time.perf_counter() - start
+        if elapsed >= PROBE_SECONDS:
+            return 2 * n**3 * done / elapsed
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass(frozen=True)
+class Peak:
+    """What a run's MFU divides by (module docstring)."""
+
+    flops: float
+    """FLOP/s per rank: the table's bf16 peak for a known GPU computing in bf16, else the probe's."""
+    probe: float
+    """The matrix-multiply probe's FLOP/s per rank (`matmul_probe`, averaged over the ranks)."""
+    source: str
+    """"table" or "probe"."""
+
+    @classmethod
+    def of(cls, device: torch.device, dtype: torch.dtype, probe: float) -> "Peak":
+        table = peak_flops(device) if dtype == torch.bfloat16 else None
+        return cls(table, probe, "table") if table else cls(probe, probe, "probe")
+
+    def record(self, flops_per_rank: float) -> dict:
+        """A step's MFU at `flops_per_rank` model FLOP/s, with the peak and the probe's figure (TFLOP/s)."""
+        return {"mfu": flops_per_rank / self.flops, "peak_tflops": self.flops / 1e12, "probe_tflops": self.probe / 1e12}

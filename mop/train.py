@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -43,7 +44,7 @@ from mop.config import Config, ConfigError
 from mop.data import count_targets, to_device
 from mop.evaluation import evaluate
 from mop.faults import PEER_LOST, PeerLost, Stopped, StopRequest, collective_timeout, quiet_exit_code
-from mop.flops import attended_keys, peak_flops
+from mop.flops import Peak, attended_keys, matmul_probe
 from mop.metrics import (
     DeadExperts,
     MetricsLogger,
@@ -247,11 +248,19 @@ class SkippedSteps:
                               "train.max_skipped_steps")
 
 
-def utilisation(model_flops: float, seconds: float, runtime: Runtime) -> dict:
-    """Model TFLOP/s per rank and, on a GPU of known peak, MFU (`mop.flops`)."""
+def utilisation(model_flops: float, seconds: float, runtime: Runtime, peak: Peak) -> dict:
+    """Model TFLOP/s per rank and MFU against `peak`, with the probe's figure (`mop.flops`)."""
     per_rank = model_flops / seconds / runtime.world
-    peak = peak_flops(runtime.device)
-    return {"model_tflops_per_s_per_rank": per_rank / 1e12, **({"mfu": per_rank / peak} if peak else {})}
+    return {"model_tflops_per_s_per_rank": per_rank / 1e12, **peak.record(per_rank)}
+
+
+def measured_peak(run: TrainingRun) -> Peak:
+    """The run's peak per rank (`mop.flops.Peak`): every rank probes at once (after a reduction that
+    lines them up), and the ranks' rates are averaged."""
+    runtime = run.runtime
+    sum_over_ranks([0.0], runtime)
+    probe = sum_over_ranks([matmul_probe(runtime.device, run.config.compute_dtype)], runtime)[0] / runtime.world
+    return Peak.of(runtime.device, run.config.compute_dtype, probe)
 
 
 def setup_runtime(config: Config) -> tuple[ResolvedConfig, Runtime]:
@@ -366,6 +375,8 @@ def run_step(run: TrainingRun, step: int, batches: Callable[[], list[dict]], obj
     step's time: the RL loop draws them then) with the loop's `objective`; returns its record (the losses,
     the update, speed, memory, the data's and the techniques' metrics)."""
     config, runtime = run.config, run.runtime
+    if run.peak is None:  # collective: every rank runs its first step together
+        run.peak = measured_peak(run)
     reset_peak_memory(runtime.device, run.offload_store)
     start = time.perf_counter()
     lr = learning_rate(config, step)
@@ -376,7 +387,7 @@ def run_step(run: TrainingRun, step: int, batches: Callable[[], list[dict]], obj
     elapsed = time.perf_counter() - start
     return {"step": step + 1, **losses, "lr": lr, **outcome,
             "tokens_per_s": losses["tokens"] / elapsed, "step_time_s": elapsed,
-            **utilisation(losses["model_flops"], elapsed, runtime),
+            **utilisation(losses["model_flops"], elapsed, runtime, run.peak),
             **step_memory(runtime, run.offload_store), **state_memory, **run.data.dataset.stats,
             **technique_metrics(run.model, runtime.world_group, runtime.device),
             **worst_rank(profiled.record(elapsed), runtime)}
@@ -443,7 +454,18 @@ def summarise(run: TrainingRun, run_dir: Path, records: list[dict], skips: Skipp
         per_param = ", ".join(f"{kind} {state_memory[f'device_bytes_per_param_{kind}']:g}"
                               for kind in ("weights", "gradients", "optimizer"))
         print(f"mop: steps {first_step + 1}-{records[-1]['step']}, loss {records[0]['loss']:.4f} -> "
-              f"{records[-1]['loss']:.4f}; device bytes per parameter: {per_param}; run directory {run_dir}")
+              f"{records[-1]['loss']:.4f}; {speed_summary(records, run.peak)}; device bytes per parameter: "
+              f"{per_param}; run directory {run_dir}")
+
+
+def speed_summary(records: list[dict], peak: Peak) -> str:
+    """The summary's model FLOP rate: the steps' median MFU (the first left out when there are others:
+    it warms up) against the peak, and the probe's figure."""
+    steps = records[1:] or records
+    mfu = statistics.median(r["mfu"] for r in steps)
+    probe = f"probe {peak.probe / 1e12:.3g}"
+    against = "the matmul probe's" if peak.source == "probe" else f"the device's bf16 peak; {probe}"
+    return f"MFU {mfu:.2f} of {peak.flops / 1e12:.3g} TFLOP/s per rank ({against})"
 
 
 def save(run: TrainingRun, run_dir: Path, done: int) -> Path:

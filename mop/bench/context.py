@@ -139,6 +139,7 @@ def mop_train(args, name: str, context: int, extra: list[str], steps: int | None
     return {**result, "peak_bytes_per_rank": records[-1]["peak_mem_bytes_per_rank"], "seconds_per_step": seconds,
             "before_run_bytes": records[-1].get("mem_before_run_bytes", 0), "fit": resolved.get("fit"),
             "tokens_per_s_per_rank": tokens_per_rank / seconds, "losses": [r["loss"] for r in records],
+            "mfu": statistics.median(r["mfu"] for r in timed), "probe_tflops": records[-1]["probe_tflops"],
             "phases": phases, "last_record": records[-1]}
 
 
@@ -248,28 +249,32 @@ def report(args, results: dict) -> None:
     for r in results["runs"]:
         if r["returncode"] != 0:
             rows.append([r["system"], r["context"], "OOM" if r.get("out_of_memory") else "failed", "-", "-", "-", "-",
-                         "-"])
+                         "-", "-", "-"])
             continue
         peak, fit = max(r["peak_bytes_per_rank"]), r.get("fit")
         predicted = (fit["predicted_peak_bytes"] + fit["predicted_host_bytes"]) if fit else None
         measured = peak - r["before_run_bytes"]
         rows.append([r["system"], r["context"], _settings(r), predicted / GB if predicted else "-", measured / GB,
-                     predicted / measured if predicted else "-", peak / GB, r["tokens_per_s_per_rank"]])
+                     predicted / measured if predicted else "-", peak / GB, r["tokens_per_s_per_rank"], r["mfu"],
+                     r["probe_tflops"]])
     if rows:
         print(table(f"mop train {args.config.name} on the anchor-shaped model, 2 ranks, packed documents, "
                     f"{args.global_batch} sequence(s) per step, memory budget automatic: per rank, the settings the "
                     "run chose, the memory model's prediction (device + host) and the measured peak RSS less the "
-                    "process's memory before the run was built, the peak RSS itself, tokens/s",
+                    "process's memory before the run was built, the peak RSS itself, tokens/s, the median MFU "
+                    "against the run's matmul probe (mop.flops) and the probe's TFLOP/s per rank",
                     ["system", "context", "settings", "predicted GB", "measured GB", "pred/meas", "peak RSS GB",
-                     "tok/s/rank"], rows))
+                     "tok/s/rank", "MFU", "probe TFLOP/s"], rows))
     if results["comparison"]:
         hf = results["comparison"][-1]
         rows = [[r["system"], r.get("seconds_per_step", "-"), r.get("tokens_per_s_per_rank", "-"),
                  r["tokens_per_s_per_rank"] / hf["tokens_per_s_per_rank"] if r["returncode"] == 0 else "-",
-                 max(r["peak_bytes_per_rank"]) / GB if r["returncode"] == 0 else "-"] for r in results["comparison"]]
+                 max(r["peak_bytes_per_rank"]) / GB if r["returncode"] == 0 else "-", r.get("mfu", "-"),
+                 r.get("probe_tflops", "-")] for r in results["comparison"]]
         print()
-        print(table(f"same work per rank at {args.compare_context} tokens (one sequence per rank per step)",
-                    ["system", "s/step", "tok/s/rank", "vs hf-fsdp2", "peak GB/rank"], rows))
+        print(table(f"same work per rank at {args.compare_context} tokens (one sequence per rank per step; MFU against "
+                    "the run's matmul probe, which the hf-fsdp2 anchor does not record)",
+                    ["system", "s/step", "tok/s/rank", "vs hf-fsdp2", "peak GB/rank", "MFU", "probe TFLOP/s"], rows))
         phases = ("attention", "experts", "vocabulary", "other")
         rows = [[r["system"], *[f"{r['phases'][f'time_{p}_s']:.1f} ({r['phases'][f'time_{p}_comm_s']:.1f})"
                                 for p in phases], r["phases"]["time_untracked_s"]]

@@ -1,0 +1,37 @@
+"""MFU on every device (issue 50, `mop.flops.matmul_probe`, `mop.flops.Peak`): a matrix-multiply probe
+gives the peak where no table does, and every record carries MFU, the peak and the probe's figure."""
+
+import math
+
+import pytest
+import torch
+from test_train import run
+
+from mop import flops
+from mop.flops import Peak, matmul_probe
+
+
+def test_the_probe_measures_once_per_device_and_dtype():
+    before = matmul_probe.cache_info()
+    rate = matmul_probe(torch.device("cpu"), torch.float32)
+    assert math.isfinite(rate) and rate > 0
+    assert matmul_probe(torch.device("cpu"), torch.float32) == rate
+    after = matmul_probe.cache_info()
+    assert after.hits >= before.hits + 1 and after.misses <= before.misses + 1
+
+
+def test_the_table_peak_counts_for_a_known_gpu_in_bf16_only(monkeypatch):
+    cpu = Peak.of(torch.device("cpu"), torch.float32, 5e10)
+    assert (cpu.flops, cpu.probe, cpu.source) == (5e10, 5e10, "probe")
+    monkeypatch.setattr(flops, "peak_flops", lambda device: 989e12)
+    assert Peak.of(torch.device("cpu"), torch.bfloat16, 6e14) == Peak(989e12, 6e14, "table")
+    assert Peak.of(torch.device("cpu"), torch.float32, 5e13).source == "probe"  # fp32 runs no bf16 tensor cores
+    assert Peak(1e12, 2e12, "table").record(5e11) == {"mfu": 0.5, "peak_tflops": 1.0, "probe_tflops": 2.0}
+
+
+def test_every_record_and_the_summary_carry_the_mfu(tmp_path, capsys):
+    records = run(tmp_path, "run", "--train.steps=3")
+    for record in records:
+        assert record["peak_tflops"] == record["probe_tflops"] > 0  # a CPU: the probe is the peak
+        assert record["mfu"] == pytest.approx(record["model_tflops_per_s_per_rank"] / record["peak_tflops"], rel=1e-12)
+    assert "MFU" in capsys.readouterr().out
