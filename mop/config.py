@@ -80,8 +80,10 @@ class ParallelConfig:
     """LLEP's m: the smallest token chunk worth spilling to a helper rank (one efficient GEMM); the paper
     uses 1024 at 16-32K tokens per GPU, lower it for small batches."""
     vocab_token_block: int = 0
-    """Tokens per logit tile of the vocabulary-parallel loss (parallel.vocab > 1); 0 picks the size that
-    makes one fp32 [tokens, vocab / parallel.vocab] tile about 64 MiB."""
+    """Tokens per logit tile of the vocabulary-parallel loss (parallel.vocab > 1; 0 picks the size that
+    makes one fp32 [tokens, vocab / parallel.vocab] tile about 64 MiB). With parallel.vocab = 1, > 0
+    computes the loss in blocks of this many tokens, each block's logits formed again in the backward
+    instead of keeping the full [tokens, vocab] logits (0 keeps them)."""
     llep_chunks: int = 0
     """> 1: route each MoE layer's tokens in this many pipelined chunks and recompute the experts' gate
     and up projections in backward (memory-efficient EP/LLEP: about one chunk's buffers live at a

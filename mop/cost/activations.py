@@ -168,6 +168,8 @@ def loss_working_set(s: Shapes, config: Config) -> dict[str, int]:
         out["vocab_tile"] = block * shard_rows * FP32 + s.T * s.H * FP32 + 4 * s.T * FP32
         out["vocab_weights"] = shard_rows * s.H * (s.act + (s.act if s.act < FP32 else 0))
         out["gradients"] = 2 * shard_rows * s.H * FP32 if config.adapters is None else 0  # a frozen head has none
+    elif p.vocab_token_block:  # one rank in tiles (`TiledHead`): a block's logits, softmax and gradient at a time
+        out["vocab_tile"] = 3 * min(s.T, p.vocab_token_block) * m.vocab_size * FP32
     else:  # the full fp32 logits' log-softmax (saved), the loss gradient and the log-softmax gradient, and each
         # MTP depth's head's saved log-softmax beside them (`mop.models.mtp`)
         out["vocab_tile"] = (3 + m.trained_mtp_layers) * s.T * m.vocab_size * FP32

@@ -60,7 +60,8 @@ class Candidate:
         p, t = self.config.parallel, self.config.train
         o = self.config.optim
         return (p.sequence, p.expert, p.vocab, p.attention_head_chunks, p.llep_chunks, self.tp, p.fsdp_cpu_offload,
-                t.activation_checkpointing, t.offload_activations, (o.offload, o.speculative), t.micro_batch)
+                t.activation_checkpointing, t.offload_activations, (o.offload, o.speculative), t.micro_batch,
+                p.vocab_token_block if p.vocab == 1 else 0)
 
 
 def evaluate(config: Config, cluster: Cluster, tp: int = 1, routing_skew: float = 1.0,
@@ -136,5 +137,6 @@ def describe(c: Candidate) -> str:
         return (f"FSDP {fsdp} EP {p.expert} CP {p.sequence} TP {c.tp} {memory}"
                 f"{' cpu-offload' if p.fsdp_cpu_offload else ''}")
     optimizer = next(k for k, v in OPTIMIZERS.items() if v == (c.config.optim.offload, c.config.optim.speculative))
-    return (f"D {p.sequence} Ep {p.expert} P {p.vocab} heads/{p.attention_head_chunks} llep/{p.llep_chunks} {memory} "
-            f"{optimizer} mb {t.micro_batch}")
+    tiles = f" vocab-tiles/{p.vocab_token_block}" if p.vocab == 1 and p.vocab_token_block else ""
+    return (f"D {p.sequence} Ep {p.expert} P {p.vocab}{tiles} heads/{p.attention_head_chunks} llep/{p.llep_chunks} "
+            f"{memory} {optimizer} mb {t.micro_batch}")

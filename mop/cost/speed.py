@@ -136,7 +136,7 @@ def step_time(config: Config, cluster: Cluster, s: Shapes, counts: ParameterCoun
         extra += forward * attention_share
     if p.llep_chunks > 1:
         extra += forward * expert_share * (CHUNKED_EXPERT_RECOMPUTE - checkpointed)
-    if p.vocab > 1:  # the ring recomputes each head's logits (the model's and each MTP depth's)
+    if p.vocab > 1 or p.vocab_token_block:  # the ring, or one rank's tiles, recompute each head's logits
         extra += 2 * m.hidden * m.vocab_size * tokens * (1 + m.trained_mtp_layers)
     compute = (model_flops + extra) / (cluster.peak_flops * cluster.mfu)
 

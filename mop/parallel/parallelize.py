@@ -48,7 +48,7 @@ from mop.parallel.llep import BalanceOptions
 from mop.parallel.mesh import DistLayout
 from mop.parallel.placement import placements
 from mop.parallel.ulysses import apply_sequence_parallel
-from mop.parallel.vocab import apply_vocab_parallel
+from mop.parallel.vocab import apply_vocab_parallel, tile_vocabulary
 
 
 def gather_dtype(config: Config) -> torch.dtype | None:
@@ -62,6 +62,8 @@ def apply_memory_options(model: MoETransformer, config: Config, device: torch.de
     """The layout-independent memory options (also used by the reference strategy)."""
     if config.train.activation_checkpointing == "full":
         apply_activation_checkpointing(model, config.train.offload_activations, pin_memory=device.type == "cuda")
+    if config.parallel.vocab == 1 and config.parallel.vocab_token_block:
+        tile_vocabulary(model, config.parallel.vocab_token_block)
 
 
 def parallelize(model: MoETransformer, layout: DistLayout, config: Config) -> MoETransformer:

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from mop.config import Config, ConfigError
 from mop.models.layers import compute_dtype_of
@@ -280,6 +281,30 @@ class VocabParallelHead(nn.Module):
 
 def apply_vocab_parallel(model, layout: DistLayout, token_block: int) -> None:
     model.lm_head = VocabParallelHead(model.lm_head, layout, token_block, model.cfg.z_loss_coef)
+
+
+class TiledHead(LMHead):
+    """One vocabulary rank's loss without its full logits (`parallel.vocab = 1` with
+    `parallel.vocab_token_block` > 0): the cross-entropy (and z-loss) summed block by block of
+    `token_block` tokens, each block's `[block, V]` logits formed in the forward, dropped, and
+    formed again in the backward (activation checkpointing of one block: the ring's trade at P = 1,
+    with no communication). The same per-token arithmetic as `LMHead.loss_sum`; the sum of the
+    blocks' sums differs from one sum over every token only by fp32 summation order."""
+
+    def __init__(self, head: LMHead, token_block: int):
+        nn.Module.__init__(self)
+        self.weight, self.z_loss_coef, self.token_block = head.weight, head.z_loss_coef, token_block
+
+    def loss_sum(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        rows, targets, block_loss = h.reshape(-1, h.shape[-1]), labels.reshape(-1), super().loss_sum
+        blocks = [checkpoint(block_loss, rows[block], targets[block], use_reentrant=False)
+                  for block in _blocks(rows.shape[0], self.token_block)]
+        return torch.stack(blocks).sum() if blocks else h.new_zeros((), dtype=torch.float32)
+
+
+def tile_vocabulary(model, token_block: int) -> None:
+    """Swap one vocabulary rank's head for `TiledHead` (a memory option of every strategy)."""
+    model.lm_head = TiledHead(model.lm_head, token_block)
 
 
 def check_settings(config: Config, world: int) -> None:
