@@ -1,18 +1,19 @@
 """`mop bench vocab`: the output projection + loss, per rank, for three ways of computing it.
 
 - full: full logits `[N, V]` and `F.cross_entropy` (what a plain training loop does);
-- chunked: tokens in blocks against the whole weight, each block recomputed in the backward
-  (what Liger's fused linear cross-entropy and Cut Cross-Entropy do: no full logits, whole weight);
+- tiled: tokens in blocks against the whole weight, each block recomputed in the backward: mop's
+  one-rank head (`mop.parallel.vocab.TiledHead`, what `parallel.vocab_token_block` at P = 1 runs;
+  Liger's fused linear cross-entropy and Cut Cross-Entropy do the same: no full logits, whole weight);
 - ring: mop's vocabulary-parallel ring loss, the weight's rows sharded over P ranks.
 
 Every rank runs its own N tokens (W ranks, one intra-op thread each). Memory per rank = the
 weight it holds + the transient peak of forward + backward (`mop.testing.memory`: the weight's
 gradient, the logit tiles, the ring's incoming shard and gradient buffers). Communication per rank
 is counted from the algorithm: the ring sends (P-1) weight shards forward and (P-1) shards plus P
-fp32 gradient buffers backward; full and chunked need the whole weight's gradient reduced across
+fp32 gradient buffers backward; full and tiled need the whole weight's gradient reduced across
 the W data-parallel ranks (plus the weight gathered, under FSDP2), counted as 2 (W-1)/W x the
 weight's bytes. The full-logits variant is skipped (not run) where its logits alone would exceed
---max-logits-gib. Ratios are against "full" where it ran, else against "chunked".
+--max-logits-gib. Ratios are against "full" where it ran, else against "tiled".
 """
 
 from __future__ import annotations
@@ -23,13 +24,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from mop.bench.report import MIB, table, write_json
 from mop.models.config import ModelConfig
-from mop.models.transformer import IGNORE_INDEX, LMHead
+from mop.models.transformer import LMHead
 from mop.parallel import DistLayout, Layout
-from mop.parallel.vocab import VocabParallelHead, default_token_block
+from mop.parallel.vocab import TiledHead, VocabParallelHead, default_token_block
 from mop.testing import run_distributed
 from mop.testing.memory import measure_step
 
@@ -46,14 +46,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/bench/vocab.json"))
 
 
-def _chunked_loss(h, weight, labels, block: int):
-    def piece(h_block, w, labels_block):
-        return F.cross_entropy(F.linear(h_block, w).float(), labels_block, ignore_index=IGNORE_INDEX, reduction="sum")
-
-    return sum(checkpoint(piece, h[i:i + block], weight, labels[i:i + block], use_reentrant=False)
-               for i in range(0, h.shape[0], block))
-
-
 def loss_rank(rank, world, variant: str, tokens: int, vocab: int, hidden: int, repeats: int) -> dict:
     g = torch.Generator().manual_seed(rank)
     head = LMHead(ModelConfig(vocab_size=vocab, hidden=hidden))
@@ -62,10 +54,9 @@ def loss_rank(rank, world, variant: str, tokens: int, vocab: int, hidden: int, r
         module = VocabParallelHead(head, DistLayout(Layout(world, vocab=world), torch.device("cpu")), 0, 0.0)
         loss_fn = module.loss_sum
         head = None  # the full weight is not kept
-    elif variant == "chunked":
-        module = head
-        block = default_token_block(vocab)
-        loss_fn = lambda h, y: _chunked_loss(h, head.weight, y, block)  # noqa: E731
+    elif variant == "tiled":
+        module = TiledHead(head, default_token_block(vocab))
+        loss_fn = module.loss_sum
     else:
         module = head
         loss_fn = lambda h, y: F.cross_entropy(head(h).float(), y, reduction="sum")  # noqa: E731
@@ -96,7 +87,7 @@ def run(args) -> dict:
     for vocab in (int(v) for v in args.vocabs.split(",")):
         for tokens in (int(n) for n in args.tokens.split(",")):
             base = None
-            for variant in ("full", "chunked", "ring"):
+            for variant in ("full", "tiled", "ring"):
                 if variant == "full" and tokens * vocab * 4 > args.max_logits_gib * GIB:
                     rows.append({"vocab": vocab, "tokens": tokens, "variant": variant, "skipped": True,
                                  "logits_bytes": tokens * vocab * 4})
