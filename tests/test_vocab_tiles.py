@@ -37,6 +37,23 @@ def test_tiled_loss_and_gradients_equal_the_full_logits(block):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
+def test_tiled_per_token_log_probs_and_entropies_equal_the_full_logits():
+    """What DPO (`token_logprobs`) and RL (with the entropies) read, and their gradients."""
+    full, tiled = build_model(CFG, 0), build_model(CFG, 0)
+    tile_vocabulary(tiled, 7)
+    ids, labels = batch()
+    terms = [model.policy_terms(ids, labels) for model in (full, tiled)]
+    torch.testing.assert_close(terms[1].logps, terms[0].logps, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(terms[1].entropy, terms[0].entropy, rtol=1e-6, atol=1e-6)
+    hidden = full.hidden_states(ids).hidden
+    dpo = [model.lm_head.token_logprobs(hidden, labels) for model in (full, tiled)]
+    torch.testing.assert_close(dpo[1], dpo[0], rtol=1e-6, atol=1e-6)
+    for term in terms:
+        term.logps.sum().backward()
+    for (name, a), b in zip(full.named_parameters(), tiled.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_no_tensor_of_the_full_logits_size_is_kept_for_the_backward():
     ids, labels = batch(96)  # the logits [192, 128] larger than any weight
     tokens = ids.numel()

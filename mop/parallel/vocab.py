@@ -284,22 +284,34 @@ def apply_vocab_parallel(model, layout: DistLayout, token_block: int) -> None:
 
 
 class TiledHead(LMHead):
-    """One vocabulary rank's loss without its full logits (`parallel.vocab = 1` with
-    `parallel.vocab_token_block` > 0): the cross-entropy (and z-loss) summed block by block of
-    `token_block` tokens, each block's `[block, V]` logits formed in the forward, dropped, and
-    formed again in the backward (activation checkpointing of one block: the ring's trade at P = 1,
-    with no communication). The same per-token arithmetic as `LMHead.loss_sum`; the sum of the
-    blocks' sums differs from one sum over every token only by fp32 summation order."""
+    """One vocabulary rank's head without its full logits (`parallel.vocab = 1` with
+    `parallel.vocab_token_block` > 0): every head method (the loss sum, the per-token log-probs of
+    DPO, those and the entropies of RL) runs block by block of `token_block` tokens, each block's
+    `[block, V]` logits formed in the forward, dropped, and formed again in the backward (activation
+    checkpointing of one block: the ring's trade at P = 1, with no communication). The same
+    per-token arithmetic as `LMHead`'s: results differ from it by fp32 rounding only (a GEMM over
+    fewer rows may block its sums otherwise; the loss sums the blocks' sums)."""
 
     def __init__(self, head: LMHead, token_block: int):
         nn.Module.__init__(self)
         self.weight, self.z_loss_coef, self.token_block = head.weight, head.z_loss_coef, token_block
 
+    def _tiled(self, method, h: torch.Tensor, labels: torch.Tensor) -> list:
+        """`method(rows, labels)` of each block of tokens, checkpointed."""
+        rows, targets = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
+        return [checkpoint(method, rows[block], targets[block], use_reentrant=False)
+                for block in _blocks(rows.shape[0], self.token_block)]
+
     def loss_sum(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        rows, targets, block_loss = h.reshape(-1, h.shape[-1]), labels.reshape(-1), super().loss_sum
-        blocks = [checkpoint(block_loss, rows[block], targets[block], use_reentrant=False)
-                  for block in _blocks(rows.shape[0], self.token_block)]
+        blocks = self._tiled(super().loss_sum, h, labels)
         return torch.stack(blocks).sum() if blocks else h.new_zeros((), dtype=torch.float32)
+
+    def token_logprobs(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return torch.cat(self._tiled(super().token_logprobs, h, labels)).view(labels.shape)
+
+    def token_logprobs_and_entropy(self, h: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logps, entropy = zip(*self._tiled(super().token_logprobs_and_entropy, h, labels))
+        return torch.cat(logps).view(labels.shape), torch.cat(entropy).view(labels.shape)
 
 
 def tile_vocabulary(model, token_block: int) -> None:
