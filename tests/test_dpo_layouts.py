@@ -107,6 +107,16 @@ def test_every_layout_gives_the_single_process_step(reference_steps, world, sequ
         equal_steps(rank, steps[True])
 
 
+def test_one_ranks_tiled_logits_give_the_single_process_step(reference_steps):
+    """One vocabulary rank with its logits tiled (`mop.parallel.vocab.TiledHead`, issue 50): DPO's
+    per-token log-probs in blocks of 64 tokens, re-formed in the backward."""
+    source, steps = reference_steps
+    overrides = [*DPO, *EVERY_TECHNIQUE, f"--data.source={source}", "--parallel.nproc=2", "--parallel.sequence=2",
+                 "--parallel.vocab=1", "--parallel.vocab_token_block=64", "--data.shared_prompt=true"]
+    for rank in run_distributed(first_step, 2, overrides):
+        equal_steps(rank, steps[True])
+
+
 def first_step_against_its_own_reference(rank: int, world: int, overrides: list[str]) -> dict:
     """The first step's record with the reference precomputed from the same weights, as `mop train`
     computes it (`reference.compute` then the stream's first global batch)."""
