@@ -48,6 +48,20 @@ def peak_flops(device: torch.device) -> float | None:
     return next((peak for key, peak in PEAK_BF16_FLOPS.items() if key in name), None)
 
 
+def phase_flops(spec, model_flops: float, positions: int) -> dict[str, float]:
+    """A step's model FLOPs split over `mop.profiling`'s phases: "vocabulary" the heads' logits (the
+    model's and each MTP depth's), "experts" the routed experts' GEMMs, "attention" the cores (what
+    the matrix multiplies leave of `model_flops`), "other" the remaining GEMMs (projections,
+    routers, shared experts, dense MLPs); `positions`: the step's token positions, padding included,
+    as `model_flops` counts them; `spec` the model's `mop.models.spec.ModelSpec`."""
+    m = spec.cfg
+    matmul = 6 * spec.matmul_parameters_per_token() * positions
+    vocabulary = 6 * m.hidden * m.vocab_size * (1 + m.trained_mtp_layers) * positions
+    experts = 3 * spec.routed_expert_flops() * positions
+    return {"attention": model_flops - matmul, "experts": experts, "vocabulary": vocabulary,
+            "other": matmul - experts - vocabulary}
+
+
 PROBE_SIZE = {"cuda": 8192, "cpu": 1024}  # the probe's square GEMM side, per device type
 PROBE_SECONDS = 0.25  # the probe's timed span, after one warm-up GEMM
 

@@ -35,3 +35,26 @@ def test_every_record_and_the_summary_carry_the_mfu(tmp_path, capsys):
         assert record["peak_tflops"] == record["probe_tflops"] > 0  # a CPU: the probe is the peak
         assert record["mfu"] == pytest.approx(record["model_tflops_per_s_per_rank"] / record["peak_tflops"], rel=1e-12)
     assert "MFU" in capsys.readouterr().out
+
+
+def test_the_phases_model_flops_add_up_and_give_each_phase_its_mfu(tmp_path):
+    """`mop bench context`'s per-phase MFU, on a run's profiled step (`mop.flops.phase_flops`)."""
+    import json
+
+    from mop.bench.context import phase_mfu
+    from mop.models.config import ModelConfig
+    from mop.models.families import model_spec
+    from mop.profiling import PHASES
+
+    records = run(tmp_path, "run", "--train.steps=2", "--log.profile_step=2")
+    resolved = json.loads((tmp_path / "run" / "config.json").read_text())
+    profiled = records[-1]
+    spec = model_spec(ModelConfig(**resolved["model"]))
+    positions = resolved["train"]["global_batch"] * resolved["data"]["seq_len"]
+    split = flops.phase_flops(spec, profiled["model_flops"], positions)
+    assert sum(split.values()) == pytest.approx(profiled["model_flops"], rel=1e-12)
+    assert split["experts"] == 3 * spec.routed_expert_flops() * positions and min(split.values()) > 0
+    mfu = phase_mfu(profiled, resolved)
+    for phase in PHASES:
+        expected = split[phase] / resolved["world"] / profiled[f"time_{phase}_s"] / (profiled["probe_tflops"] * 1e12)
+        assert mfu[phase] == pytest.approx(expected, rel=1e-12)

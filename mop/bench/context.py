@@ -56,6 +56,10 @@ import torch
 from mop.bench.report import table, write_json
 from mop.bench.shape import ANCHOR, add_shape_arguments, shape_overrides
 from mop.config import ConfigError, load_config
+from mop.flops import phase_flops
+from mop.models.config import ModelConfig
+from mop.models.families import model_spec
+from mop.profiling import PHASES
 from mop.settle import settle
 
 PRESET = Path(__file__).resolve().parents[2] / "configs" / "long-context.toml"
@@ -129,18 +133,30 @@ def mop_train(args, name: str, context: int, extra: list[str], steps: int | None
         result["out_of_memory"] = "out-of-memory" in result["error"]
         return result
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    resolved = json.loads((run_dir / "config.json").read_text())
     phases = {k: v for k, v in records[-1].items() if k.startswith("time_")} if profile else {}
     if profile:
+        phases["mfu"] = phase_mfu(records[-1], resolved)
         records = records[:-1]
     timed = records[1:] or records  # one step: its own time, the first step's costs included
     seconds = statistics.median(r["step_time_s"] for r in timed)
-    resolved = json.loads((run_dir / "config.json").read_text())
     tokens_per_rank = resolved["train"]["global_batch"] * context / resolved["world"]
     return {**result, "peak_bytes_per_rank": records[-1]["peak_mem_bytes_per_rank"], "seconds_per_step": seconds,
             "before_run_bytes": records[-1].get("mem_before_run_bytes", 0), "fit": resolved.get("fit"),
             "tokens_per_s_per_rank": tokens_per_rank / seconds, "losses": [r["loss"] for r in records],
             "mfu": statistics.median(r["mfu"] for r in timed), "probe_tflops": records[-1]["probe_tflops"],
             "phases": phases, "last_record": records[-1]}
+
+
+def phase_mfu(record: dict, resolved: dict) -> dict[str, float | None]:
+    """Each phase's MFU on a profiled step's `record` of a run settled as `resolved` (its config.json):
+    the phase's model FLOPs per rank (`mop.flops.phase_flops`) over its time (worst rank) and the
+    run's matmul probe (None: no time in it)."""
+    spec = model_spec(ModelConfig(**resolved["model"]))
+    positions = resolved["train"]["global_batch"] * resolved["data"]["seq_len"]
+    flops, probe = phase_flops(spec, record["model_flops"], positions), record["probe_tflops"] * 1e12
+    seconds = {p: record[f"time_{p}_s"] for p in PHASES}
+    return {p: flops[p] / resolved["world"] / seconds[p] / probe if seconds[p] else None for p in PHASES}
 
 
 def hf_rank(rank: int, world: int, config_path: str, overrides: list[str], steps: int) -> dict:
@@ -244,6 +260,12 @@ def _settings(row: dict) -> str:
     return "plain preset: " + " ".join(a.split(".")[-1] for a in PLAIN_PRESET[1:])
 
 
+def _phase_cell(phases: dict, phase: str) -> str:
+    mfu = phases.get("mfu", {}).get(phase)
+    return (f"{phases[f'time_{phase}_s']:.1f} ({phases[f'time_{phase}_comm_s']:.1f})"
+            + (f" MFU {mfu:.2f}" if mfu is not None else ""))
+
+
 def report(args, results: dict) -> None:
     rows = []
     for r in results["runs"]:
@@ -275,13 +297,13 @@ def report(args, results: dict) -> None:
         print(table(f"same work per rank at {args.compare_context} tokens (one sequence per rank per step; MFU against "
                     "the run's matmul probe, which the hf-fsdp2 anchor does not record)",
                     ["system", "s/step", "tok/s/rank", "vs hf-fsdp2", "peak GB/rank", "MFU", "probe TFLOP/s"], rows))
-        phases = ("attention", "experts", "vocabulary", "other")
-        rows = [[r["system"], *[f"{r['phases'][f'time_{p}_s']:.1f} ({r['phases'][f'time_{p}_comm_s']:.1f})"
-                                for p in phases], r["phases"]["time_untracked_s"]]
+        rows = [[r["system"], *[_phase_cell(r["phases"], p) for p in PHASES], r["phases"]["time_untracked_s"]]
                 for r in results["comparison"] if r.get("phases")]
         print()
         print(table("where a step's time goes (one more step, recorded by torch.profiler, worst rank): seconds per "
-                    "phase, of it in collectives in parentheses; untracked: Python between ops and waits for the "
-                    "host optimizer", ["system", *phases, "untracked"], rows))
+                    "phase, of it in collectives in parentheses, and the phase's MFU against the matmul probe (its "
+                    "model FLOPs, mop.flops.phase_flops, over its time; profiled, so lower than unprofiled steps); "
+                    "untracked: Python between ops and waits for the host optimizer", ["system", *PHASES, "untracked"],
+                    rows))
     path = write_json(args.out, "context", {k: str(v) for k, v in vars(args).items() if k != "func"}, results)
     print(f"\nresults written to {path}")
