@@ -40,7 +40,7 @@ from safetensors.torch import save_file
 from mop.models.config import ModelConfig
 from mop.models.families import FAMILIES
 from mop.models.hf_mapping import model_pieces
-from mop.models.lora import LoraConfig, adapted_weights
+from mop.models.lora import AdaptedWeight, LoraConfig, adapted_weights
 from mop.models.peft import CONFIG, PREFIX, WEIGHTS, adapter_names, save_peft, to_peft
 from mop.models.transformer import MoETransformer
 
@@ -49,19 +49,19 @@ SGLANG_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 """Mixtral's expert names as SGLang's `target_modules` normalisation knows them (its loader renames the keys)."""
 
 
-def per_expert_adapters(cfg: ModelConfig, lora: LoraConfig) -> dict[str, list[tuple[tuple, str]]]:
-    """For each adapted expert weight the hub publishes per expert, its pieces: (index into the stacked
-    weight `(e, rows)` or `(e,)`, hub module). Empty for a family publishing fused experts."""
+def per_expert_adapters(cfg: ModelConfig, lora: LoraConfig) -> dict[AdaptedWeight, list[tuple[tuple, str]]]:
+    """For each adapted expert weight the hub publishes per expert (its adapters' names), its pieces:
+    (index into the stacked weight `(e, rows)` or `(e,)`, hub module). Empty for a family publishing
+    fused experts."""
     with torch.device("meta"):
-        model = MoETransformer(cfg, lora)
-    adapted = adapted_weights(model)
-    out: dict[str, list[tuple[tuple, str]]] = {}
+        adapted = adapted_weights(MoETransformer(cfg, lora))
+    out: dict[AdaptedWeight, list[tuple[tuple, str]]] = {}
     for piece in model_pieces(cfg, FAMILIES[cfg.family].hf, set()):  # no stacked layers: the hub's layout
         update = adapted.get(piece.param)
         if update is not None and piece.index != ():
             if update.transposed:
                 raise NotImplementedError(f"per-expert serving adapters of a transposed expert weight ({piece.param})")
-            out.setdefault(piece.param, []).append((piece.index, piece.key.removesuffix(".weight")))
+            out.setdefault(update, []).append((piece.index, piece.key.removesuffix(".weight")))
     return out
 
 
@@ -83,11 +83,8 @@ def served_tensors(cfg: ModelConfig, lora: LoraConfig, adapters: dict[str, torch
     experts' `[E, r, in]` / `[E, out, r]`): PEFT's, each per-expert family's expert adapters split
     into one pair per expert and projection."""
     names = adapter_names(cfg, lora)
-    with torch.device("meta"):
-        updates = adapted_weights(MoETransformer(cfg, lora))
     replaced, split = set(), {}
-    for weight, pieces in per_expert_adapters(cfg, lora).items():
-        update = updates[weight]
+    for update, pieces in per_expert_adapters(cfg, lora).items():
         replaced.update((update.lora_a, update.lora_b))
         for (expert, *rows), module in pieces:  # clones: gate and up get one A as two tensors
             split[f"{PREFIX}{module}.lora_A.weight"] = adapters[update.lora_a][expert].clone()
