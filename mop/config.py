@@ -79,11 +79,17 @@ class ParallelConfig:
     llep_min_chunk: int = 1024
     """LLEP's m: the smallest token chunk worth spilling to a helper rank (one efficient GEMM); the paper
     uses 1024 at 16-32K tokens per GPU, lower it for small batches."""
+    vocab_logits: Literal["auto", "keep", "recompute"] = "auto"
+    """The vocabulary projection's memory trade, with any number of vocabulary ranks. "keep": the
+    forward's fp32 logits stay for the backward (a rank's [tokens, vocab]: its full logits at
+    parallel.vocab = 1, every shard's tiles of its own tokens on the ring), so the backward runs two
+    GEMMs; "recompute": only one tile of parallel.vocab_token_block tokens is live at a time and the
+    backward forms each tile again (one GEMM more; at parallel.vocab = 1 the head runs in checkpointed
+    token blocks). "auto": "keep", or what the fit chooses when train.memory_budget needs it."""
     vocab_token_block: int = 0
-    """Tokens per logit tile of the vocabulary-parallel loss (parallel.vocab > 1; 0 picks the size that
-    makes one fp32 [tokens, vocab / parallel.vocab] tile about 64 MiB). With parallel.vocab = 1, > 0
-    computes the loss in blocks of this many tokens, each block's logits formed again in the backward
-    instead of keeping the full [tokens, vocab] logits (0 keeps them)."""
+    """Tokens per logit tile of the vocabulary projection: of the ring (parallel.vocab > 1) and of one
+    rank's recomputed head (parallel.vocab_logits = "recompute"). 0 picks the size that makes one fp32
+    [tokens, vocab / parallel.vocab] tile about 64 MiB."""
     llep_chunks: int = 0
     """> 1: route each MoE layer's tokens in this many pipelined chunks and recompute the experts' gate
     and up projections in backward (memory-efficient EP/LLEP: about one chunk's buffers live at a
@@ -177,6 +183,12 @@ class TrainConfig:
     consecutive skipped steps the run stops with an error, keeping its last good checkpoint."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """"auto" picks CUDA when available (one GPU per local rank), else the CPU."""
+    keep_freed_host_memory: bool = True
+    """Each rank's host heap keeps the blocks it frees for its next allocations (glibc's mallopt: no
+    mmap threshold, no trimming) instead of handing them back to the kernel and faulting fresh pages
+    in at the next one. On a CPU device every activation is such a block, and the page faults cost a
+    step seconds (more on some machines than others, issue 50); the process's resident memory then
+    stays at its peak. false: the C library's defaults (ranks sharing a host with other jobs)."""
     activation_checkpointing: Literal["auto", "none", "full"] = "auto"
     """"full": keep only each block's input for the backward and recompute the block's activations there.
     "auto": "none" unless the run's layout is fitted to train.memory_budget."""

@@ -10,6 +10,7 @@ ranks that the loop and the evaluation share.
 
 from __future__ import annotations
 
+import ctypes
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -26,6 +27,9 @@ from mop.parallel.mesh import (
     init_distributed,
     set_rank_threads,
 )
+
+# glibc's mallopt parameters (malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 
 
 @dataclass
@@ -76,11 +80,25 @@ def pick_device(config: Config, local_rank: int) -> torch.device:
     return device_for(local_rank)
 
 
+def keep_freed_host_memory() -> bool:
+    """glibc's allocator keeps what this process frees for reuse: large blocks come from the heap
+    rather than from their own mmap (unmapped on free), and the heap's top is never trimmed. False
+    where the C library has no mallopt (not glibc)."""
+    libc = ctypes.CDLL(None)
+    mallopt = getattr(libc, "mallopt", None)
+    if mallopt is None:
+        return False
+    largest = 2**31 - 1  # both settings are C ints
+    return bool(mallopt(M_MMAP_THRESHOLD, largest // 64 * 64) and mallopt(M_TRIM_THRESHOLD, largest))
+
+
 def join(config, env: TorchrunEnv) -> torch.device:
-    """Join the ranks torchrun started (`env`): this rank's device, its threads on a CPU, the
-    process group (the backend follows the device)."""
+    """Join the ranks torchrun started (`env`): this rank's device, its threads on a CPU, its host
+    heap (`train.keep_freed_host_memory`), the process group (the backend follows the device)."""
     check_ranks_fit_gpus(env.local_world_size, config.train.device, "torchrun --nproc_per_node")
     device = pick_device(config, env.local_rank)
+    if config.train.keep_freed_host_memory:
+        keep_freed_host_memory()
     if device.type == "cpu":
         set_rank_threads(env.local_world_size)
     init_distributed(device, timedelta(seconds=config.parallel.timeout_s))

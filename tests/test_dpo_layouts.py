@@ -112,7 +112,8 @@ def test_one_ranks_tiled_logits_give_the_single_process_step(reference_steps):
     per-token log-probs in blocks of 64 tokens, re-formed in the backward."""
     source, steps = reference_steps
     overrides = [*DPO, *EVERY_TECHNIQUE, f"--data.source={source}", "--parallel.nproc=2", "--parallel.sequence=2",
-                 "--parallel.vocab=1", "--parallel.vocab_token_block=64", "--data.shared_prompt=true"]
+                 "--parallel.vocab=1",
+                 "--parallel.vocab_logits=recompute", "--parallel.vocab_token_block=64", "--data.shared_prompt=true"]
     for rank in run_distributed(first_step, 2, overrides):
         equal_steps(rank, steps[True])
 

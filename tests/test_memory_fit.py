@@ -115,7 +115,7 @@ def test_only_mop_runs_with_automatic_settings_are_fitted():
                     "--parallel.sequence=2", "--parallel.expert=1", "--parallel.vocab=1").fit is None
     pinned = ["--parallel.sequence=2", "--parallel.expert=2", "--parallel.vocab=2", "--parallel.llep_chunks=1",
               "--parallel.attention_head_chunks=1", "--train.activation_checkpointing=none",
-              "--train.offload_activations=false", "--train.micro_batch=1", "--parallel.vocab_token_block=1024"]
+              "--train.offload_activations=false", "--train.micro_batch=1", "--parallel.vocab_logits=recompute"]
     assert _resolve("--data.seq_len=524288", "--train.memory_budget=6GiB", *pinned).fit is None
 
 

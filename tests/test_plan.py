@@ -36,7 +36,9 @@ MIB = 2**20
 MODEL = ["--model.vocab_size=8192", "--model.hidden=128", "--model.layers=2", "--model.heads=4", "--model.kv_heads=2",
          "--model.head_dim=32", "--model.experts=8", "--model.top_k=2", "--model.expert_intermediate=256"]
 COMMON = [*MODEL, "--train.micro_batch=1", "--train.dtype=float32", "--train.device=cpu", "--train.seed=0",
-          "--parallel.llep_gate=1.0", "--parallel.llep_min_chunk=1", "--parallel.vocab_token_block=1024"]
+          "--parallel.llep_gate=1.0", "--parallel.llep_min_chunk=1", "--parallel.vocab_token_block=1024",
+          "--parallel.vocab_logits=recompute"]
+KEEP = "--parallel.vocab_logits=keep"
 MOP = ["--parallel.strategy=mop", "--optim.offload=true"]
 FSDP2 = ["--parallel.strategy=fsdp2", "--parallel.vocab=1", "--parallel.expert=1"]
 AC = "--train.activation_checkpointing=full"
@@ -56,6 +58,9 @@ CASES = [
     ("mop D2 Ep2 P2 ac+offload llep/4", 2,
      [*MOP, "--data.seq_len=8192", "--parallel.sequence=2", "--parallel.expert=2", "--parallel.vocab=2",
       "--train.global_batch=1", AC, OFFLOAD, "--parallel.llep_chunks=4"]),
+    ("mop D2 Ep2 P2 logits kept, 2 micro-batches", 2,
+     [*MOP, "--data.seq_len=2048", "--parallel.sequence=2", "--parallel.expert=2", "--parallel.vocab=2",
+      "--train.global_batch=2", KEEP]),
     ("mop D1 Ep2 P2", 2,
      [*MOP, "--data.seq_len=2048", "--parallel.sequence=1", "--parallel.expert=2", "--parallel.vocab=2",
       "--train.global_batch=2"]),
@@ -71,6 +76,8 @@ CASES = [
       "--model.qk_norm=false"]),
     ("fsdp2 plain, 2 micro-batches", 2,
      [*FSDP2, "--data.seq_len=2048", "--parallel.sequence=1", "--train.global_batch=4"]),
+    ("fsdp2 plain logits kept", 2,
+     [*FSDP2, "--data.seq_len=2048", "--parallel.sequence=1", "--train.global_batch=2", KEEP]),
     ("fsdp2 CP2 ac", 2, [*FSDP2, "--data.seq_len=4096", "--parallel.sequence=2", "--train.global_batch=1", AC]),
     ("fsdp2 cpu offload ac", 2,
      [*FSDP2, "--data.seq_len=2048", "--parallel.sequence=1", "--train.global_batch=2", AC,

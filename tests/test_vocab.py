@@ -2,7 +2,9 @@
 
 Each rank holds its own hidden states and targets (a different number of tokens per rank, one
 rank with every target ignored); the loss summed over ranks, each rank's hidden-state gradient
-and the gathered weight gradient must match the single-process computation.
+and the gathered weight gradient must match the single-process computation. Every rank runs the
+ring twice, recomputing its logit tiles in the backward and keeping them from the forward
+(`parallel.vocab_logits`): the two give the same results bit for bit.
 """
 
 import math
@@ -41,15 +43,28 @@ def problem(world: int, vocab: int, z_loss: float):
     return head, hidden, labels
 
 
+def both_ways(rank_step, *args) -> tuple:
+    """`rank_step(keep_logits, *args)`'s results with the tiles recomputed; asserts that keeping them
+    gives the same results bit for bit."""
+    recomputed, kept = rank_step(False, *args), rank_step(True, *args)
+    for a, b in zip(recomputed, kept):
+        assert_close(b, a, atol=0, rtol=0)
+    return recomputed
+
+
 def vocab_rank(rank, world, vocab_size, vocab, token_block, z_loss):
     device = rank_device()
     layout = DistLayout(Layout(world, vocab=vocab), device)
     head, hidden, labels = problem(world, vocab_size, z_loss)
-    parallel = VocabParallelHead(head, layout, token_block, z_loss).to(device)
-    h = hidden[rank].to(device).requires_grad_()
-    loss = parallel.loss_sum(h, labels[rank].to(device))
-    (2.0 * loss).backward()
-    return to_cpu((loss.detach(), h.grad, parallel.weight.grad, layout.layout.vocab_shard(rank)))
+
+    def step(keep_logits: bool):
+        parallel = VocabParallelHead(head, layout, token_block, z_loss, keep_logits).to(device)
+        h = hidden[rank].to(device).clone().requires_grad_()  # a leaf of its own per run
+        loss = parallel.loss_sum(h, labels[rank].to(device))
+        (2.0 * loss).backward()
+        return to_cpu((loss.detach(), h.grad, parallel.weight.grad, layout.layout.vocab_shard(rank)))
+
+    return both_ways(step)
 
 
 CASES = [(2, 2, 12, 0), (2, 2, 13, 4), (4, 4, 13, 2), pytest.param(4, 4, 6, 0, marks=pytest.mark.slow),
@@ -84,12 +99,16 @@ def logprob_rank(rank, world, vocab_size, vocab, token_block):
     device = rank_device()
     layout = DistLayout(Layout(world, vocab=vocab), device)
     head, hidden, labels = problem(world, vocab_size, 0.0)
-    parallel = VocabParallelHead(head, layout, token_block, 0.0).to(device)
-    h = hidden[rank].to(device).requires_grad_()
-    logprobs = parallel.token_logprobs(h, labels[rank].to(device))
-    weights = torch.arange(1, h.shape[0] + 1, dtype=torch.float32, device=device)  # a gradient per token
-    (logprobs * weights).sum().backward()
-    return to_cpu((logprobs.detach(), h.grad, parallel.weight.grad, layout.layout.vocab_shard(rank)))
+
+    def step(keep_logits: bool):
+        parallel = VocabParallelHead(head, layout, token_block, 0.0, keep_logits).to(device)
+        h = hidden[rank].to(device).clone().requires_grad_()  # a leaf of its own per run
+        logprobs = parallel.token_logprobs(h, labels[rank].to(device))
+        weights = torch.arange(1, h.shape[0] + 1, dtype=torch.float32, device=device)  # a gradient per token
+        (logprobs * weights).sum().backward()
+        return to_cpu((logprobs.detach(), h.grad, parallel.weight.grad, layout.layout.vocab_shard(rank)))
+
+    return both_ways(step)
 
 
 @pytest.mark.parametrize("world, vocab, vocab_size, token_block", [(2, 2, 12, 0), (4, 4, 13, 2)])
@@ -117,11 +136,15 @@ def entropy_rank(rank, world, vocab_size, vocab, token_block):
     device = rank_device()
     layout = DistLayout(Layout(world, vocab=vocab), device)
     head, hidden, labels = problem(world, vocab_size, 0.0)
-    parallel = VocabParallelHead(head, layout, token_block, 0.0).to(device)
-    h = hidden[rank].to(device).requires_grad_()
-    logprobs, entropy = parallel.token_logprobs_and_entropy(h, labels[rank].to(device))
-    logprobs.sum().backward()
-    return to_cpu((logprobs.detach(), entropy, h.grad))
+
+    def step(keep_logits: bool):
+        parallel = VocabParallelHead(head, layout, token_block, 0.0, keep_logits).to(device)
+        h = hidden[rank].to(device).clone().requires_grad_()  # a leaf of its own per run
+        logprobs, entropy = parallel.token_logprobs_and_entropy(h, labels[rank].to(device))
+        logprobs.sum().backward()
+        return to_cpu((logprobs.detach(), entropy, h.grad))
+
+    return both_ways(step)
 
 
 @pytest.mark.parametrize("world, vocab, vocab_size, token_block", [(2, 2, 12, 0), (4, 4, 13, 2)])
@@ -156,3 +179,31 @@ def test_head_token_logprobs_are_the_negative_cross_entropy():
 def test_full_logits_are_refused():
     with pytest.raises(NotImplementedError, match="parallel.vocab"):
         VocabParallelHead.forward(None, torch.zeros(1))
+
+
+def kept_tiles_rank(rank, world):
+    """What the kept ring holds: its tiles while a backward is due, none under no_grad, and none
+    after the backward has used them (a second backward is refused in one line)."""
+    layout = DistLayout(Layout(world, vocab=world), torch.device("cpu"))
+    head, hidden, labels = problem(world, 12, 0.0)
+    parallel = VocabParallelHead(head, layout, 2, 0.0, keep_logits=True)
+    h = hidden[rank].clone().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        loss = parallel.loss_sum(h, labels[rank])
+    kept = len(loss.grad_fn.kept)
+    with torch.no_grad():
+        assert not parallel._ring_for(h).keep_logits
+    loss.backward(retain_graph=True)
+    left = loss.grad_fn.kept
+    try:
+        loss.backward()
+        refused = ""
+    except RuntimeError as error:
+        refused = str(error)
+    return kept, left, refused
+
+
+def test_the_kept_ring_holds_every_tile_until_its_backward_and_no_more():
+    for rank, (kept, left, refused) in enumerate(run_distributed(kept_tiles_rank, 2)):
+        assert kept == 2 * -(-rank_tokens(2)[rank] // 2)  # P shards x the rank's blocks of 2 tokens
+        assert left is None and "parallel.vocab_logits=recompute" in refused

@@ -73,7 +73,8 @@ def test_no_tensor_of_the_full_logits_size_is_kept_for_the_backward():
 def test_a_tiled_run_trains_like_the_reference(tmp_path):
     reference = run(tmp_path, "reference")
     records = run(tmp_path, "tiled", "--parallel.strategy=mop", "--parallel.nproc=2", "--parallel.sequence=2",
-                  "--parallel.expert=2", "--parallel.vocab=1", "--parallel.vocab_token_block=8")
+                  "--parallel.expert=2", "--parallel.vocab=1", "--parallel.vocab_logits=recompute",
+                  "--parallel.vocab_token_block=8")
     assert [r["loss"] for r in records] == pytest.approx([r["loss"] for r in reference], rel=1e-5)
     assert [r["grad_norm"] for r in records] == pytest.approx([r["grad_norm"] for r in reference], rel=1e-4)
 
@@ -84,6 +85,6 @@ def test_the_fit_tiles_one_ranks_logits_when_they_do_not_fit():
     budget = 8 * GIB
     assert _need(plain) > budget  # the full [16384, 151936] fp32 logits alone are about 10 GB
     config = _resolve(*long, f"--train.memory_budget={budget}")
-    assert config.parallel.vocab == 1 and config.parallel.vocab_token_block > 0
-    assert "parallel.vocab_token_block" in config.fit.searched and _need(config) <= budget
-    assert "vocab-tiles/" in config.fit.layout
+    assert config.parallel.vocab == 1 and config.parallel.vocab_logits == "recompute"
+    assert "parallel.vocab_logits" in config.fit.searched and _need(config) <= budget
+    assert "logits-recomputed" in config.fit.layout

@@ -24,6 +24,7 @@ What runs (each a fresh set of the config's local CPU ranks, 2 in the preset, on
 - At `--compare-context` (16K), the same work per rank three ways (one S-token sequence per rank
   per step, 2 ranks, same model shape, fp32, `--compare-steps` steps, the first not timed):
   * mop (the preset, fitted);
+  * each of `FIXES`: mop with one of issue 50's speed fixes undone (the same run's before and after);
   * `mop train ... --parallel.strategy=fsdp2` with every memory option off: plain FSDP2 on mop's
     model, the packed documents attended within documents by mop's kernel;
   * hf-fsdp2: transformers' `Qwen3MoeForCausalLM` of the same shape (`mop.models.hf.config_to_hf`),
@@ -66,9 +67,12 @@ PRESET = Path(__file__).resolve().parents[2] / "configs" / "long-context.toml"
 GB = 1e9
 PLAIN_FSDP2 = ["--parallel.strategy=fsdp2", "--parallel.sequence=1", "--parallel.expert=1", "--parallel.vocab=1",
                "--train.activation_checkpointing=none", "--train.offload_activations=false"]
+# Issue 50's speed fixes, each undone: name -> the settings that undo it
+FIXES = {"mop-logits-recomputed": ["--parallel.vocab_logits=recompute"],
+         "mop-freed-memory-unmapped": ["--train.keep_freed_host_memory=false"]}
 # The long-context preset's memory settings before runs fitted themselves to their memory
 PLAIN_PRESET = ["--train.memory_budget=off", "--train.activation_checkpointing=full",
-                "--train.offload_activations=true", "--train.micro_batch=1"]
+                "--train.offload_activations=true", "--train.micro_batch=1", "--parallel.vocab_logits=recompute"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -235,7 +239,7 @@ def run(args) -> dict:
         print(_line(runs[-1]), flush=True)
     comparison = []
     if args.compare_context:
-        for name, extra in (("mop", []), ("mop-fsdp2", PLAIN_FSDP2)):
+        for name, extra in (("mop", []), *FIXES.items(), ("mop-fsdp2", PLAIN_FSDP2)):
             comparison.append(mop_train(args, name, args.compare_context, [*common, *extra], args.compare_steps,
                                         profile=True))
         comparison.append(hf_fsdp2(args, args.compare_context, common))

@@ -33,7 +33,8 @@ setting that is only right at one context.
 - mop: Ulysses (sequence = 2, `--head-chunks`), LLEP (expert = 2), the vocabulary-parallel ring
   loss (vocab = 2, `--token-block` tokens per logit tile) and the host optimizer, with the options
   of `MOP_OPTIONS` (`--mop-configs`): full activation checkpointing ("ac"), the checkpointed block
-  inputs offloaded to the host ("offload") and LLEP in `--llep-chunks` token chunks ("chunked").
+  inputs offloaded to the host ("offload"), LLEP in `--llep-chunks` token chunks ("chunked") and the
+  ring's logit tiles kept for the backward instead of recomputed ("kept").
   The default sweeps "plain" (fastest, most memory), "ac" and "ac+offload+chunked" (leanest).
   Measured at 16K on the default model, per rank, with ac+offload (before the tracker counted
   FSDP2's gathered weights, which add about 10 MiB to each): 349 MiB unchunked, 311 MiB with
@@ -116,6 +117,7 @@ MOP_OPTIONS = {
     "ac": ["--train.activation_checkpointing=full"],
     "offload": ["--train.offload_activations=true"],
     "chunked": [],  # filled in from --llep-chunks by mop_variant
+    "kept": ["--parallel.vocab_logits=keep"],  # the ring's logit tiles kept for the backward
 }
 MOP_DEFAULT = "plain,ac,ac+offload+chunked"
 
@@ -168,7 +170,8 @@ def base_settings(args) -> list[str]:
             f"--model.experts={args.experts}", "--model.top_k=2", f"--model.expert_intermediate={args.intermediate}",
             f"--parallel.nproc={WORLD}", "--parallel.sequence=1", "--parallel.expert=1", "--parallel.vocab=1",
             "--parallel.expert_balance=ep", "--parallel.llep_chunks=1", "--parallel.llep_min_chunk=1024",
-            "--parallel.attention_head_chunks=1", "--parallel.vocab_token_block=0", "--parallel.fsdp_cpu_offload=false",
+            "--parallel.attention_head_chunks=1", "--parallel.vocab_token_block=0", "--parallel.vocab_logits=keep",
+            "--parallel.fsdp_cpu_offload=false",
             "--train.activation_checkpointing=none", "--train.offload_activations=false", "--optim.offload=false",
             f"--train.global_batch={SEQUENCES}", "--train.micro_batch=1", "--train.dtype=float32",
             "--train.grad_clip=1.0", "--train.device=cpu", "--train.seed=0", "--data.source=builtin",
@@ -190,7 +193,8 @@ def mop_variant(args, name: str) -> Variant:
     chosen = {**MOP_OPTIONS, "chunked": [f"--parallel.llep_chunks={args.llep_chunks}"]}
     settings = ["--parallel.strategy=mop", "--parallel.sequence=2", "--parallel.expert=2", "--parallel.vocab=2",
                 "--parallel.expert_balance=llep", f"--parallel.attention_head_chunks={args.head_chunks}",
-                f"--parallel.vocab_token_block={args.token_block}", f"--train.micro_batch={SEQUENCES}",
+                f"--parallel.vocab_token_block={args.token_block}", "--parallel.vocab_logits=recompute",
+                f"--train.micro_batch={SEQUENCES}",
                 "--optim.offload=true", *itertools.chain.from_iterable(chosen[o] for o in options)]
     return Variant(f"mop {name}", tuple(settings))
 

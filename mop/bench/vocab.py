@@ -1,10 +1,14 @@
-"""`mop bench vocab`: the output projection + loss, per rank, for three ways of computing it.
+"""`mop bench vocab`: the output projection + loss, per rank, for four ways of computing it.
 
 - full: full logits `[N, V]` and `F.cross_entropy` (what a plain training loop does);
 - tiled: tokens in blocks against the whole weight, each block recomputed in the backward: mop's
-  one-rank head (`mop.parallel.vocab.TiledHead`, what `parallel.vocab_token_block` at P = 1 runs;
-  Liger's fused linear cross-entropy and Cut Cross-Entropy do the same: no full logits, whole weight);
-- ring: mop's vocabulary-parallel ring loss, the weight's rows sharded over P ranks.
+  one-rank head (`mop.parallel.vocab.TiledHead`, what `parallel.vocab_logits = "recompute"` at P = 1
+  runs; Liger's fused linear cross-entropy and Cut Cross-Entropy do the same: no full logits, whole
+  weight);
+- ring: mop's vocabulary-parallel ring loss, the weight's rows sharded over P ranks, each logit tile
+  formed again in the backward (`parallel.vocab_logits = "recompute"`);
+- ring-kept: the same ring keeping the forward's tiles for the backward (`"keep"`): one GEMM fewer,
+  the rank's `[N, V]` fp32 logits held; skipped where those exceed --max-logits-gib, as full is.
 
 Every rank runs its own N tokens (W ranks, one intra-op thread each). Memory per rank = the
 weight it holds + the transient peak of forward + backward (`mop.testing.memory`: the weight's
@@ -30,6 +34,7 @@ from mop.models.config import ModelConfig
 from mop.models.transformer import LMHead
 from mop.parallel import DistLayout, Layout
 from mop.parallel.vocab import TiledHead, VocabParallelHead, default_token_block
+from mop.runtime import keep_freed_host_memory
 from mop.testing import run_distributed
 from mop.testing.memory import measure_step
 
@@ -47,11 +52,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def loss_rank(rank, world, variant: str, tokens: int, vocab: int, hidden: int, repeats: int) -> dict:
+    keep_freed_host_memory()  # as `mop train`'s ranks do (`train.keep_freed_host_memory`)
     g = torch.Generator().manual_seed(rank)
     head = LMHead(ModelConfig(vocab_size=vocab, hidden=hidden))
     torch.nn.init.normal_(head.weight, std=0.02, generator=torch.Generator().manual_seed(0))
-    if variant == "ring":
-        module = VocabParallelHead(head, DistLayout(Layout(world, vocab=world), torch.device("cpu")), 0, 0.0)
+    if variant.startswith("ring"):
+        module = VocabParallelHead(head, DistLayout(Layout(world, vocab=world), torch.device("cpu")), 0, 0.0,
+                                   keep_logits=variant == "ring-kept")
         loss_fn = module.loss_sum
         head = None  # the full weight is not kept
     elif variant == "tiled":
@@ -76,7 +83,7 @@ def loss_rank(rank, world, variant: str, tokens: int, vocab: int, hidden: int, r
 
 def communicated_bytes(variant: str, world: int, vocab: int, hidden: int) -> int:
     full_weight = vocab * hidden * 4
-    if variant == "ring":
+    if variant.startswith("ring"):
         shard = math.ceil(vocab / world) * hidden * 4
         return (world - 1) * shard + (world - 1) * shard + world * shard
     return int(2 * (world - 1) / world * full_weight)
@@ -87,8 +94,8 @@ def run(args) -> dict:
     for vocab in (int(v) for v in args.vocabs.split(",")):
         for tokens in (int(n) for n in args.tokens.split(",")):
             base = None
-            for variant in ("full", "tiled", "ring"):
-                if variant == "full" and tokens * vocab * 4 > args.max_logits_gib * GIB:
+            for variant in ("full", "tiled", "ring", "ring-kept"):
+                if variant in ("full", "ring-kept") and tokens * vocab * 4 > args.max_logits_gib * GIB:
                     rows.append({"vocab": vocab, "tokens": tokens, "variant": variant, "skipped": True,
                                  "logits_bytes": tokens * vocab * 4})
                     continue

@@ -158,19 +158,29 @@ def add(total: dict[str, int], part: dict[str, int], times: int = 1) -> None:
         total[row] += value * times
 
 
+def padded_vocab(vocab: int, shards: int) -> int:
+    """The rows of a projection of `vocab` rows split into `shards` equal row shards."""
+    return -(-vocab // shards) * shards
+
+
 def loss_working_set(s: Shapes, config: Config) -> dict[str, int]:
     """The loss's own tensors at its widest (the backward), beyond the hidden states it reads."""
     m, p = config.model, config.parallel
     out = rows()
-    if p.vocab > 1:  # the ring: one fp32 tile, the incoming shard, the gradient buffer and its successor
+    heads = 1 + m.trained_mtp_layers  # each MTP depth has a head of its own (`mop.models.mtp`)
+    kept = p.vocab_logits != "recompute"
+    if p.vocab > 1:  # the ring: one fp32 tile, the incoming shard, the gradient buffer and its successor; when
+        # kept, every head's tiles of the rank's tokens (`mop.parallel.vocab`)
         shard_rows = -(-m.vocab_size // p.vocab)
         block = min(s.T, p.vocab_token_block or default_token_block(shard_rows))
         out["vocab_tile"] = block * shard_rows * FP32 + s.T * s.H * FP32 + 4 * s.T * FP32
+        out["vocab_tile"] += heads * s.T * padded_vocab(m.vocab_size, p.vocab) * FP32 if kept else 0
         out["vocab_weights"] = shard_rows * s.H * (s.act + (s.act if s.act < FP32 else 0))
         out["gradients"] = 2 * shard_rows * s.H * FP32 if config.adapters is None else 0  # a frozen head has none
-    elif p.vocab_token_block:  # one rank in tiles (`TiledHead`): a block's logits, softmax and gradient at a time
-        out["vocab_tile"] = 3 * min(s.T, p.vocab_token_block) * m.vocab_size * FP32
+    elif not kept:  # one rank in tiles (`TiledHead`): a block's logits, softmax and gradient at a time
+        block = p.vocab_token_block or default_token_block(m.vocab_size)
+        out["vocab_tile"] = 3 * min(s.T, block) * m.vocab_size * FP32
     else:  # the full fp32 logits' log-softmax (saved), the loss gradient and the log-softmax gradient, and each
-        # MTP depth's head's saved log-softmax beside them (`mop.models.mtp`)
-        out["vocab_tile"] = (3 + m.trained_mtp_layers) * s.T * m.vocab_size * FP32
+        # MTP depth's head's saved log-softmax beside them
+        out["vocab_tile"] = (2 + heads) * s.T * m.vocab_size * FP32
     return out

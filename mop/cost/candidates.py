@@ -61,7 +61,7 @@ class Candidate:
         o = self.config.optim
         return (p.sequence, p.expert, p.vocab, p.attention_head_chunks, p.llep_chunks, self.tp, p.fsdp_cpu_offload,
                 t.activation_checkpointing, t.offload_activations, (o.offload, o.speculative), t.micro_batch,
-                p.vocab_token_block if p.vocab == 1 else 0)
+                p.vocab_logits)
 
 
 def evaluate(config: Config, cluster: Cluster, tp: int = 1, routing_skew: float = 1.0,
@@ -137,6 +137,6 @@ def describe(c: Candidate) -> str:
         return (f"FSDP {fsdp} EP {p.expert} CP {p.sequence} TP {c.tp} {memory}"
                 f"{' cpu-offload' if p.fsdp_cpu_offload else ''}")
     optimizer = next(k for k, v in OPTIMIZERS.items() if v == (c.config.optim.offload, c.config.optim.speculative))
-    tiles = f" vocab-tiles/{p.vocab_token_block}" if p.vocab == 1 and p.vocab_token_block else ""
-    return (f"D {p.sequence} Ep {p.expert} P {p.vocab}{tiles} heads/{p.attention_head_chunks} llep/{p.llep_chunks} "
+    logits = " logits-recomputed" if p.vocab_logits == "recompute" else ""
+    return (f"D {p.sequence} Ep {p.expert} P {p.vocab}{logits} heads/{p.attention_head_chunks} llep/{p.llep_chunks} "
             f"{memory} {optimizer} mb {t.micro_batch}")

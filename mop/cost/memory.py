@@ -56,6 +56,7 @@ from mop.cost.activations import (
     loss_working_set,
     mlp_saved,
     norm,
+    padded_vocab,
     router_saved,
     rows,
     shapes,
@@ -326,8 +327,8 @@ def _forward(config: Config, s: Shapes, counts: ParameterCounts, lora: AdapterCo
     add(forward.rows, _gathered_in_block(config, s, counts, lora))
     add(forward.rows, _saved_between_passes(config, s, m.moe_blocks - moe, m.dense_layers - (not moe)))
     add(forward.rows, _last_block_before_experts(config, s, moe))
-    if m.trained_mtp_layers and p.vocab == 1 and not p.vocab_token_block:  # the heads before keep their log-softmax
-        forward.rows["vocab_tile"] += m.trained_mtp_layers * s.T * m.vocab_size * FP32
+    if m.trained_mtp_layers and p.vocab_logits != "recompute":  # the heads before keep their logits
+        forward.rows["vocab_tile"] += m.trained_mtp_layers * s.T * padded_vocab(m.vocab_size, p.vocab) * FP32
     if moe:
         forward.rows["moe_activations"] += experts_forward_peak(s, p.llep_chunks)
     add(forward.rows, _dequantized(lora, moe, s))

@@ -136,7 +136,7 @@ def step_time(config: Config, cluster: Cluster, s: Shapes, counts: ParameterCoun
         extra += forward * attention_share
     if p.llep_chunks > 1:
         extra += forward * expert_share * (CHUNKED_EXPERT_RECOMPUTE - checkpointed)
-    if p.vocab > 1 or p.vocab_token_block:  # the ring, or one rank's tiles, recompute each head's logits
+    if p.vocab_logits == "recompute":  # the ring, or one rank's tiles, form each head's logits again
         extra += 2 * m.hidden * m.vocab_size * tokens * (1 + m.trained_mtp_layers)
     compute = (model_flops + extra) / (cluster.peak_flops * cluster.mfu)
 

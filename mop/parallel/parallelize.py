@@ -62,7 +62,7 @@ def apply_memory_options(model: MoETransformer, config: Config, device: torch.de
     """The layout-independent memory options (also used by the reference strategy)."""
     if config.train.activation_checkpointing == "full":
         apply_activation_checkpointing(model, config.train.offload_activations, pin_memory=device.type == "cuda")
-    if config.parallel.vocab == 1 and config.parallel.vocab_token_block:
+    if config.parallel.vocab == 1 and config.parallel.vocab_logits == "recompute":
         tile_vocabulary(model, config.parallel.vocab_token_block)
 
 
@@ -74,7 +74,7 @@ def parallelize(model: MoETransformer, layout: DistLayout, config: Config) -> Mo
         options = BalanceOptions(p.expert_balance, p.llep_gate, p.llep_alpha, p.llep_min_chunk, p.llep_chunks)
         shard_experts(model, layout, options, gather_dtype(config))
     if layout.layout.vocab > 1:
-        apply_vocab_parallel(model, layout, p.vocab_token_block)
+        apply_vocab_parallel(model, layout, p.vocab_token_block, keep_logits=p.vocab_logits != "recompute")
     apply_memory_options(model, config, layout.device)
     shape = layout.layout
     record = placements(config.model, shape.world, shape.expert, shape.vocab, config.adapters)

@@ -13,7 +13,9 @@ up the target logit if the target lives in the shard. Only one logit tile is liv
 full `[N, V]` logits never exist.
 
 Backward ring: the shards go round again, each with a gradient buffer travelling with it. Per
-block the logits are recomputed, `d logits = softmax (1 + 2 z lse) - onehot(target)` (z: the
+block the logits are recomputed (or, with `keep_logits`, taken from the forward: the forward keeps
+each fp32 tile as it formed it, a rank's `[N, V]` in all, and the backward runs two GEMMs per tile
+instead of three, with the same values bit for bit), `d logits = softmax (1 + 2 z lse) - onehot(target)` (z: the
 z-loss weight; ignored targets contribute nothing), the input gradient accumulates locally
 (`d logits @ W_j`) and the shard's gradient into its buffer (`d logits^T @ h`). After P steps one
 more hop brings every buffer home to its owner, which all-reduces it over its replica group.
@@ -27,8 +29,9 @@ preference loss sums per response), still without full logits.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass
+from collections import deque
 
 import torch
 import torch.distributed as dist
@@ -46,7 +49,7 @@ from mop.parallel.placement import rows_in_part
 TILE_BYTES = 64 * 2**20  # default budget of one fp32 logit tile
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Ring:
     group: dist.ProcessGroup
     replica_group: dist.ProcessGroup | None
@@ -55,6 +58,8 @@ class Ring:
     vocab: int  # true vocabulary size V (rows past it are padding)
     token_block: int
     z_loss: float
+    keep_logits: bool = False
+    """The forward's tiles stay for the backward (`parallel.vocab_logits = "keep"`)."""
 
     def valid_columns(self, shard: int, rows: int) -> int:
         """Columns of shard `shard` inside the true vocabulary (a shard of pure padding has none)."""
@@ -80,7 +85,7 @@ def _blocks(tokens: int, block: int):
     return [slice(start, min(start + block, tokens)) for start in range(0, tokens, block)]
 
 
-@dataclass
+@dataclasses.dataclass
 class _Step:
     """One step of a ring pass: the shard held now and what its tiles need; its successor is already
     on its way from rank+1 (`incoming`, `works`)."""
@@ -105,11 +110,22 @@ def _ring_step(ring: Ring, step: int, shard: torch.Tensor, labels: torch.Tensor)
     return _Step(incoming, works, labels - j * rows, valid_columns, blocks)
 
 
-def _forward_pass(hidden, weight, labels, ring: Ring,
-                  entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.dtype, torch.Tensor | None]:
-    """The forward ring: each token's fp32 log-sum-exp over the vocabulary and its target's logit
-    (0 where the target is ignored), the compute dtype the logits ran in and, with `entropy`, each
-    token's entropy `log Z - sum_v p_v (z_v - m)` with `m` the running max (`_fold_entropy`)."""
+@dataclasses.dataclass
+class _Forward:
+    lse: torch.Tensor
+    """Each token's fp32 log-sum-exp over the vocabulary."""
+    target: torch.Tensor
+    """Each token's target logit (0 where the target is ignored)."""
+    dtype: torch.dtype
+    """The compute dtype the logits ran in."""
+    entropy: torch.Tensor | None
+    """With `entropy`: each token's entropy `log Z - sum_v p_v (z_v - m)`, `m` the running max (`_fold_entropy`)."""
+    kept: deque | None
+    """With `ring.keep_logits`: every fp32 logit tile in the order the backward visits them."""
+
+
+def _forward_pass(hidden, weight, labels, ring: Ring, entropy: bool = False) -> _Forward:
+    """The forward ring (module docstring)."""
     tokens, rows = hidden.shape[0], weight.shape[0]
     # The logits matmul's dtype, as `LMHead`'s `F.linear` would run; autograd runs the backward
     # outside autocast, so the forward's choice is saved and reused there.
@@ -120,6 +136,7 @@ def _forward_pass(hidden, weight, labels, ring: Ring,
     running_weighted = hidden.new_zeros(tokens, dtype=torch.float32) if entropy else None
     # The shard travels in the compute dtype (half the bytes in bf16).
     compute_hidden, shard = hidden.detach().to(dtype), weight.detach().to(dtype)
+    kept = deque() if ring.keep_logits else None
     for step in range(ring.size):
         now = _ring_step(ring, step, shard, labels)
         for block in now.blocks:
@@ -127,8 +144,13 @@ def _forward_pass(hidden, weight, labels, ring: Ring,
             mine = (now.local[block] >= 0) & (now.local[block] < rows)
             picked = logits.gather(1, now.local[block].clamp(0, rows - 1).unsqueeze(1)).squeeze(1)
             target[block] = torch.where(mine, picked, target[block])
-            new_max = torch.maximum(running_max[block], logits.max(dim=1).values)
-            logits.sub_(new_max.unsqueeze(1))
+            # amax: the max without its indices, several times faster than max(dim) on a CPU; equal values
+            new_max = torch.maximum(running_max[block], logits.amax(dim=1))
+            if kept is not None:  # the tile stays as formed; the shifted copy below is this step's work
+                kept.append(logits)
+                logits = logits - new_max.unsqueeze(1)
+            else:
+                logits.sub_(new_max.unsqueeze(1))
             # With entropy, the shifted logits are kept for it (padding columns' -inf as 0): one more tile.
             shifted = logits.masked_fill(torch.isinf(logits), 0.0) if entropy else None
             # In place on the tile: one [block, V/P] tensor is all this step allocates without entropy.
@@ -143,7 +165,8 @@ def _forward_pass(hidden, weight, labels, ring: Ring,
         if now.incoming is not None:
             shard = now.incoming[0]
     lse = running_max + torch.log(running_sum)
-    return lse, target, dtype, (torch.log(running_sum) - running_weighted / running_sum) if entropy else None
+    entropies = (torch.log(running_sum) - running_weighted / running_sum) if entropy else None
+    return _Forward(lse, target, dtype, entropies, kept)
 
 
 def _fold_entropy(weighted: torch.Tensor, total: torch.Tensor, old_max: torch.Tensor, new_max: torch.Tensor,
@@ -157,10 +180,11 @@ def _fold_entropy(weighted: torch.Tensor, total: torch.Tensor, old_max: torch.Te
 
 
 def _backward_pass(hidden, weight, labels, lse, ring: Ring, dtype: torch.dtype, softmax_scale: torch.Tensor,
-                   target_scale: torch.Tensor, trains: bool):
+                   target_scale: torch.Tensor, trains: bool, kept: deque | None):
     """The backward ring for per-token gradients `d logits = softmax x softmax_scale - onehot(target)
     x target_scale` (both `[N]` fp32, zero where the target is ignored): the hidden states' gradient
-    and, when the projection `trains`, its shard's (all-reduced over the replicas)."""
+    and, when the projection `trains`, its shard's (all-reduced over the replicas). `kept`: the
+    forward's tiles, used (and released) in place of recomputing them."""
     rows = weight.shape[0]
     # Both gradients accumulate in fp32 over the ring's steps (the tiles' products are in the
     # compute dtype, as the reference's matmul is).
@@ -171,7 +195,8 @@ def _backward_pass(hidden, weight, labels, lse, ring: Ring, dtype: torch.dtype, 
     for step in range(ring.size):
         now = _ring_step(ring, step, shard, labels)
         for block in now.blocks:
-            d_logits = _logits(compute_hidden[block], shard, now.valid_columns)
+            d_logits = kept.popleft() if kept is not None else _logits(compute_hidden[block], shard,
+                                                                        now.valid_columns)
             d_logits.sub_(lse[block].unsqueeze(1)).exp_().mul_(softmax_scale[block].unsqueeze(1))
             # Minus the one-hot target where it lies in this shard (adding 0 elsewhere): no
             # data-dependent shapes, so no device-to-host synchronisation per tile.
@@ -197,19 +222,20 @@ def _backward_pass(hidden, weight, labels, lse, ring: Ring, dtype: torch.dtype, 
 class _RingCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, ring: Ring):
-        lse, target, dtype, _ = _forward_pass(hidden, weight, labels, ring)
+        out = _forward_pass(hidden, weight, labels, ring)
         valid = labels != IGNORE_INDEX
-        loss = torch.where(valid, lse - target + ring.z_loss * lse.square(), torch.zeros_like(lse)).sum()
-        ctx.save_for_backward(hidden, weight, labels, lse)
-        ctx.ring, ctx.dtype = ring, dtype
-        return loss
+        loss = torch.where(valid, out.lse - out.target + ring.z_loss * out.lse.square(), torch.zeros_like(out.lse))
+        ctx.save_for_backward(hidden, weight, labels, out.lse)
+        ctx.ring, ctx.dtype, ctx.kept = ring, out.dtype, out.kept
+        return loss.sum()
 
     @staticmethod
     def backward(ctx, grad_loss):
         hidden, weight, labels, lse = ctx.saved_tensors
         valid = (labels != IGNORE_INDEX).float() * grad_loss.float()
         scale = (1 + 2 * ctx.ring.z_loss * lse) * valid
-        grads = _backward_pass(hidden, weight, labels, lse, ctx.ring, ctx.dtype, scale, valid, ctx.needs_input_grad[1])
+        grads = _backward_pass(hidden, weight, labels, lse, ctx.ring, ctx.dtype, scale, valid, ctx.needs_input_grad[1],
+                               _take_kept(ctx))
         return *grads, None, None
 
 
@@ -220,14 +246,14 @@ class _RingTokenLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, ring: Ring, entropy: bool):
-        lse, target, dtype, entropies = _forward_pass(hidden, weight, labels, ring, entropy)
-        ctx.save_for_backward(hidden, weight, labels, lse)
-        ctx.ring, ctx.dtype = ring, dtype
-        logps = torch.where(labels != IGNORE_INDEX, target - lse, torch.zeros_like(lse))
-        if entropies is None:
+        out = _forward_pass(hidden, weight, labels, ring, entropy)
+        ctx.save_for_backward(hidden, weight, labels, out.lse)
+        ctx.ring, ctx.dtype, ctx.kept = ring, out.dtype, out.kept
+        logps = torch.where(labels != IGNORE_INDEX, out.target - out.lse, torch.zeros_like(out.lse))
+        if out.entropy is None:
             return logps
-        ctx.mark_non_differentiable(entropies)
-        return logps, entropies
+        ctx.mark_non_differentiable(out.entropy)
+        return logps, out.entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy=None):
@@ -235,8 +261,18 @@ class _RingTokenLogProbs(torch.autograd.Function):
         # d (target - lse) / d logits = onehot - softmax, times each token's incoming gradient
         upstream = torch.where(labels != IGNORE_INDEX, grad_logprobs.float(), torch.zeros_like(lse))
         grads = _backward_pass(hidden, weight, labels, lse, ctx.ring, ctx.dtype, -upstream, -upstream,
-                               ctx.needs_input_grad[1])
+                               ctx.needs_input_grad[1], _take_kept(ctx))
         return *grads, None, None, None
+
+
+def _take_kept(ctx) -> deque | None:
+    """The forward's kept tiles, once: the backward consumes them in place, so a second backward
+    through the same graph (retain_graph) must not find them."""
+    kept, ctx.kept = ctx.kept, None
+    if kept is None and ctx.ring.keep_logits:
+        raise RuntimeError("the vocabulary ring's kept logits were used by an earlier backward; "
+                           "use parallel.vocab_logits=recompute to backpropagate through the loss twice")
+    return kept
 
 
 def default_token_block(shard_rows: int) -> int:
@@ -247,7 +283,7 @@ def default_token_block(shard_rows: int) -> int:
 class VocabParallelHead(nn.Module):
     """Drop-in `LMHead`: this rank's row shard of the projection and the ring loss."""
 
-    def __init__(self, head: LMHead, layout: DistLayout, token_block: int, z_loss: float):
+    def __init__(self, head: LMHead, layout: DistLayout, token_block: int, z_loss: float, keep_logits: bool):
         super().__init__()
         vocab, hidden = head.weight.shape
         size = layout.layout.vocab
@@ -258,34 +294,41 @@ class VocabParallelHead(nn.Module):
                                    requires_grad=head.weight.requires_grad)
         replicas = layout.vocab_replica_group if layout.layout.vocab_replicas > 1 else None
         self.ring = Ring(layout.vocab_group, replicas, shard, size, vocab, token_block or default_token_block(rows),
-                         z_loss)
+                         z_loss, keep_logits)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError("parallel.vocab > 1 never builds full logits; train with labels (loss_sum), "
                                   "or evaluate logits with parallel.vocab=1")
 
+    def _ring_for(self, h: torch.Tensor) -> Ring:
+        """The ring, keeping its tiles only when a backward will use them (not under no_grad: a
+        reference forward or an evaluation)."""
+        backward = torch.is_grad_enabled() and (h.requires_grad or self.weight.requires_grad)
+        return self.ring if backward or not self.ring.keep_logits else dataclasses.replace(self.ring, keep_logits=False)
+
     def loss_sum(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return _RingCrossEntropy.apply(h.reshape(-1, h.shape[-1]), self.weight, labels.reshape(-1), self.ring)
+        return _RingCrossEntropy.apply(h.reshape(-1, h.shape[-1]), self.weight, labels.reshape(-1), self._ring_for(h))
 
     def token_logprobs(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """`LMHead.token_logprobs` over the ring, without full logits."""
-        flat = _RingTokenLogProbs.apply(h.reshape(-1, h.shape[-1]), self.weight, labels.reshape(-1), self.ring, False)
+        flat = _RingTokenLogProbs.apply(h.reshape(-1, h.shape[-1]), self.weight, labels.reshape(-1),
+                                        self._ring_for(h), False)
         return flat.view(labels.shape)
 
     def token_logprobs_and_entropy(self, h: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`LMHead.token_logprobs_and_entropy` over the ring, without full logits."""
         logps, entropy = _RingTokenLogProbs.apply(h.reshape(-1, h.shape[-1]), self.weight, labels.reshape(-1),
-                                                  self.ring, True)
+                                                  self._ring_for(h), True)
         return logps.view(labels.shape), entropy.view(labels.shape)
 
 
-def apply_vocab_parallel(model, layout: DistLayout, token_block: int) -> None:
-    model.lm_head = VocabParallelHead(model.lm_head, layout, token_block, model.cfg.z_loss_coef)
+def apply_vocab_parallel(model, layout: DistLayout, token_block: int, keep_logits: bool) -> None:
+    model.lm_head = VocabParallelHead(model.lm_head, layout, token_block, model.cfg.z_loss_coef, keep_logits)
 
 
 class TiledHead(LMHead):
     """One vocabulary rank's head without its full logits (`parallel.vocab = 1` with
-    `parallel.vocab_token_block` > 0): every head method (the loss sum, the per-token log-probs of
+    `parallel.vocab_logits = "recompute"`): every head method (the loss sum, the per-token log-probs of
     DPO, those and the entropies of RL) runs block by block of `token_block` tokens, each block's
     `[block, V]` logits formed in the forward, dropped, and formed again in the backward (activation
     checkpointing of one block: the ring's trade at P = 1, with no communication). The same
@@ -315,8 +358,9 @@ class TiledHead(LMHead):
 
 
 def tile_vocabulary(model, token_block: int) -> None:
-    """Swap one vocabulary rank's head for `TiledHead` (a memory option of every strategy)."""
-    model.lm_head = TiledHead(model.lm_head, token_block)
+    """Swap one vocabulary rank's head for `TiledHead` (a memory option of every strategy); 0: the
+    64 MiB tile's block."""
+    model.lm_head = TiledHead(model.lm_head, token_block or default_token_block(model.lm_head.weight.shape[0]))
 
 
 def check_settings(config: Config, world: int) -> None:

@@ -27,7 +27,8 @@ def train_settings(c: Candidate) -> list[str]:
     launches on one node (parallel.nproc ranks), what torchrun runs on several (nproc is then ignored)."""
     p, t, o = c.config.parallel, c.config.train, c.config.optim
     settings = [f"--parallel.strategy={p.strategy}", f"--parallel.nproc={p.nproc}", f"--parallel.sequence={p.sequence}", f"--parallel.expert={p.expert}",
-                f"--parallel.vocab={p.vocab}", f"--parallel.expert_balance={p.expert_balance}",
+                f"--parallel.vocab={p.vocab}", f"--parallel.vocab_logits={p.vocab_logits}",
+                f"--parallel.expert_balance={p.expert_balance}",
                 f"--parallel.attention_head_chunks={p.attention_head_chunks}", f"--parallel.llep_chunks={p.llep_chunks}",
                 f"--train.activation_checkpointing={t.activation_checkpointing}",
                 f"--train.offload_activations={str(t.offload_activations).lower()}", f"--train.dtype={t.dtype}",

@@ -4,12 +4,12 @@ MoP candidates (`parallel.strategy = "mop"`, bf16, one sequence per data group a
 unless the global batch holds more): D over the divisors of the world that divide the heads
 (Ulysses may cross nodes: at 1M tokens one node's 8 ranks can be too few), Ep and P over the
 divisors of a node's GPUs (expert and vocabulary groups stay on NVLink, as the runtime's automatic
-degrees do), attention head chunks and LLEP chunks in {1, 2, 4, 8}, activation checkpointing
-none / full / full + offload, the host optimizer on or off (torch AdamW on the device), and the
-micro-batch. Every candidate is a real `Config`, resolved and validated by the plain rules
-(`mop.settle.rules.resolve`: every check `mop train` runs, without the fit to a memory budget, which
-is what this search replaces) for the world size and a node's ranks, so the chosen layout is one
-the trainer accepts.
+degrees do), attention head chunks and LLEP chunks in {1, 2, 4, 8}, the logits kept or recomputed
+(`parallel.vocab_logits`), activation checkpointing none / full / full + offload, the host
+optimizer on or off (torch AdamW on the device), and the micro-batch. Every candidate is a real
+`Config`, resolved and validated by the plain rules (`mop.settle.rules.resolve`: every check `mop
+train` runs, without the fit to a memory budget, which is what this search replaces) for the world
+size and a node's ranks, so the chosen layout is one the trainer accepts.
 
 FSDP2 baseline candidates, the paper's Table 2 axes: context parallelism CP (Ulysses, the
 baseline's `parallel.sequence`), expert parallelism EP (standard, no LLEP), tensor parallelism TP
@@ -84,16 +84,16 @@ def mop_configs(model: ModelConfig, cluster: Cluster, context: int, global_batch
     world, node = cluster.world, cluster.gpus_per_node
     for d in (d for d in divisors(world) if model.heads % d == 0 and context % d == 0):
         batches = [1] if not global_batch else [b for b in divisors(max(1, global_batch * d // world)) if b <= 8]
-        for ep, vocab, head_chunks, llep_chunks, memory, optimizer, micro in itertools.product(
+        for ep, vocab, logits, head_chunks, llep_chunks, memory, optimizer, micro in itertools.product(
                 [e for e in divisors(node) if model.experts % e == 0],
-                [1] if model.tie_embeddings else divisors(node),
+                [1] if model.tie_embeddings else divisors(node), ("keep", "recompute"),
                 [c for c in CHUNKS if (model.heads // d) % c == 0 and (d > 1 or c == 1)],
                 CHUNKS, MEMORY_OPTIONS.values(), OPTIMIZERS.values(), batches):
             if ep == 1 and llep_chunks > 1:
                 continue
             config = apply(base_config(model, context, lora, objective), {
                 "parallel": dict(strategy="mop", nproc=node, sequence=d, expert=ep, vocab=vocab, expert_balance="llep",
-                                 attention_head_chunks=head_chunks, llep_chunks=llep_chunks),
+                                 vocab_logits=logits, attention_head_chunks=head_chunks, llep_chunks=llep_chunks),
                 "train": dict(activation_checkpointing=memory[0], offload_activations=memory[1]),
                 "optim": dict(offload=optimizer[0], speculative=optimizer[1])})
             settled = _settle(config, cluster, global_batch, micro)

@@ -2,12 +2,12 @@
 
 Searched axes, each only where the user left it automatic (a value written in the config or on the
 command line is kept, and the rest are searched around it): the degrees D, Ep and P, attention head
-chunks, LLEP chunks, one vocabulary rank's logits kept or tiled (`parallel.vocab_token_block`:
-`mop.parallel.vocab.TiledHead`), activation checkpointing and its offload, and the micro-batch (up
+chunks, LLEP chunks, the logits kept or recomputed tile by tile (`parallel.vocab_logits`, with any
+number of vocabulary ranks), activation checkpointing and its offload, and the micro-batch (up
 to 4 sequences; the global batch is the user's). `fit_to_memory` decides them, from the plain rules'
 config (`mop.settle.rules`):
 1. today's layout (each automatic setting's plain rule: the largest degrees, no chunks, no
-   checkpointing, 4 sequences per micro-batch) is kept when the memory model (`mop.cost`) says it fits
+   checkpointing, the logits kept, 4 sequences per micro-batch) is kept when the memory model (`mop.cost`) says it fits
    the budget: nothing changes for a run that fits;
 2. otherwise every combination of the automatic axes is built as a real config, validated as
    `mop train` validates it, and scored by the planner (`mop.cost.candidates.evaluate`: the memory
@@ -33,7 +33,6 @@ from mop.config import Config, ConfigError
 from mop.cost.candidates import Candidate, choose, describe, divisors, evaluate, over
 from mop.cost.cluster import GIB, local_cluster
 from mop.parallel.mesh import LayoutError
-from mop.parallel.vocab import default_token_block
 from mop.runtime import visible_gpus
 from mop.settle.budget import MemoryLimits
 from mop.settle.resolved import FitRecord, ResolvedConfig
@@ -42,7 +41,7 @@ from mop.settle.rules import MOST_SEQUENCES_PER_MICRO_BATCH, check_resolved
 # axis -> (section, field) of the setting it decides
 AXES = {"sequence": ("parallel", "sequence"), "expert": ("parallel", "expert"), "vocab": ("parallel", "vocab"),
         "head_chunks": ("parallel", "attention_head_chunks"), "llep_chunks": ("parallel", "llep_chunks"),
-        "vocab_tiles": ("parallel", "vocab_token_block"), "checkpointing": ("train", "activation_checkpointing"),
+        "vocab_logits": ("parallel", "vocab_logits"), "checkpointing": ("train", "activation_checkpointing"),
         "offload": ("train", "offload_activations"), "micro_batch": ("train", "micro_batch")}
 CHUNKS = (1, 2, 4, 8, 16)  # `mop plan`'s, and 16: long contexts on few ranks want fine LLEP chunks
 
@@ -93,8 +92,7 @@ def _candidates(default: ResolvedConfig, axes: tuple[str, ...], world: int, node
         "expert": [e for e in divisors(node) if m.experts % e == 0],
         "vocab": [1] if m.tie_embeddings else divisors(node),
         "head_chunks": CHUNKS, "llep_chunks": CHUNKS, "checkpointing": ["none", "full"],
-        # one vocabulary rank: keep the logits (0) or tile them (`mop.parallel.vocab.TiledHead`)
-        "vocab_tiles": [0, default_token_block(m.vocab_size)],
+        "vocab_logits": ["keep", "recompute"],
         "offload": [False] if _on_cpu(default) else [False, True],
         "micro_batch": divisors(MOST_SEQUENCES_PER_MICRO_BATCH)}
     grid = [values[a] if a in axes else [None] for a in AXES]
@@ -105,9 +103,8 @@ def _candidates(default: ResolvedConfig, axes: tuple[str, ...], world: int, node
             continue
         config = _with(default, settings)
         if (config.parallel.sequence == 1 and config.parallel.attention_head_chunks > 1) or \
-                (config.parallel.expert == 1 and config.parallel.llep_chunks > 1) or \
-                (config.parallel.vocab > 1 and config.parallel.vocab_token_block):
-            continue  # the same run as one chunk, or as the ring's automatic tile
+                (config.parallel.expert == 1 and config.parallel.llep_chunks > 1):
+            continue  # the same run as one chunk
         try:
             check_resolved(config, launched=False)
         except (ConfigError, LayoutError):

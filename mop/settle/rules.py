@@ -11,7 +11,7 @@
    `parallel.expert_balance` and `optim.offload` (under "mop" the host optimizer, but for LoRA
    adapters small enough for torch AdamW on the device, `mop.settle.adapters.adapters_on_host`), and
    the memory settings by their plain rules (no head or LLEP chunks, no checkpointing or offload,
-   up to 4 sequences per micro-batch);
+   the logits kept, up to 4 sequences per micro-batch);
 2. each setting's own range (`mop.config.check_fields`), the launch (ranks against GPUs, the
    reference strategy's one process), the layout (`mop.parallel.mesh.Layout`), and each part's
    own cross-field checks in its own module (`checks`);
@@ -93,7 +93,8 @@ def _decide(config: Config, world: int | None, local_world: int | None) -> Resol
             dataclasses.replace(config, parallel=parallel), world))
     optim = dataclasses.replace(config.optim, offload=offload)
     parallel = dataclasses.replace(parallel, llep_chunks=p.llep_chunks or 1,
-                                   attention_head_chunks=p.attention_head_chunks or 1)
+                                   attention_head_chunks=p.attention_head_chunks or 1,
+                                   vocab_logits="keep" if p.vocab_logits == "auto" else p.vocab_logits)
     t = config.train
     groups = max(world // max(parallel.sequence, 1), 1)
     train = dataclasses.replace(
