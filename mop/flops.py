@@ -66,10 +66,16 @@ PROBE_SIZE = {"cuda": 8192, "cpu": 1024}  # the probe's square GEMM side, per de
 PROBE_SECONDS = 0.25  # the probe's timed span, after one warm-up GEMM
 
 
-@functools.lru_cache(maxsize=None)
 def matmul_probe(device: torch.device, dtype: torch.dtype) -> float:
     """FLOP/s of square GEMMs (`PROBE_SIZE`) in `dtype` on `device`, timed over `PROBE_SECONDS`: what
-    this process's matrix multiplies reach, measured once per process (cached)."""
+    this process's matrix multiplies reach with its intra-op threads as they are now, measured once
+    per process and thread count (cached)."""
+    return _probe(device, dtype, torch.get_num_threads())
+
+
+@functools.lru_cache(maxsize=None)
+def _probe(device: torch.device, dtype: torch.dtype, threads: int) -> float:
+    """`matmul_probe` at `threads` intra-op threads (the cache's key)."""
     n = PROBE_SIZE.get(device.type, PROBE_SIZE["cpu"])
     a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
     out = torch.empty(n, n, device=device, dtype=dtype)

@@ -140,3 +140,16 @@ def test_rmsnorm_equals_autograds_graph_of_the_same_arithmetic_and_saves_input_a
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     shapes = sorted(tuple(t.shape) for t in saved)
     assert shapes == [(3, 5, 1), (3, 5, 64), (64,)]  # rstd (fp32), the input, the weight
+
+
+def test_on_a_cpu_the_fit_computes_at_the_rate_the_ranks_probe_measured():
+    """Issue 50: a CPU rank's limits carry its matmul probe (with its share of the cores), and the
+    fit's roofline computes at that rate: twice the probe, about twice the predicted tokens/s of a
+    compute-bound choice. No budget, no probe."""
+    limits = memory_budget("6GiB", 2)
+    assert limits.compute_flops > 0 and memory_budget("off", 2).compute_flops == 0
+    config = load_config(None, [*ANCHOR, "--data.seq_len=524288"])
+    fitted = [settle(config, limits=dataclasses.replace(limits, compute_flops=rate)).fit
+              for rate in (10**10, 2 * 10**10)]
+    assert fitted[0].layout == fitted[1].layout and not fitted[0].kept_default
+    assert 1.5 < fitted[1].predicted_tokens_per_s / fitted[0].predicted_tokens_per_s <= 2.0

@@ -4,7 +4,8 @@ Each rank holds its own hidden states and targets (a different number of tokens 
 rank with every target ignored); the loss summed over ranks, each rank's hidden-state gradient
 and the gathered weight gradient must match the single-process computation. Every rank runs the
 ring twice, recomputing its logit tiles in the backward and keeping them from the forward
-(`parallel.vocab_logits`): the two give the same results bit for bit.
+(`parallel.vocab_logits`): the forward's results are the same bit for bit, the gradients to fp32
+rounding (the kept softmax is `e^(z - m) e^(m - lse)`, the recomputed `e^(z - lse)`).
 """
 
 import math
@@ -43,12 +44,18 @@ def problem(world: int, vocab: int, z_loss: float):
     return head, hidden, labels
 
 
+# how many of each rank function's results are forward values (the rest: gradients, a shard index)
+FORWARD_VALUES = {"vocab_rank": 1, "logprob_rank": 1, "entropy_rank": 2}
+
+
 def both_ways(rank_step, *args) -> tuple:
-    """`rank_step(keep_logits, *args)`'s results with the tiles recomputed; asserts that keeping them
-    gives the same results bit for bit."""
+    """`rank_step(keep_logits, *args)`'s results (forward values first, then gradients) with the
+    tiles recomputed; asserts that keeping them gives the forward's bit for bit and the gradients to
+    fp32 rounding."""
     recomputed, kept = rank_step(False, *args), rank_step(True, *args)
-    for a, b in zip(recomputed, kept):
-        assert_close(b, a, atol=0, rtol=0)
+    for i, (a, b) in enumerate(zip(recomputed, kept)):
+        forward = i < FORWARD_VALUES[rank_step.__qualname__.split(".")[0]]
+        assert_close(b, a, atol=0 if forward else 1e-6, rtol=0 if forward else 1e-6)
     return recomputed
 
 

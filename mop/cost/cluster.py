@@ -103,15 +103,21 @@ def make_cluster(gpu: str, nodes: int, gpus_per_node: int, **overrides: float | 
     return cluster
 
 
-# A CPU rank as `mop train` runs it (`local_cluster`): one intra-op thread's fp32 GEMM speed, gloo
-# over loopback, memcpy to "host" memory. Nominal: the fit compares layouts on one machine, where
-# only the ratios between compute, exchanges and copies decide.
-CPU = Cluster(1, 1, "cpu", 0, 0, 5e9, 5e9, 10e9, 5e10, mfu=1.0, reserve_bytes=0, unified_memory=True)
+# A CPU rank as `mop train` runs it (`local_cluster`): its GEMM speed (nominal here; the fit passes
+# what the ranks' matmul probe measured), gloo over loopback, memcpy to "host" memory (nominal: the
+# fit compares layouts on one machine, where only the ratios between compute, exchanges and copies
+# decide). `mfu`: the model's FLOPs run at about half the probe's rate on this CPU (issue 50's
+# per-phase table: attention 0.31, experts 0.39, vocabulary 0.50 of it).
+CPU = Cluster(1, 1, "cpu", 0, 0, 5e9, 5e9, 10e9, 1e11, mfu=0.5, reserve_bytes=0, unified_memory=True)
 
 
-def local_cluster(device: str, world: int, node: int, budget_bytes: int, host_bytes: int) -> Cluster:
+def local_cluster(device: str, world: int, node: int, budget_bytes: int, host_bytes: int,
+                  compute_flops: int = 0) -> Cluster:
     """The machine a `mop train` run is fitted to (`mop.settle.fit`): `world` ranks in nodes of `node`,
-    `budget_bytes` per rank; CUDA GPUs priced as the H200 preset, except their memory."""
+    `budget_bytes` per rank; a CPU computing at `compute_flops` per rank (the probe's; 0: nominal);
+    CUDA GPUs priced as the H200 preset, except their memory."""
     kind = CPU if device == "cpu" else PRESETS["h200"]
+    if device == "cpu" and compute_flops:
+        kind = dataclasses.replace(kind, peak_flops=float(compute_flops))
     return dataclasses.replace(kind, nodes=world // node, gpus_per_node=node, device_bytes=budget_bytes,
                                reserve_bytes=0, host_bytes=host_bytes)

@@ -270,8 +270,13 @@ def init_distributed(device: torch.device, timeout: timedelta | None = None) -> 
     )
 
 
+def rank_threads(local_world_size: int) -> int:
+    """One local rank's equal share of the host's cores."""
+    return max(1, (os.cpu_count() or 1) // local_world_size)
+
+
 def set_rank_threads(local_world_size: int) -> int:
     """Give each local rank an equal share of the host's cores; returns the thread count."""
-    threads = max(1, (os.cpu_count() or 1) // local_world_size)
+    threads = rank_threads(local_world_size)
     torch.set_num_threads(threads)
     return threads

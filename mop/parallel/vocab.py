@@ -14,9 +14,11 @@ full `[N, V]` logits never exist.
 
 Backward ring: the shards go round again, each with a gradient buffer travelling with it. Per
 block the logits are recomputed (or, with `keep_logits`, taken from the forward: the forward keeps
-each fp32 tile as it formed it, a rank's `[N, V]` in all, and the backward runs two GEMMs per tile
-instead of three, with the same values bit for bit), `d logits = softmax (1 + 2 z lse) - onehot(target)` (z: the
-z-loss weight; ignored targets contribute nothing), the input gradient accumulates locally
+each fp32 tile after its exponential, `e^(z - m)` with `m` its running max, and `m`, a rank's
+`[N, V]` in all; the backward then runs two GEMMs per tile instead of three, and one pass
+`e^(z - m) e^(m - lse)` instead of the exponential again: the same softmax to fp32 rounding),
+`d logits = softmax (1 + 2 z lse) - onehot(target)` (z: the z-loss weight; ignored targets
+contribute nothing), the input gradient accumulates locally
 (`d logits @ W_j`) and the shard's gradient into its buffer (`d logits^T @ h`). After P steps one
 more hop brings every buffer home to its owner, which all-reduces it over its replica group.
 
@@ -121,7 +123,8 @@ class _Forward:
     entropy: torch.Tensor | None
     """With `entropy`: each token's entropy `log Z - sum_v p_v (z_v - m)`, `m` the running max (`_fold_entropy`)."""
     kept: deque | None
-    """With `ring.keep_logits`: every fp32 logit tile in the order the backward visits them."""
+    """With `ring.keep_logits`: every tile's fp32 `e^(z - m)` and its per-token `m` (the running
+    max after it), in the order the backward visits them."""
 
 
 def _forward_pass(hidden, weight, labels, ring: Ring, entropy: bool = False) -> _Forward:
@@ -146,15 +149,13 @@ def _forward_pass(hidden, weight, labels, ring: Ring, entropy: bool = False) -> 
             target[block] = torch.where(mine, picked, target[block])
             # amax: the max without its indices, several times faster than max(dim) on a CPU; equal values
             new_max = torch.maximum(running_max[block], logits.amax(dim=1))
-            if kept is not None:  # the tile stays as formed; the shifted copy below is this step's work
-                kept.append(logits)
-                logits = logits - new_max.unsqueeze(1)
-            else:
-                logits.sub_(new_max.unsqueeze(1))
+            logits.sub_(new_max.unsqueeze(1))
             # With entropy, the shifted logits are kept for it (padding columns' -inf as 0): one more tile.
             shifted = logits.masked_fill(torch.isinf(logits), 0.0) if entropy else None
             # In place on the tile: one [block, V/P] tensor is all this step allocates without entropy.
             tile_sum = logits.exp_().sum(dim=1)
+            if kept is not None:  # the tile's e^(z - m) and its m: softmax = e^(z - m) e^(m - lse) in the backward
+                kept.append((logits, new_max))
             if entropy:
                 running_weighted[block] = _fold_entropy(running_weighted[block], running_sum[block],
                                                         running_max[block], new_max, shifted.mul_(logits))
@@ -195,9 +196,12 @@ def _backward_pass(hidden, weight, labels, lse, ring: Ring, dtype: torch.dtype, 
     for step in range(ring.size):
         now = _ring_step(ring, step, shard, labels)
         for block in now.blocks:
-            d_logits = kept.popleft() if kept is not None else _logits(compute_hidden[block], shard,
-                                                                        now.valid_columns)
-            d_logits.sub_(lse[block].unsqueeze(1)).exp_().mul_(softmax_scale[block].unsqueeze(1))
+            if kept is not None:  # one pass over the kept tile: e^(z - m) x e^(m - lse) x scale
+                d_logits, tile_max = kept.popleft()
+                d_logits.mul_((torch.exp(tile_max - lse[block]) * softmax_scale[block]).unsqueeze(1))
+            else:
+                d_logits = _logits(compute_hidden[block], shard, now.valid_columns)
+                d_logits.sub_(lse[block].unsqueeze(1)).exp_().mul_(softmax_scale[block].unsqueeze(1))
             # Minus the one-hot target where it lies in this shard (adding 0 elsewhere): no
             # data-dependent shapes, so no device-to-host synchronisation per tile.
             in_shard = (now.local[block] >= 0) & (now.local[block] < rows)

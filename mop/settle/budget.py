@@ -1,5 +1,5 @@
-"""The memory one rank may use: `train.memory_budget` parsed once (`MemoryBudget`), then measured on
-this machine (`MemoryLimits`).
+"""The memory one rank may use, and its speed: `train.memory_budget` parsed once (`MemoryBudget`),
+then measured on this machine (`MemoryLimits`).
 
 `MemoryBudget.read(train)` parses the setting once (a size such as "70GiB", "9.5GB" or "12e9"
 bytes, "auto" or "off"; anything else is one `ConfigError` naming the setting), before anything
@@ -10,10 +10,13 @@ else is decided; `limits(local_ranks)` then asks the machine once, giving `Memor
   `BUDGET_RESERVE`: the same on every rank of a node and on every relaunch;
 - "off" is no budget (the fit keeps the plain rules).
 The host memory of the rank's node rides along: on the CPU host and device are one memory, so
-the fit counts a rank's host bytes against the budget too.
+the fit counts a rank's host bytes against the budget too. So does, on a CPU with a budget to fit,
+the FLOP/s a rank's matrix multiplies reach (`mop.flops.matmul_probe` in the run's compute dtype,
+with the rank's share of the cores): the fit's roofline computes at that rate instead of a nominal
+one (`mop.cost.cluster.local_cluster`).
 
 Under torchrun every rank must fit its layout to the same limits: `smallest_over_ranks` takes the
-smallest budget and host memory of any rank (one all-reduce over the world).
+smallest budget, host memory and probe of any rank (one all-reduce over the world).
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ import torch.distributed as dist
 
 from mop.config import ConfigError, TrainConfig
 from mop.cost.cluster import GIB
+from mop.flops import matmul_probe
+from mop.parallel.mesh import rank_threads
 from mop.runtime import visible_gpus
 
 _SIZE_UNITS = {"tib": 2**40, "gib": 2**30, "mib": 2**20, "kib": 2**10, "tb": 1e12, "gb": 1e9, "mb": 1e6, "kb": 1e3,
@@ -43,15 +48,19 @@ class MemoryLimits:
     """How the budget was found, for the start line ("train.memory_budget=70GiB", "auto: ...")."""
     host_bytes: int
     """The host memory of the rank's node."""
+    compute_flops: int = 0
+    """On a CPU with a budget: the FLOP/s one rank's matrix multiplies reach (the probe); 0: not
+    measured (a GPU, whose roofline is its preset's, or no budget to fit)."""
 
     def smallest_over_ranks(self, device: torch.device) -> MemoryLimits:
-        """The smallest budget and host memory of any rank (one all-reduce; the budget is "off" on
-        every rank alike)."""
-        value = torch.tensor([self.budget_bytes or 0, self.host_bytes], dtype=torch.int64, device=device)
+        """The smallest budget, host memory and probe of any rank (one all-reduce; the budget is
+        "off" on every rank alike, and so is the probe's absence)."""
+        value = torch.tensor([self.budget_bytes or 0, self.host_bytes, self.compute_flops], dtype=torch.int64,
+                             device=device)
         dist.all_reduce(value, op=dist.ReduceOp.MIN)
         budget = None if self.budget_bytes is None else int(value[0])
         return replace(self, budget_bytes=budget, source=f"{self.source}; the smallest of every rank's",
-                       host_bytes=int(value[1]))
+                       host_bytes=int(value[1]), compute_flops=int(value[2]))
 
 
 @dataclass(frozen=True)
@@ -63,19 +72,23 @@ class MemoryBudget:
     """Bytes, "auto" or None ("off")."""
     device: str
     """`train.device`, which says whose memory "auto" shares."""
+    compute_dtype: torch.dtype = torch.float32
+    """The dtype the run's matrix multiplies run in (what the CPU's probe measures)."""
 
     @classmethod
     def read(cls, train: TrainConfig) -> MemoryBudget:
         """The setting parsed; a bad value raises ConfigError."""
-        return cls(train.memory_budget, parse_budget(train.memory_budget), train.device)
+        dtype = torch.bfloat16 if train.dtype == "bfloat16" else torch.float32  # `Config.compute_dtype`'s rule
+        return cls(train.memory_budget, parse_budget(train.memory_budget), train.device, dtype)
 
     def limits(self, local_ranks: int) -> MemoryLimits:
         """The limits on this machine, for a node of `local_ranks` ranks."""
         host = host_memory_bytes()
         if self.size is None:
             return MemoryLimits(None, "train.memory_budget=off", host)
+        compute = 0 if visible_gpus(self.device) else cpu_rank_probe(local_ranks, self.compute_dtype)
         if self.size != "auto":
-            return MemoryLimits(self.size, f"train.memory_budget={self.setting}", host)
+            return MemoryLimits(self.size, f"train.memory_budget={self.setting}", host, compute)
         if visible_gpus(self.device):
             total = min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
             where = f"{total / GIB:.1f} GiB GPU memory"
@@ -83,7 +96,19 @@ class MemoryBudget:
             total = host // max(local_ranks, 1)
             where = f"{host / GIB:.1f} GiB host memory / {local_ranks} ranks"
         source = f"auto: {where} x {BUDGET_SHARE:g} less {BUDGET_RESERVE / GIB:g} GiB"
-        return MemoryLimits(int(total * BUDGET_SHARE - BUDGET_RESERVE), source, host)
+        return MemoryLimits(int(total * BUDGET_SHARE - BUDGET_RESERVE), source, host, compute)
+
+
+def cpu_rank_probe(local_ranks: int, dtype: torch.dtype) -> int:
+    """FLOP/s of `mop.flops.matmul_probe` on the CPU with one rank's share of the cores (as
+    `mop.parallel.mesh.set_rank_threads` gives a rank; a rank itself already runs with it): what
+    each of `local_ranks` ranks' GEMMs reach. Cached per process and thread count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(rank_threads(local_ranks))
+    try:
+        return int(matmul_probe(torch.device("cpu"), dtype))
+    finally:
+        torch.set_num_threads(threads)
 
 
 def parse_budget(setting: str) -> int | str | None:

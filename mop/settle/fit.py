@@ -11,8 +11,9 @@ config (`mop.settle.rules`):
    the budget: nothing changes for a run that fits;
 2. otherwise every combination of the automatic axes is built as a real config, validated as
    `mop train` validates it, and scored by the planner (`mop.cost.candidates.evaluate`: the memory
-   model and the roofline, on `mop.cost.cluster.local_cluster`); the fastest that fits runs (of
-   those within the roofline's resolution, the one needing the least memory);
+   model and the roofline, on `mop.cost.cluster.local_cluster`, which on a CPU computes at the rate
+   the ranks' matmul probe measured); the fastest that fits runs (of those within the roofline's
+   resolution, the one needing the least memory);
 3. nothing fits: one line naming the budget, the closest layout's need and what to change.
 On the CPU host and device are one memory: a rank's host bytes (the host optimizer's state) count
 against the budget, and activation offload, which only moves bytes within it, is not searched.
@@ -59,17 +60,19 @@ def fit_to_memory(decided: ResolvedConfig, axes: tuple[str, ...], limits: Memory
     docstring); as it is outside "mop", without automatic axes or without a budget."""
     if decided.parallel.strategy != "mop" or not axes or limits.budget_bytes is None:
         return decided
-    chosen, record = _fit(decided, axes, (limits.budget_bytes, limits.source), limits.host_bytes)
+    chosen, record = _fit(decided, axes, (limits.budget_bytes, limits.source), limits.host_bytes,
+                          limits.compute_flops)
     return dataclasses.replace(chosen, fit=record)
 
 
 @functools.lru_cache(maxsize=64)
-def _fit(default: ResolvedConfig, axes: tuple[str, ...], budget: tuple[int, str],
-         host_bytes: int) -> tuple[ResolvedConfig, FitRecord]:
+def _fit(default: ResolvedConfig, axes: tuple[str, ...], budget: tuple[int, str], host_bytes: int,
+         compute_flops: int) -> tuple[ResolvedConfig, FitRecord]:
     """`default` (every setting decided by its plain rule) or, when the memory model says it does not
-    fit `budget` (bytes, source), the fastest layout over `axes` that does."""
+    fit `budget` (bytes, source), the fastest layout over `axes` that does, its time at
+    `compute_flops` per rank where measured (`mop.settle.budget.MemoryLimits`)."""
     world, node = default.world, default.local_world
-    cluster = local_cluster("cpu" if _on_cpu(default) else "cuda", world, node, budget[0], host_bytes)
+    cluster = local_cluster("cpu" if _on_cpu(default) else "cuda", world, node, budget[0], host_bytes, compute_flops)
     plain = evaluate(default, cluster)
     if plain.fits:
         return default, _record(plain, budget, axes, True, 1, "today's layout fits")
