@@ -183,12 +183,13 @@ class TrainConfig:
     consecutive skipped steps the run stops with an error, keeping its last good checkpoint."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """"auto" picks CUDA when available (one GPU per local rank), else the CPU."""
-    keep_freed_host_memory: bool = True
+    keep_freed_host_memory: Literal["auto", True, False] = "auto"
     """Each rank's host heap keeps the blocks it frees for its next allocations (glibc's mallopt: no
     mmap threshold, no trimming) instead of handing them back to the kernel and faulting fresh pages
     in at the next one. On a CPU device every activation is such a block, and the page faults cost a
-    step seconds (more on some machines than others, issue 50); the process's resident memory then
-    stays at its peak. false: the C library's defaults (ranks sharing a host with other jobs)."""
+    step seconds (1.32x at 16K on a 2-core VM, issue 50). The price: the heap's holes stay resident,
+    up to 1.75x the memory model's need measured at 128K. "auto": on, unless the fit's predicted
+    need is more than half of train.memory_budget."""
     activation_checkpointing: Literal["auto", "none", "full"] = "auto"
     """"full": keep only each block's input for the backward and recompute the block's activations there.
     "auto": "none" unless the run's layout is fitted to train.memory_budget."""

@@ -93,12 +93,10 @@ def keep_freed_host_memory() -> bool:
 
 
 def join(config, env: TorchrunEnv) -> torch.device:
-    """Join the ranks torchrun started (`env`): this rank's device, its threads on a CPU, its host
-    heap (`train.keep_freed_host_memory`), the process group (the backend follows the device)."""
+    """Join the ranks torchrun started (`env`): this rank's device, its threads on a CPU, the
+    process group (the backend follows the device)."""
     check_ranks_fit_gpus(env.local_world_size, config.train.device, "torchrun --nproc_per_node")
     device = pick_device(config, env.local_rank)
-    if config.train.keep_freed_host_memory:
-        keep_freed_host_memory()
     if device.type == "cpu":
         set_rank_threads(env.local_world_size)
     init_distributed(device, timedelta(seconds=config.parallel.timeout_s))
@@ -106,7 +104,10 @@ def join(config, env: TorchrunEnv) -> torch.device:
 
 
 def joined(config, env: TorchrunEnv, device: torch.device) -> Runtime:
-    """Where this rank sits once `config` is resolved for the world: its layout of the degrees."""
+    """Where this rank sits once `config` is resolved for the world: its layout of the degrees, and
+    its host heap as `train.keep_freed_host_memory` was decided (before the model is built)."""
+    if config.train.keep_freed_host_memory:
+        keep_freed_host_memory()
     p = config.parallel
     layout = DistLayout(Layout(env.world_size, p.sequence, p.expert, p.vocab), device, timedelta(seconds=p.timeout_s))
     return Runtime(env.rank, env.world_size, device, layout)

@@ -153,3 +153,15 @@ def test_on_a_cpu_the_fit_computes_at_the_rate_the_ranks_probe_measured():
               for rate in (10**10, 2 * 10**10)]
     assert fitted[0].layout == fitted[1].layout and not fitted[0].kept_default
     assert 1.5 < fitted[1].predicted_tokens_per_s / fitted[0].predicted_tokens_per_s <= 2.0
+
+
+def test_the_heap_keeps_what_it_frees_only_while_the_need_leaves_room_for_its_holes():
+    """`train.keep_freed_host_memory` "auto" (issue 50): on while the predicted need is at most half
+    the budget, off beyond it; a value written by the user is kept; without a budget, on."""
+    roomy = _resolve("--data.seq_len=2048", "--train.memory_budget=8GiB")
+    tight = _resolve("--data.seq_len=131072", "--train.memory_budget=6GiB")
+    assert roomy.train.keep_freed_host_memory is True and _need(roomy) <= 4 * GIB
+    assert tight.train.keep_freed_host_memory is False and tight.fit.predicted_need_bytes > 3 * GIB
+    pinned = _resolve("--data.seq_len=131072", "--train.memory_budget=6GiB", "--train.keep_freed_host_memory=true")
+    assert pinned.train.keep_freed_host_memory is True
+    assert _resolve("--data.seq_len=131072", "--train.memory_budget=off").train.keep_freed_host_memory is True

@@ -41,4 +41,4 @@ def settle(config: Config, world: int | None = None, local_world: int | None = N
         return decided
     if limits is None:
         limits = budget.limits(decided.local_world)
-    return fit_to_memory(decided, automatic_axes(config), limits)
+    return fit_to_memory(decided, automatic_axes(config), limits, config.train.keep_freed_host_memory == "auto")

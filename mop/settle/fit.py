@@ -15,6 +15,9 @@ config (`mop.settle.rules`):
    the ranks' matmul probe measured); the fastest that fits runs (of those within the roofline's
    resolution, the one needing the least memory);
 3. nothing fits: one line naming the budget, the closest layout's need and what to change.
+`train.keep_freed_host_memory` left "auto" is decided with the layout: each rank's heap keeps what it
+frees (faster on a CPU, but its holes stay resident) only while the chosen layout's predicted need
+is at most `HEAP_SHARE` of the budget.
 On the CPU host and device are one memory: a rank's host bytes (the host optimizer's state) count
 against the budget, and activation offload, which only moves bytes within it, is not searched.
 
@@ -44,6 +47,9 @@ AXES = {"sequence": ("parallel", "sequence"), "expert": ("parallel", "expert"), 
         "head_chunks": ("parallel", "attention_head_chunks"), "llep_chunks": ("parallel", "llep_chunks"),
         "vocab_logits": ("parallel", "vocab_logits"), "checkpointing": ("train", "activation_checkpointing"),
         "offload": ("train", "offload_activations"), "micro_batch": ("train", "micro_batch")}
+# A heap that keeps what it frees holds its holes too: measured up to 1.75x the memory model's need
+# (128K, LLEP in 16 chunks), so it is kept only while the need is at most half the budget.
+HEAP_SHARE = 0.5
 CHUNKS = (1, 2, 4, 8, 16)  # `mop plan`'s, and 16: long contexts on few ranks want fine LLEP chunks
 
 
@@ -55,13 +61,18 @@ def automatic_axes(config: Config) -> tuple[str, ...]:
     return tuple(axis for axis, (section, name) in AXES.items() if automatic(getattr(getattr(config, section), name)))
 
 
-def fit_to_memory(decided: ResolvedConfig, axes: tuple[str, ...], limits: MemoryLimits) -> ResolvedConfig:
+def fit_to_memory(decided: ResolvedConfig, axes: tuple[str, ...], limits: MemoryLimits,
+                  heap_automatic: bool = False) -> ResolvedConfig:
     """`decided` (the plain rules' config) with its automatic `axes` fitted to `limits` (module
-    docstring); as it is outside "mop", without automatic axes or without a budget."""
+    docstring); as it is outside "mop", without automatic axes or without a budget. With
+    `heap_automatic` (`train.keep_freed_host_memory` left "auto"), freed host blocks are kept only
+    while the chosen layout's predicted need is at most `HEAP_SHARE` of the budget."""
     if decided.parallel.strategy != "mop" or not axes or limits.budget_bytes is None:
         return decided
     chosen, record = _fit(decided, axes, (limits.budget_bytes, limits.source), limits.host_bytes,
                           limits.compute_flops)
+    if heap_automatic and record.predicted_need_bytes > HEAP_SHARE * limits.budget_bytes:
+        chosen = dataclasses.replace(chosen, train=dataclasses.replace(chosen.train, keep_freed_host_memory=False))
     return dataclasses.replace(chosen, fit=record)
 
 

@@ -102,7 +102,8 @@ def _decide(config: Config, world: int | None, local_world: int | None) -> Resol
                                                           else t.global_batch),
         activation_checkpointing=(("full" if t.offload_activations is True else "none")  # offload needs it
                                   if t.activation_checkpointing == "auto" else t.activation_checkpointing),
-        offload_activations=False if t.offload_activations == "auto" else t.offload_activations)
+        offload_activations=False if t.offload_activations == "auto" else t.offload_activations,
+        keep_freed_host_memory=t.keep_freed_host_memory is not False)  # "auto": on
     sections = {f.name: getattr(config, f.name) for f in dataclasses.fields(Config)}
     return ResolvedConfig(**{**sections, "parallel": parallel, "optim": optim, "train": train}, world=world,
                           local_world=node)
