@@ -169,12 +169,12 @@ def loss_working_set(s: Shapes, config: Config) -> dict[str, int]:
     out = rows()
     heads = 1 + m.trained_mtp_layers  # each MTP depth has a head of its own (`mop.models.mtp`)
     kept = p.vocab_logits != "recompute"
-    if p.vocab > 1:  # the ring: one fp32 tile, the incoming shard, the gradient buffer and its successor; when
-        # kept, every head's tiles of the rank's tokens (`mop.parallel.vocab`)
+    if p.vocab > 1:  # the ring: one fp32 tile (kept: every head's tiles of the rank's tokens, the one at work among
+        # them, `mop.parallel.vocab`), the incoming shard, the gradient buffer and its successor
         shard_rows = -(-m.vocab_size // p.vocab)
         block = min(s.T, p.vocab_token_block or default_token_block(shard_rows))
-        out["vocab_tile"] = block * shard_rows * FP32 + s.T * s.H * FP32 + 4 * s.T * FP32
-        out["vocab_tile"] += heads * s.T * padded_vocab(m.vocab_size, p.vocab) * FP32 if kept else 0
+        tiles = heads * s.T * padded_vocab(m.vocab_size, p.vocab) if kept else block * shard_rows
+        out["vocab_tile"] = tiles * FP32 + s.T * s.H * FP32 + 4 * s.T * FP32
         out["vocab_weights"] = shard_rows * s.H * (s.act + (s.act if s.act < FP32 else 0))
         out["gradients"] = 2 * shard_rows * s.H * FP32 if config.adapters is None else 0  # a frozen head has none
     elif not kept:  # one rank in tiles (`TiledHead`): a block's logits, softmax and gradient at a time
