@@ -82,8 +82,8 @@ class ParallelConfig:
     vocab_logits: Literal["auto", "keep", "recompute"] = "auto"
     """The vocabulary projection's memory trade, with any number of vocabulary ranks. "keep": the
     forward's fp32 logits stay for the backward (a rank's [tokens, vocab]: its full logits at
-    parallel.vocab = 1, every shard's tiles of its own tokens on the ring), so the backward runs two
-    GEMMs; "recompute": only one tile of parallel.vocab_token_block tokens is live at a time and the
+    parallel.vocab = 1, every shard's tiles of its own tokens on the ring, kept after their
+    exponential), so the backward runs two GEMMs; "recompute": only one tile of parallel.vocab_token_block tokens is live at a time and the
     backward forms each tile again (one GEMM more; at parallel.vocab = 1 the head runs in checkpointed
     token blocks). "auto": "keep", or what the fit chooses when train.memory_budget needs it."""
     vocab_token_block: int = 0
