@@ -92,6 +92,12 @@ def keep_freed_host_memory() -> bool:
     return bool(mallopt(M_MMAP_THRESHOLD, largest // 64 * 64) and mallopt(M_TRIM_THRESHOLD, largest))
 
 
+def set_host_heap(config) -> None:
+    """This process's heap as the resolved `config` decided it (`train.keep_freed_host_memory`)."""
+    if config.train.keep_freed_host_memory:
+        keep_freed_host_memory()
+
+
 def join(config, env: TorchrunEnv) -> torch.device:
     """Join the ranks torchrun started (`env`): this rank's device, its threads on a CPU, the
     process group (the backend follows the device)."""
@@ -106,8 +112,7 @@ def join(config, env: TorchrunEnv) -> torch.device:
 def joined(config, env: TorchrunEnv, device: torch.device) -> Runtime:
     """Where this rank sits once `config` is resolved for the world: its layout of the degrees, and
     its host heap as `train.keep_freed_host_memory` was decided (before the model is built)."""
-    if config.train.keep_freed_host_memory:
-        keep_freed_host_memory()
+    set_host_heap(config)
     p = config.parallel
     layout = DistLayout(Layout(env.world_size, p.sequence, p.expert, p.vocab), device, timedelta(seconds=p.timeout_s))
     return Runtime(env.rank, env.world_size, device, layout)

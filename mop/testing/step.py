@@ -21,7 +21,7 @@ from mop.build import TrainingRun, build_run
 from mop.config import load_config
 from mop.objectives import objective_for
 from mop.parallel import DistLayout, Layout
-from mop.runtime import Runtime
+from mop.runtime import Runtime, set_host_heap
 from mop.settle import settle
 from mop.testing.memory import PeakMemory
 from mop.train import train_step, update
@@ -78,6 +78,7 @@ class Trainer:
 
     def __init__(self, config, rank: int, documents: str):
         p = config.parallel  # the world is parallel.nproc ranks (WORLD in this benchmark)
+        set_host_heap(config)  # as `mop train`'s ranks set theirs
         layout = DistLayout(Layout(p.nproc, p.sequence, p.expert, p.vocab), torch.device("cpu"))
         self.run = build_run(config, Runtime(rank, p.nproc, layout.device, layout))
         self.offload_store = self.run.offload_store
