@@ -83,9 +83,10 @@ class ParallelConfig:
     """The vocabulary projection's memory trade, with any number of vocabulary ranks. "keep": the
     forward's fp32 logits stay for the backward (a rank's [tokens, vocab]: its full logits at
     parallel.vocab = 1, every shard's tiles of its own tokens on the ring, kept after their
-    exponential), so the backward runs two GEMMs; "recompute": only one tile of parallel.vocab_token_block tokens is live at a time and the
-    backward forms each tile again (one GEMM more; at parallel.vocab = 1 the head runs in checkpointed
-    token blocks). "auto": "keep", or what the fit chooses when train.memory_budget needs it."""
+    exponential), so the backward runs two GEMMs; "recompute": only one tile of
+    parallel.vocab_token_block tokens is live at a time and the backward forms each tile again (one
+    GEMM more; at parallel.vocab = 1 the head runs in checkpointed token blocks). "auto": "keep", or
+    what the fit chooses when train.memory_budget needs it."""
     vocab_token_block: int = 0
     """Tokens per logit tile of the vocabulary projection: of the ring (parallel.vocab > 1) and of one
     rank's recomputed head (parallel.vocab_logits = "recompute"). 0 picks the size that makes one fp32
@@ -209,6 +210,12 @@ class TrainConfig:
     finetune: Literal["full", "lora"] = "full"
     """"full": every parameter trains. "lora": low-rank adapters train over a frozen base kept at its
     published precision (the [lora] settings; `mop.models.lora`)."""
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype a step computes in: bf16 under `dtype = "bfloat16"` (autocast, FSDP2's gathered
+        weights), else fp32."""
+        return torch.bfloat16 if self.dtype == "bfloat16" else torch.float32
 
 
 @dataclass(frozen=True)
@@ -459,9 +466,8 @@ class Config:
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        """The dtype a step computes in: bf16 under `train.dtype = "bfloat16"` (autocast, FSDP2's
-        gathered weights), else fp32."""
-        return torch.bfloat16 if self.train.dtype == "bfloat16" else torch.float32
+        """The dtype a step computes in (`TrainConfig.compute_dtype`)."""
+        return self.train.compute_dtype
 
     @property
     def storage_dtype(self) -> torch.dtype:

@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def loss_rank(rank, world, variant: str, tokens: int, vocab: int, hidden: int, repeats: int) -> dict:
-    keep_freed_host_memory()  # as `mop train`'s ranks do (`train.keep_freed_host_memory`)
+    keep_freed_host_memory()  # as `mop train`'s ranks do where memory allows (`train.keep_freed_host_memory`)
     g = torch.Generator().manual_seed(rank)
     head = LMHead(ModelConfig(vocab_size=vocab, hidden=hidden))
     torch.nn.init.normal_(head.weight, std=0.02, generator=torch.Generator().manual_seed(0))

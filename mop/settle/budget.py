@@ -78,8 +78,7 @@ class MemoryBudget:
     @classmethod
     def read(cls, train: TrainConfig) -> MemoryBudget:
         """The setting parsed; a bad value raises ConfigError."""
-        dtype = torch.bfloat16 if train.dtype == "bfloat16" else torch.float32  # `Config.compute_dtype`'s rule
-        return cls(train.memory_budget, parse_budget(train.memory_budget), train.device, dtype)
+        return cls(train.memory_budget, parse_budget(train.memory_budget), train.device, train.compute_dtype)
 
     def limits(self, local_ranks: int) -> MemoryLimits:
         """The limits on this machine, for a node of `local_ranks` ranks."""

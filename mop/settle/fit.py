@@ -7,8 +7,8 @@ number of vocabulary ranks), activation checkpointing and its offload, and the m
 to 4 sequences; the global batch is the user's). `fit_to_memory` decides them, from the plain rules'
 config (`mop.settle.rules`):
 1. today's layout (each automatic setting's plain rule: the largest degrees, no chunks, no
-   checkpointing, the logits kept, 4 sequences per micro-batch) is kept when the memory model (`mop.cost`) says it fits
-   the budget: nothing changes for a run that fits;
+   checkpointing, the logits kept, 4 sequences per micro-batch) is kept when the memory model
+   (`mop.cost`) says it fits the budget: nothing changes for a run that fits;
 2. otherwise every combination of the automatic axes is built as a real config, validated as
    `mop train` validates it, and scored by the planner (`mop.cost.candidates.evaluate`: the memory
    model and the roofline, on `mop.cost.cluster.local_cluster`, which on a CPU computes at the rate
