@@ -15,6 +15,8 @@ torch>=2.6, and both spellings are checked here to agree.
 """
 
 import pickle
+import subprocess
+import sys
 import time
 
 import pytest
@@ -23,6 +25,7 @@ import torch.distributed as dist
 
 from mop.parallel import DistLayout, Layout, LayoutError
 from mop.testing import DistributedError, run_distributed
+from mop.testing.distributed import FORK_SERVER_MODULES
 from layout_groups import LayoutGroups
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
@@ -228,6 +231,18 @@ def test_every_group_is_warmed_up_once_it_is_created():
 
 
 # Harness self-tests.
+
+
+def test_the_fork_server_imports_start_no_thread():
+    """Ranks are forks of a process that imported `FORK_SERVER_MODULES`: a thread started by one of
+    those imports (pyarrow's allocator thread did) would be lost in every fork while holding its
+    locks. Compared with torch alone, whose import is what the harness has always forked after."""
+    script = (f"import os, importlib, torch; before = len(os.listdir('/proc/self/task'))\n"
+              f"for name in {FORK_SERVER_MODULES!r}: importlib.import_module(name)\n"
+              f"print(before, len(os.listdir('/proc/self/task')))")
+    before, after = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                                   check=True).stdout.split()
+    assert after == before
 
 
 def fail_in_three_ways(rank, world):

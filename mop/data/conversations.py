@@ -35,8 +35,6 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from mop.data.errors import ConversationError, DataError
 from mop.data.rows import jsonl_lines, table_rows
@@ -91,6 +89,9 @@ def _arrow_files(folder: Path) -> list[Path]:
 def iter_rows(path: Path) -> Iterator[tuple[str, dict | str]]:
     """`(where, row)` for every row of one file (a jsonl row as its line: `conversation` parses it, in
     a worker process when preparing); `where` is `mop.data.rows.row_name`'s."""
+    import pyarrow as pa  # here, not at import: importing pyarrow starts a thread (`mop.data.rows`)
+    import pyarrow.parquet as pq
+
     if path.suffix == ".jsonl":
         yield from jsonl_lines(path)
     elif path.suffix == ".parquet":

@@ -4,6 +4,10 @@ A row is named `<file> row <N>`, N counted from 1 within its file: a jsonl file'
 counted, so N is the line an editor shows), a parquet file's or a `datasets` Arrow file's row (what
 `pyarrow` reads, row groups and record batches in order). A jsonl line is decoded on its own, so a
 byte that is not UTF-8 is reported with the row holding it, and a file is never decoded whole.
+
+pyarrow is imported where a parquet or Arrow file is read, not when mop is: importing it starts
+jemalloc's background thread, and importing mop must start none (the tests fork ranks from a
+process that has imported mop, `mop.testing.distributed`).
 """
 
 from __future__ import annotations

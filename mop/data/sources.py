@@ -27,7 +27,6 @@ from itertools import islice
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 
 from mop.data.errors import DataError
 from mop.data.packing import ConcatTokens, pack_documents
@@ -102,6 +101,8 @@ def _read_jsonl(path, text_field: str) -> Iterator[str]:
 
 
 def _read_parquet(path: Path, text_field: str) -> Iterator[str]:
+    import pyarrow.parquet as pq  # here, not at import: importing pyarrow starts a thread (`mop.data.rows`)
+
     try:
         pf = pq.ParquetFile(path)
     except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ... for unreadable files
