@@ -35,7 +35,6 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-
 from mop.data.errors import ConversationError, DataError
 from mop.data.rows import jsonl_lines, table_rows
 from mop.data.templates import Conversation
