@@ -88,18 +88,20 @@ def _arrow_files(folder: Path) -> list[Path]:
 def iter_rows(path: Path) -> Iterator[tuple[str, dict | str]]:
     """`(where, row)` for every row of one file (a jsonl row as its line: `conversation` parses it, in
     a worker process when preparing); `where` is `mop.data.rows.row_name`'s."""
-    import pyarrow as pa  # here, not at import: importing pyarrow starts a thread (`mop.data.rows`)
-    import pyarrow.parquet as pq
-
+    # pyarrow is imported by the branch that reads with it: its import starts a thread (`mop.data.rows`)
     if path.suffix == ".jsonl":
         yield from jsonl_lines(path)
     elif path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
         try:
             batches = pq.ParquetFile(path).iter_batches(batch_size=_BATCH_ROWS)
         except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ...
             raise DataError(f"data.source: {path} is not a readable parquet file ({e}); rewrite it") from None
         yield from table_rows(path, batches)
     else:
+        import pyarrow as pa
+
         try:
             reader = pa.ipc.open_stream(pa.memory_map(str(path)))
         except Exception as e:

@@ -1,17 +1,17 @@
 """Run a function on W spawned ranks (gloo on CPU, NCCL on CUDA) and collect what each returns; never hang.
 
-Algorithm. The parent picks a free localhost port, pickles ``(fn, args, kwargs)`` once, and
-starts one process per rank as a fork of a fork server that has already imported torch and mop's
-training stack (`FORK_SERVER_MODULES`). As with
-'spawn', children share no state with the parent and get its sys.path and working directory;
-their environment is the fork server's (the parent's at the first call). Each child sets the
-torchrun variables for itself and joins through ``mop.parallel.init_distributed`` (the trainer's
-own path: on ``device="cpu"`` gloo; on ``device="cuda"`` NCCL with rank r on GPU r, so W GPUs are
-needed, ``cuda_ranks_available``), with one intra-op thread and seed 0 on every rank (tests build full
-tensors from one seed, then shard, as the stack does). It meets the others in a barrier, calls
-``fn(rank, world_size, *args, **kwargs)``, meets the others in a barrier again, destroys the group, and writes ``("ok", value)`` or
-``("error", traceback)`` to its own result file. The parent waits on the process sentinels until
-every rank has exited, a rank has failed, or ``timeout`` expires.
+Algorithm. The parent picks a free localhost port, pickles ``(fn, args, kwargs)`` once, and starts
+one process per rank as a fork of a fork server that has already imported torch and mop's training
+stack (`FORK_SERVER_MODULES`). As with 'spawn', children share no state with the parent and get its
+sys.path and working directory; their environment is the fork server's (the parent's at the first
+call). Each child sets the torchrun variables for itself and joins through
+``mop.parallel.init_distributed`` (the trainer's own path: on ``device="cpu"`` gloo; on
+``device="cuda"`` NCCL with rank r on GPU r, so W GPUs are needed, ``cuda_ranks_available``), with
+one intra-op thread and seed 0 on every rank (tests build full tensors from one seed, then shard, as
+the stack does). It meets the others in a barrier, calls ``fn(rank, world_size, *args, **kwargs)``,
+meets the others in a barrier again, destroys the group, and writes ``("ok", value)`` or ``("error",
+traceback)`` to its own result file. The parent waits on the process sentinels until every rank has
+exited, a rank has failed, or ``timeout`` expires.
 
 Invariants:
 - The call returns only when every child is gone: stragglers are killed before it returns or
