@@ -8,8 +8,9 @@
 #
 # `test` runs the suite on .venv's torch and then, where .venv holds the pinned torch, the fast
 # tests (`-m "not slow"`) on torch 2.11.0, the oldest supported, in .venv-torch2.11 (about 4.6 GB,
-# made on first use; later runs reuse it). Without a package registry, pip's own PIP_NO_INDEX=1
-# and PIP_FIND_LINKS=<wheel folder> make the installs read wheels brought from elsewhere.
+# made on first use; later runs reuse it), both spread over the cores by pytest-xdist. Without a
+# package registry, pip's own PIP_NO_INDEX=1 and PIP_FIND_LINKS=<wheel folder> make the installs
+# read wheels brought from elsewhere.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 venv="$root/.venv"
@@ -64,6 +65,13 @@ if [ -f "$venv/.mop-system-torch" ]; then make_env "$venv" ""; else make_env "$v
 case "${1:-}" in
     test)
         shift
+        # pytest-xdist: one worker per core (at most 8), each with its share of the cores as torch
+        # threads (tests/conftest.py); a test is mostly one busy core (Python, a launch, a wait), so
+        # a worker per core halves the suite's time on 2 cores. A later -n in "$@" wins.
+        cores=$(nproc)
+        workers=$(( cores > 8 ? 8 : cores ))
+        [ "$workers" -gt 1 ] || workers=0
+        set -- -n "$workers" "$@"
         start=$(date +%s)
         status=0
         (cd "$root" && "$venv/bin/python" -m pytest "$@") || status=$?

@@ -5,8 +5,11 @@ The fast loop: `pytest -m "not slow"` over the whole suite must still touch ever
 it passes, the session fails if some module was never imported by it (a test marked slow that was a
 module's only test would otherwise drop that module from the loop unnoticed). Keeping it fast is the
 `slow` marker's job: the larger cases of a parametrised test and the trainer's launches are marked.
+Under pytest-xdist (`./mop.sh test` runs a worker per core) the check is the controller's, over the
+union of the modules its workers imported.
 """
 
+import os
 import pkgutil
 import sys
 from pathlib import Path
@@ -17,6 +20,11 @@ from torch.utils._pytree import tree_map
 
 import mop
 from mop.testing import cuda_ranks_available
+
+# An xdist worker (`./mop.sh test` runs one per core) takes its share of the cores as torch's threads,
+# so that n workers run n * share threads rather than n * cores.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
 def devices(world: int = 1) -> list:
@@ -30,10 +38,10 @@ def to_cpu(tree):
     return tree_map(lambda leaf: leaf.cpu() if isinstance(leaf, torch.Tensor) else leaf, tree)
 
 
-def untouched_modules() -> list[str]:
-    """mop's modules that this process has not imported."""
+def untouched_modules(imported) -> list[str]:
+    """mop's modules that are not in `imported` (module names)."""
     names = [info.name for info in pkgutil.walk_packages(mop.__path__, "mop.")]
-    return sorted(name for name in names if name not in sys.modules)
+    return sorted(name for name in names if name not in imported)
 
 
 def runs_the_whole_fast_loop(config) -> bool:
@@ -42,9 +50,24 @@ def runs_the_whole_fast_loop(config) -> bool:
             and {Path(arg).resolve() for arg in config.args} <= {tests, tests.parent})
 
 
+# Under pytest-xdist (`./mop.sh test` runs `-n <cores>`) each worker imports what its share of the
+# tests touches: a worker hands its modules to the controller, which checks their union.
+WORKERS_IMPORTED = pytest.StashKey[set]()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    imported = getattr(node, "workeroutput", {}).get("mop_modules", ())  # a worker that crashed sent none
+    node.config.stash.setdefault(WORKERS_IMPORTED, set()).update(imported)
+
+
 def pytest_sessionfinish(session, exitstatus):
-    if exitstatus == pytest.ExitCode.OK and runs_the_whole_fast_loop(session.config):
-        missing = untouched_modules()
+    config = session.config
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller checks
+        config.workeroutput["mop_modules"] = [name for name in sys.modules if name.startswith("mop.")]
+        return
+    if exitstatus == pytest.ExitCode.OK and runs_the_whole_fast_loop(config):
+        missing = untouched_modules(set(sys.modules) | config.stash.get(WORKERS_IMPORTED, set()))
         if missing:
             pytest.exit(f"the fast loop (-m 'not slow') imports none of {', '.join(missing)}: "
                         "give each a test that is not marked slow", returncode=pytest.ExitCode.TESTS_FAILED)

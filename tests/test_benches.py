@@ -23,7 +23,7 @@ TINY = {
     "moe": ["--tokens=64", "--hidden=16", "--intermediate=16", "--experts=16", "--min-chunk=8", "--chunks=2",
             "--repeats=1", "--scenarios=balanced,95% -> 16"],
     "optimizer": ["--shards=2", "--shard-size=1024", "--update-steps=2", "--steps=2"],
-    "plan": [],
+    "plan": ["--models=mop-120b", "--contexts=128K"],
     "vocab": ["--tokens=64", "--vocabs=256", "--hidden=16"],
 }
 
@@ -54,6 +54,12 @@ def test_the_moe_benchmark_refuses_fewer_experts_than_its_hot_ones_in_one_line(c
     err = capsys.readouterr().err.strip()
     assert err.startswith("mop: error: --scenarios: unknown scenario '99% -> 1'") and "\n" not in err
 
+
+def test_the_plan_benchmark_names_the_models_it_takes_in_one_line(capsys, tmp_path):
+    assert main(["bench", "plan", "--models=mop-2t", f"--out={tmp_path / 'plan.json'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("mop: error: --models: 'mop-2t' is not one of the paper's models; use mop-120b") and \
+        "\n" not in err
 
 
 @pytest.mark.slow

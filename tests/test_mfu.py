@@ -12,19 +12,18 @@ from mop.flops import Peak, matmul_probe
 
 
 def test_the_probe_measures_once_per_device_dtype_and_thread_count():
-    before = flops._probe.cache_info()
+    flops._probe.cache_clear()  # earlier tests in this process may have measured any thread count
     rate = matmul_probe(torch.device("cpu"), torch.float32)
     assert math.isfinite(rate) and rate > 0
     assert matmul_probe(torch.device("cpu"), torch.float32) == rate
-    after = flops._probe.cache_info()
-    assert after.hits >= before.hits + 1 and after.misses <= before.misses + 1
+    assert flops._probe.cache_info()[:2] == (1, 1)  # (hits, misses)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(threads + 1)
         matmul_probe(torch.device("cpu"), torch.float32)  # another thread count: measured again
     finally:
         torch.set_num_threads(threads)
-    assert flops._probe.cache_info().misses == after.misses + 1
+    assert flops._probe.cache_info()[:2] == (1, 2)
 
 
 def test_the_table_peak_counts_for_a_known_gpu_in_bf16_only(monkeypatch):

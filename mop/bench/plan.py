@@ -17,9 +17,9 @@ import argparse
 from pathlib import Path
 
 from mop.bench.report import table, write_json
+from mop.config import ConfigError
 from mop.cost.cluster import GIB
 
-CONTEXTS = [65536, 131072, 262144, 524288, 1048576]
 CLUSTERS = {"mop-120b": 2, "mop-600b": 8, "mop-1t": 12}
 # The paper's Table 1: (model, context) -> (MoP tokens/s/GPU, FSDP-best tokens/s/GPU or None for OOM).
 PAPER = {
@@ -36,23 +36,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu", default="h200", help="node preset (the paper: h200)")
     parser.add_argument("--mfu", type=float, default=None, help="assumed MFU (default: mop plan's)")
     parser.add_argument("--document-tokens", default="0", help="packed documents' length (default: the context)")
+    parser.add_argument("--models", default=",".join(CLUSTERS), help="which of the paper's models, comma-separated")
+    parser.add_argument("--contexts", default="64K,128K,256K,512K,1M", help="which contexts, comma-separated")
     parser.add_argument("--out", type=Path, default=Path("runs/bench/plan.json"))
 
 
 def run(args) -> dict:
     from mop.cost.cluster import make_cluster
-    from mop.plan import document_tokens, load_model
+    from mop.plan import document_tokens, load_model, parse_tokens
     from mop.plan.report import plan_json
     from mop.plan.search import plan
 
     documents = document_tokens(args.document_tokens)
+    names = args.models.split(",")
+    unknown = [name for name in names if name not in CLUSTERS]
+    if unknown:
+        raise ConfigError("--models", f"{unknown[0]!r} is not one of the paper's models; use {', '.join(CLUSTERS)}")
+    contexts = [parse_tokens(text, "--contexts") for text in args.contexts.split(",")]
     rows = []
-    for name, nodes in CLUSTERS.items():
-        model, cluster = load_model(name), make_cluster(args.gpu, nodes, 8, mfu=args.mfu)
-        for context in CONTEXTS:
+    for name in names:
+        model, cluster = load_model(name), make_cluster(args.gpu, CLUSTERS[name], 8, mfu=args.mfu)
+        for context in contexts:
             predicted = plan_json(context, plan(model, cluster, context, document_tokens=documents))
             paper = PAPER.get((name, context))
-            rows.append({"model": name, "nodes": nodes, **predicted,
+            rows.append({"model": name, "nodes": CLUSTERS[name], **predicted,
                          "paper": None if paper is None else {"mop": paper[0], "fsdp2_best": paper[1]}})
     return {"rows": rows}
 

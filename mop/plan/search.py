@@ -82,6 +82,7 @@ def _settle(config: Config, cluster: Cluster, global_batch: int, micro_batch: in
 def mop_configs(model: ModelConfig, cluster: Cluster, context: int, global_batch: int = 0,
                 lora: LoraConfig | None = None, objective: dict | None = None):
     world, node = cluster.world, cluster.gpus_per_node
+    base = base_config(model, context, lora, objective)
     for d in (d for d in divisors(world) if model.heads % d == 0 and context % d == 0):
         batches = [1] if not global_batch else [b for b in divisors(max(1, global_batch * d // world)) if b <= 8]
         for ep, vocab, logits, head_chunks, llep_chunks, memory, optimizer, micro in itertools.product(
@@ -91,7 +92,7 @@ def mop_configs(model: ModelConfig, cluster: Cluster, context: int, global_batch
                 CHUNKS, MEMORY_OPTIONS.values(), OPTIMIZERS.values(), batches):
             if ep == 1 and llep_chunks > 1:
                 continue
-            config = apply(base_config(model, context, lora, objective), {
+            config = apply(base, {
                 "parallel": dict(strategy="mop", nproc=node, sequence=d, expert=ep, vocab=vocab, expert_balance="llep",
                                  vocab_logits=logits, attention_head_chunks=head_chunks, llep_chunks=llep_chunks),
                 "train": dict(activation_checkpointing=memory[0], offload_activations=memory[1]),
@@ -104,6 +105,7 @@ def mop_configs(model: ModelConfig, cluster: Cluster, context: int, global_batch
 def fsdp2_configs(model: ModelConfig, cluster: Cluster, context: int, global_batch: int = 0,
                   lora: LoraConfig | None = None, objective: dict | None = None):
     world, node = cluster.world, cluster.gpus_per_node
+    base = base_config(model, context, lora, objective)
     for cp, ep, tp, offload, memory in itertools.product(
             [d for d in divisors(world) if model.heads % d == 0 and context % d == 0],
             [e for e in divisors(world) if model.experts % e == 0],
@@ -111,7 +113,7 @@ def fsdp2_configs(model: ModelConfig, cluster: Cluster, context: int, global_bat
             (False, True), BASELINE_MEMORY_OPTIONS.values()):
         if world % (cp * tp) or world % (ep * tp) or (model.heads // tp) % cp:
             continue
-        config = apply(base_config(model, context, lora, objective), {
+        config = apply(base, {
             "parallel": dict(strategy="fsdp2", nproc=node, sequence=cp, expert=ep, vocab=1, expert_balance="ep",
                              fsdp_cpu_offload=offload),
             "train": dict(activation_checkpointing=memory[0], offload_activations=memory[1]),
