@@ -67,7 +67,7 @@ case "${1:-}" in
         shift
         # pytest-xdist: one worker per core (at most 8), each with its share of the cores as torch
         # threads (tests/conftest.py); a test is mostly one busy core (Python, a launch, a wait), so
-        # a worker per core halves the suite's time on 2 cores. A later -n in "$@" wins.
+        # a worker per core takes about 40% off the suite's time on 2 cores. A later -n in "$@" wins.
         cores=$(nproc)
         workers=$(( cores > 8 ? 8 : cores ))
         [ "$workers" -gt 1 ] || workers=0
