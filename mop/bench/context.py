@@ -60,6 +60,7 @@ from mop.config import ConfigError, load_config
 from mop.flops import phase_flops
 from mop.models.config import ModelConfig
 from mop.models.families import model_spec
+from mop.plan import parse_tokens
 from mop.profiling import PHASES
 from mop.settle import settle
 
@@ -78,7 +79,7 @@ PLAIN_PRESET = ["--train.memory_budget=off", "--train.activation_checkpointing=f
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, default=PRESET, help="the mop train config (the long-context preset)")
     parser.add_argument("--contexts", default="131072,262144,524288,1048576",
-                        help="tokens per sequence, comma-separated (empty: the comparisons only)")
+                        help="tokens per sequence, comma-separated, e.g. 128K,1M (empty: the comparisons only)")
     parser.add_argument("--plain-context", type=int, default=524288,
                         help="context of the preset's settings before the fit, against the fitted ones (0: none)")
     parser.add_argument("--compare-context", type=int, default=16384,
@@ -222,7 +223,7 @@ def run(args) -> dict:
     if args.steps < 1 or args.compare_steps < 2:
         raise ConfigError("--steps" if args.steps < 1 else "--compare-steps",
                           "must be at least 1 (--compare-steps 2: its first step is not timed)")
-    contexts = [int(c) for c in args.contexts.split(",") if c]
+    contexts = [parse_tokens(c, "--contexts") for c in args.contexts.split(",") if c]
     needed = max([*contexts, args.plain_context]) * args.global_batch * args.steps
     needed = int(1.1 * max(needed, 2 * args.compare_context * args.compare_steps)) + 1
     source = args.source or long_corpus(args.out.with_name(f"{args.out.stem}-data.jsonl"), needed)
