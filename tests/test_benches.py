@@ -74,7 +74,8 @@ def test_the_moe_benchmark_runs_a_presets_layer_at_divided_widths(tmp_path, caps
     assert main(["bench", "moe", "--model=deepseek-v3", "--width-divisor=448", "--tokens=64", "--min-chunk=8",
                  "--chunks=2", "--repeats=1", "--scenarios=balanced", f"--out={out}"]) == 0
     settings = json.loads(out.read_text())["settings"]
-    assert (settings["experts"], settings["top_k"], settings["hidden"], settings["intermediate"]) == ("256", "8", "16", "4")
+    shape = (settings["experts"], settings["top_k"], settings["hidden"], settings["intermediate"])
+    assert shape == ("256", "8", "16", "4")
     assert "deepseek-v3's layer, widths / 448" in capsys.readouterr().out
 
 
