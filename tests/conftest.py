@@ -19,12 +19,13 @@ import torch
 from torch.utils._pytree import tree_map
 
 import mop
+from mop.parallel.mesh import set_rank_threads
 from mop.testing import cuda_ranks_available
 
 # An xdist worker (`./mop.sh test` runs one per core) takes its share of the cores as torch's threads,
 # so that n workers run n * share threads rather than n * cores.
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    set_rank_threads(int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
 
 
 def devices(world: int = 1) -> list:

@@ -61,6 +61,7 @@ def test_the_plan_benchmark_names_the_models_it_takes_in_one_line(capsys, tmp_pa
     assert err.startswith("mop: error: --models: 'mop-2t' is not one of the paper's models; use mop-120b") and \
         "\n" not in err
 
+
 def test_the_context_benchmark_takes_contexts_as_mop_plan_does_and_names_a_bad_one_in_one_line(capsys, tmp_path):
     assert main(["bench", "context", "--contexts=128K,12x", f"--out={tmp_path / 'context.json'}"]) == 2
     err = capsys.readouterr().err.strip()

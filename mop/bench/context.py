@@ -60,7 +60,7 @@ from mop.config import ConfigError, load_config
 from mop.flops import phase_flops
 from mop.models.config import ModelConfig
 from mop.models.families import model_spec
-from mop.plan import parse_tokens
+from mop.plan import parse_token_list
 from mop.profiling import PHASES
 from mop.settle import settle
 
@@ -223,7 +223,7 @@ def run(args) -> dict:
     if args.steps < 1 or args.compare_steps < 2:
         raise ConfigError("--steps" if args.steps < 1 else "--compare-steps",
                           "must be at least 1 (--compare-steps 2: its first step is not timed)")
-    contexts = [parse_tokens(c, "--contexts") for c in args.contexts.split(",") if c]
+    contexts = parse_token_list(args.contexts, "--contexts") if args.contexts else []
     needed = max([*contexts, args.plain_context]) * args.global_batch * args.steps
     needed = int(1.1 * max(needed, 2 * args.compare_context * args.compare_steps)) + 1
     source = args.source or long_corpus(args.out.with_name(f"{args.out.stem}-data.jsonl"), needed)

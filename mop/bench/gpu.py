@@ -51,7 +51,7 @@ from mop.bench.report import table, write_json
 from mop.config import ConfigError, load_config, load_model_config
 from mop.cost.candidates import Candidate, describe, evaluate
 from mop.cost.cluster import GIB, Cluster, make_cluster
-from mop.plan import parse_tokens
+from mop.plan import parse_token_list
 from mop.settle import settle
 from mop.settle.budget import host_memory_bytes
 
@@ -141,7 +141,7 @@ def plan(args, cluster: Cluster) -> list[dict]:
     """Per context, the host-optimizer run and the torch AdamW run that fit (None: not even one block)."""
     most = args.layers or load_model_config(args.config).layers
     plans = []
-    for context in (parse_tokens(c, "--contexts") for c in args.contexts.split(",")):
+    for context in parse_token_list(args.contexts, "--contexts"):
         host = sized(args, cluster, context, RUNS["host_optimizer"], most)
         adamw = host and sized(args, cluster, context, RUNS["torch_adamw"], host.config.model.layers)
         plans.append({"context": context, "host_optimizer": planned(host), "torch_adamw": planned(adamw)})

@@ -43,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> dict:
     from mop.cost.cluster import make_cluster
-    from mop.plan import document_tokens, load_model, parse_tokens
+    from mop.plan import document_tokens, load_model, parse_token_list
     from mop.plan.report import plan_json
     from mop.plan.search import plan
 
@@ -52,7 +52,7 @@ def run(args) -> dict:
     unknown = [name for name in names if name not in CLUSTERS]
     if unknown:
         raise ConfigError("--models", f"{unknown[0]!r} is not one of the paper's models; use {', '.join(CLUSTERS)}")
-    contexts = [parse_tokens(text, "--contexts") for text in args.contexts.split(",")]
+    contexts = parse_token_list(args.contexts, "--contexts")
     rows = []
     for name in names:
         model, cluster = load_model(name), make_cluster(args.gpu, CLUSTERS[name], 8, mfu=args.mfu)

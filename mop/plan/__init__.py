@@ -59,6 +59,11 @@ def parse_tokens(text: str, option: str = "--context") -> int:
     return int(match.group(1)) * {"": 1, "k": 1024, "m": 1024**2}[match.group(2).lower()]
 
 
+def parse_token_list(text: str, option: str) -> list[int]:
+    """'64K,128K,1M': comma-separated token counts (`parse_tokens`), for `option`."""
+    return [parse_tokens(part, option) for part in text.split(",")]
+
+
 def document_tokens(text: str) -> int:
     """`--document-tokens`: the packed documents' length, 0 for one document per sequence."""
     return 0 if text == "0" else parse_tokens(text, "--document-tokens")
@@ -138,7 +143,7 @@ def run(args) -> dict:
     if bool(args.context) == bool(args.contexts):
         raise ConfigError("--context", "give one context (--context 128K) or a list (--contexts 64K,128K,1M)")
     contexts = ([parse_tokens(args.context)] if args.context else
-                [parse_tokens(c, "--contexts") for c in args.contexts.split(",")])
+                parse_token_list(args.contexts, "--contexts"))
     if args.global_batch < 0:
         raise ConfigError("--global-batch", f"must be >= 0 (0: each layout's smallest), got {args.global_batch}")
     if not args.routing_skew >= 1:
