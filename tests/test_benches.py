@@ -24,7 +24,7 @@ TINY = {
             "--repeats=1", "--scenarios=balanced,95% -> 16"],
     "optimizer": ["--shards=2", "--shard-size=1024", "--update-steps=2", "--steps=2"],
     "plan": ["--models=mop-120b", "--contexts=128K"],
-    "vocab": ["--tokens=64", "--vocabs=256", "--hidden=16"],
+    "vocab": ["--tokens=64", "--vocabs=256", "--hidden=16", "--pass-repeats=2"],
 }
 
 

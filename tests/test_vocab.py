@@ -8,6 +8,7 @@ ring twice, recomputing its logit tiles in the backward and keeping them from th
 rounding (the kept softmax is `e^(z - m) e^(m - lse)`, the recomputed `e^(z - lse)`).
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -18,7 +19,7 @@ from torch.testing import assert_close
 from mop.models.config import ModelConfig
 from mop.models.transformer import IGNORE_INDEX, LMHead
 from mop.parallel import DistLayout, Layout
-from mop.parallel.vocab import VocabParallelHead
+from mop.parallel.vocab import CPU_PASS_BYTES, Ring, VocabParallelHead
 from mop.testing import rank_device, run_distributed
 from conftest import devices, to_cpu
 
@@ -210,3 +211,40 @@ def test_the_kept_ring_holds_every_tile_until_its_backward_and_no_more():
     for rank, (kept, left, refused) in enumerate(run_distributed(kept_tiles_rank, 2)):
         assert kept == 2 * -(-rank_tokens(2)[rank] // 2)  # P shards x the rank's blocks of 2 tokens
         assert left is None and "parallel.vocab_logits=recompute" in refused
+
+
+def pass_chunks_rank(rank, world):
+    """Every ring result twice: each elementwise pass over one row of a tile at a time, and over the
+    whole tile."""
+    layout = DistLayout(Layout(world, vocab=world), torch.device("cpu"))
+    head, hidden, labels = problem(world, 13, 0.1)
+    results = {}
+    for pass_bytes in (1, None):
+        for keep_logits in (False, True):
+            parallel = VocabParallelHead(head, layout, 4, 0.1, keep_logits)
+            assert parallel.ring.pass_bytes == CPU_PASS_BYTES  # a CPU layout's
+            parallel.ring = dataclasses.replace(parallel.ring, pass_bytes=pass_bytes)
+            h = hidden[rank].clone().requires_grad_()
+            loss = parallel.loss_sum(h, labels[rank])
+            loss.backward()
+            logprobs, entropy = parallel.token_logprobs_and_entropy(h.detach(), labels[rank])
+            results[pass_bytes, keep_logits] = (loss.detach(), h.grad, parallel.weight.grad, logprobs, entropy)
+    chunks = parallel.ring.row_chunks(torch.zeros(5, 7))
+    return results, chunks
+
+
+def test_cache_sized_passes_give_the_whole_tile_passes_results_bit_for_bit():
+    """On a CPU a tile's elementwise passes run row chunk by row chunk (`Ring.pass_bytes`); with one
+    row per chunk the loss, both gradients, the log-probs and the entropies are those of passes over
+    the whole tile, bit for bit, recomputing the tiles and keeping them."""
+    for results, whole_tile_chunks in run_distributed(pass_chunks_rank, 2):
+        assert whole_tile_chunks == [slice(0, 5)]
+        for keep_logits in (False, True):
+            for chunked, whole in zip(results[1, keep_logits], results[None, keep_logits]):
+                assert torch.equal(chunked, whole)
+
+
+def test_a_tiles_row_chunks_hold_about_the_pass_bytes():
+    ring = Ring(None, None, 0, 1, 10, 4, 0.0, pass_bytes=3 * 7 * 4)
+    assert ring.row_chunks(torch.zeros(8, 7)) == [slice(0, 3), slice(3, 6), slice(6, 8)]
+    assert dataclasses.replace(ring, pass_bytes=1).row_chunks(torch.zeros(2, 7)) == [slice(0, 1), slice(1, 2)]

@@ -10,6 +10,13 @@
 - ring-kept: the same ring keeping the forward's tiles for the backward (`"keep"`): one GEMM fewer,
   the rank's `[N, V]` fp32 logits held; skipped where those exceed --max-logits-gib, as full is.
 
+Then, per ring (recomputing, and keeping where it ran), issue 50's cache-sized passes against the
+passes they replaced: the same ranks alternate a step with each elementwise pass over a whole
+logit tile (`Ring.pass_bytes = None`, as before) and a step as the ring runs on a CPU (about
+`CPU_PASS_BYTES` of a tile's rows at a time), `--pass-repeats` steps each, in turn, so that both
+see the same moments of a noisy machine; the table gives each one's median step (slowest rank)
+and their ratio. The results are the same bit for bit (tests/test_vocab.py).
+
 Every rank runs its own N tokens (W ranks, one intra-op thread each). Memory per rank = the
 weight it holds + the transient peak of forward + backward (`mop.testing.memory`: the weight's
 gradient, the logit tiles, the ring's incoming shard and gradient buffers). Communication per rank
@@ -23,10 +30,14 @@ weight's bytes. The full-logits variant is skipped (not run) where its logits al
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
+import statistics
+import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from mop.bench.report import MIB, table, write_json
@@ -48,6 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--max-logits-gib", type=float, default=1.0, help="skip full logits larger than this")
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--pass-repeats", type=int, default=6,
+                        help="steps of each elementwise-pass variant, taken in turn (0: no pass comparison)")
     parser.add_argument("--out", type=Path, default=Path("runs/bench/vocab.json"))
 
 
@@ -81,6 +94,46 @@ def loss_rank(rank, world, variant: str, tokens: int, vocab: int, hidden: int, r
             "weight_bytes": weight_bytes}
 
 
+def passes_rank(rank, world, keep_logits: bool, tokens: int, vocab: int, hidden: int, repeats: int) -> dict:
+    """Seconds of ring steps (forward + backward, between barriers) with whole-tile elementwise passes
+    and with the CPU's cache-sized ones, taken in turn."""
+    keep_freed_host_memory()
+    head = LMHead(ModelConfig(vocab_size=vocab, hidden=hidden))
+    torch.nn.init.normal_(head.weight, std=0.02, generator=torch.Generator().manual_seed(0))
+    module = VocabParallelHead(head, DistLayout(Layout(world, vocab=world), torch.device("cpu")), 0, 0.0, keep_logits)
+    rings = {"cache-sized": module.ring, "whole-tile": dataclasses.replace(module.ring, pass_bytes=None)}
+    g = torch.Generator().manual_seed(rank)
+    h = torch.randn(tokens, hidden, generator=g, requires_grad=True)
+    labels = torch.randint(0, vocab, (tokens,), generator=g)
+    seconds = {name: [] for name in rings}
+    for turn in range(repeats + 1):  # the first turn warms up both
+        for name in (rings if turn % 2 else reversed(rings)):
+            module.ring, module.weight.grad, h.grad = rings[name], None, None
+            dist.barrier()
+            start = time.perf_counter()
+            module.loss_sum(h, labels).backward()
+            dist.barrier()
+            if turn:
+                seconds[name].append(time.perf_counter() - start)
+    return seconds
+
+
+def compare_passes(args, vocab: int, tokens: int) -> list[dict]:
+    """The ring's two kinds of elementwise passes, per ring that fits --max-logits-gib."""
+    rows = []
+    for keep_logits in (False, True):
+        if keep_logits and tokens * vocab * 4 > args.max_logits_gib * GIB:
+            continue
+        per_rank = run_distributed(passes_rank, args.world, keep_logits, tokens, vocab, args.hidden,
+                                   args.pass_repeats, timeout=3600)
+        steps = {name: [max(turn) for turn in zip(*(r[name] for r in per_rank))] for name in per_rank[0]}
+        median = {name: statistics.median(s) for name, s in steps.items()}
+        rows.append({"vocab": vocab, "tokens": tokens, "ring": "ring-kept" if keep_logits else "ring",
+                     "whole_tile_s": median["whole-tile"], "cache_sized_s": median["cache-sized"],
+                     "speedup": median["whole-tile"] / median["cache-sized"], "steps_s": steps})
+    return rows
+
+
 def communicated_bytes(variant: str, world: int, vocab: int, hidden: int) -> int:
     full_weight = vocab * hidden * 4
     if variant.startswith("ring"):
@@ -90,7 +143,7 @@ def communicated_bytes(variant: str, world: int, vocab: int, hidden: int) -> int
 
 
 def run(args) -> dict:
-    rows = []
+    rows, passes = [], []
     for vocab in (int(v) for v in args.vocabs.split(",")):
         for tokens in (int(n) for n in args.tokens.split(",")):
             base = None
@@ -107,7 +160,9 @@ def run(args) -> dict:
                 rows.append({"vocab": vocab, "tokens": tokens, "variant": variant, "skipped": False, **result,
                              "peak_vs_base": result["peak_bytes"] / base["peak_bytes"],
                              "time_vs_base": result["seconds"] / base["seconds"]})
-    return {"rows": rows}
+            if args.pass_repeats:
+                passes += compare_passes(args, vocab, tokens)
+    return {"rows": rows, "passes": passes}
 
 
 def report(args, results: dict) -> None:
@@ -117,5 +172,11 @@ def report(args, results: dict) -> None:
                   f"{r['logits_bytes'] / GIB:.1f} GiB", "", "", ""] if r["skipped"] else
                   [r["peak_bytes"] / MIB, r["peak_vs_base"], r["seconds"], r["time_vs_base"], r["bytes_sent"] / MIB])]
                  for r in results["rows"]]))
+    if results["passes"]:
+        print()
+        print(table(f"the ring's elementwise passes, forward + backward, median of {args.pass_repeats} steps each, "
+                    "taken in turn", ["V", "N/rank", "ring", "whole-tile passes s", "cache-sized s", "speed-up"],
+                    [[r["vocab"], r["tokens"], r["ring"], r["whole_tile_s"], r["cache_sized_s"], r["speedup"]]
+                     for r in results["passes"]]))
     path = write_json(args.out, "vocab", {k: str(v) for k, v in vars(args).items() if k != "func"}, results)
     print(f"\nresults written to {path}")

@@ -12,6 +12,15 @@ For each block of `token_block` tokens it forms the `[block, V/P]` logits agains
 up the target logit if the target lives in the shard. Only one logit tile is live at a time; the
 full `[N, V]` logits never exist.
 
+Elementwise passes. A tile's passes (max, shift, exponential, sum; in the recomputing backward
+shift, exponential, scale) are each one kernel over the whole tile on a GPU. On a CPU they run row
+chunk by row chunk of about `CPU_PASS_BYTES` (`Ring.pass_bytes`), every pass over one chunk before
+the next chunk: a chunk stays in the core's cache between the passes, so a pass after the first
+reads cache, not memory. Measured on a 2-core Xeon (one thread): the forward's passes over a 64 MiB
+tile 33.5 -> 17.0 ms, the recomputing backward's 24.9 -> 14.3 ms; a ring step (forward and backward)
+2-10% faster (`mop bench vocab`, steps of both kinds in turn). The arithmetic per row is the same
+either way: results are bit for bit those of whole-tile passes.
+
 Backward ring: the shards go round again, each with a gradient buffer travelling with it. Per
 block the logits are recomputed (or, with `keep_logits`, taken from the forward: the forward keeps
 each fp32 tile after its exponential, `e^(z - m)` with `m` its running max, and `m`, a rank's
@@ -49,6 +58,9 @@ from mop.parallel.mesh import DistLayout
 from mop.parallel.placement import rows_in_part
 
 TILE_BYTES = 64 * 2**20  # default budget of one fp32 logit tile
+# A tile's rows per elementwise pass on a CPU: within a core's L2 (1-2 MiB on current server cores). 0.5-1 MiB
+# passed equally fast on the Xeon measured, and fewer chunks make fewer Python calls.
+CPU_PASS_BYTES = 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +74,15 @@ class Ring:
     z_loss: float
     keep_logits: bool = False
     """The forward's tiles stay for the backward (`parallel.vocab_logits = "keep"`)."""
+    pass_bytes: int | None = None
+    """Bytes of a tile's rows that every elementwise pass covers before the next rows (None: each pass
+    over the whole tile, as on a GPU; on a CPU `CPU_PASS_BYTES`, module docstring)."""
+
+    def row_chunks(self, tile: torch.Tensor) -> list[slice]:
+        """The row chunks of `tile` that its elementwise passes take one after the other."""
+        if self.pass_bytes is None:
+            return [slice(0, tile.shape[0])]
+        return _blocks(tile.shape[0], max(1, self.pass_bytes // (tile.shape[1] * tile.element_size())))
 
     def valid_columns(self, shard: int, rows: int) -> int:
         """Columns of shard `shard` inside the true vocabulary (a shard of pure padding has none)."""
@@ -147,18 +168,13 @@ def _forward_pass(hidden, weight, labels, ring: Ring, entropy: bool = False) -> 
             mine = (now.local[block] >= 0) & (now.local[block] < rows)
             picked = logits.gather(1, now.local[block].clamp(0, rows - 1).unsqueeze(1)).squeeze(1)
             target[block] = torch.where(mine, picked, target[block])
-            # amax: the max without its indices, several times faster than max(dim) on a CPU; equal values
-            new_max = torch.maximum(running_max[block], logits.amax(dim=1))
-            logits.sub_(new_max.unsqueeze(1))
-            # With entropy, the shifted logits are kept for it (padding columns' -inf as 0): one more tile.
-            shifted = logits.masked_fill(torch.isinf(logits), 0.0) if entropy else None
-            # In place on the tile: one [block, V/P] tensor is all this step allocates without entropy.
-            tile_sum = logits.exp_().sum(dim=1)
+            new_max, tile_sum, tile_weighted = _exponentiate(logits, running_max[block], ring.row_chunks(logits),
+                                                             entropy)
             if kept is not None:  # the tile's e^(z - m) and its m: softmax = e^(z - m) e^(m - lse) in the backward
                 kept.append((logits, new_max))
             if entropy:
                 running_weighted[block] = _fold_entropy(running_weighted[block], running_sum[block],
-                                                        running_max[block], new_max, shifted.mul_(logits))
+                                                        running_max[block], new_max, tile_weighted)
             running_sum[block] = running_sum[block] * torch.exp(running_max[block] - new_max) + tile_sum
             running_max[block] = new_max
             del logits
@@ -170,14 +186,35 @@ def _forward_pass(hidden, weight, labels, ring: Ring, entropy: bool = False) -> 
     return _Forward(lse, target, dtype, entropies, kept)
 
 
+def _exponentiate(logits: torch.Tensor, old_max: torch.Tensor, chunks: list[slice], entropy: bool):
+    """In place on the tile `logits`: each row shifted by its new running max `m` (the larger of
+    `old_max` and the row's own) and exponentiated, `e^(z - m)`, chunk of rows by chunk of rows
+    (`Ring.row_chunks`). Returns `m`, each row's sum of the tile's `e^(z - m)` and, with `entropy`,
+    each row's sum of `e^s s` (`s = z - m`; padding columns' -inf count 0)."""
+    new_max, tile_sum = torch.empty_like(old_max), torch.empty_like(old_max)
+    tile_weighted = torch.empty_like(old_max) if entropy else None
+    for rows in chunks:
+        chunk = logits[rows]
+        # amax: the max without its indices, several times faster than max(dim) on a CPU; equal values
+        new_max[rows] = torch.maximum(old_max[rows], chunk.amax(dim=1))
+        chunk.sub_(new_max[rows].unsqueeze(1))
+        # With entropy, the shifted logits are kept for it: one more chunk.
+        shifted = chunk.masked_fill(torch.isinf(chunk), 0.0) if entropy else None
+        # In place on the tile: one [block, V/P] tensor is all a step allocates without entropy.
+        tile_sum[rows] = chunk.exp_().sum(dim=1)
+        if entropy:
+            tile_weighted[rows] = shifted.mul_(chunk).sum(dim=1)
+    return new_max, tile_sum, tile_weighted
+
+
 def _fold_entropy(weighted: torch.Tensor, total: torch.Tensor, old_max: torch.Tensor, new_max: torch.Tensor,
-                  tile: torch.Tensor) -> torch.Tensor:
+                  tile_weighted: torch.Tensor) -> torch.Tensor:
     """The running `sum_v e^(z_v - m) (z_v - m)` moved from max `old_max` to `new_max` and with the
-    tile's `e^s s` added (`tile`, `s = z - new_max`; padding columns 0); `total` is the running
+    tile's sum of `e^s s` added (`tile_weighted`, `s = z - new_max`); `total` is the running
     `sum_v e^(z_v - m)` at the old max. Entropy is then `log total - weighted / total`."""
     step = old_max - new_max
     moved = torch.where(total > 0, (weighted + step * total) * step.exp(), torch.zeros_like(weighted))
-    return moved + tile.sum(dim=1)
+    return moved + tile_weighted
 
 
 def _backward_pass(hidden, weight, labels, lse, ring: Ring, dtype: torch.dtype, softmax_scale: torch.Tensor,
@@ -201,7 +238,9 @@ def _backward_pass(hidden, weight, labels, lse, ring: Ring, dtype: torch.dtype, 
                 d_logits.mul_((torch.exp(tile_max - lse[block]) * softmax_scale[block]).unsqueeze(1))
             else:
                 d_logits = _logits(compute_hidden[block], shard, now.valid_columns)
-                d_logits.sub_(lse[block].unsqueeze(1)).exp_().mul_(softmax_scale[block].unsqueeze(1))
+                block_lse, block_scale = lse[block], softmax_scale[block]
+                for part in ring.row_chunks(d_logits):
+                    d_logits[part].sub_(block_lse[part].unsqueeze(1)).exp_().mul_(block_scale[part].unsqueeze(1))
             # Minus the one-hot target where it lies in this shard (adding 0 elsewhere): no
             # data-dependent shapes, so no device-to-host synchronisation per tile.
             in_shard = (now.local[block] >= 0) & (now.local[block] < rows)
@@ -298,7 +337,7 @@ class VocabParallelHead(nn.Module):
                                    requires_grad=head.weight.requires_grad)
         replicas = layout.vocab_replica_group if layout.layout.vocab_replicas > 1 else None
         self.ring = Ring(layout.vocab_group, replicas, shard, size, vocab, token_block or default_token_block(rows),
-                         z_loss, keep_logits)
+                         z_loss, keep_logits, CPU_PASS_BYTES if layout.device.type == "cpu" else None)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError("parallel.vocab > 1 never builds full logits; train with labels (loss_sum), "
