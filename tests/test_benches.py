@@ -84,3 +84,21 @@ def test_the_moe_benchmark_names_the_presets_it_takes_in_one_line(capsys, tmp_pa
     assert main(["bench", "moe", "--model=gpt-5", f"--out={tmp_path / 'moe.json'}"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("mop: error: --model: 'gpt-5' is not a preset; use one of") and "\n" not in err
+
+
+def test_the_vocab_benchmark_reports_a_variant_whose_rank_was_killed_and_goes_on(capsys, tmp_path, monkeypatch):
+    from mop.bench import vocab
+    from mop.testing import DistributedError
+
+    def killed_when_full(fn, world, variant, *args, **kwargs):
+        if variant == "full":  # as the kernel's out-of-memory killer ends a rank of the full logits
+            raise DistributedError("1 of 2 ranks failed", killed={1: 9})
+        return [{"seconds": 1.0, "peak_bytes": 2 * 2**20, "weight_bytes": 2**20}] * world
+
+    monkeypatch.setattr(vocab, "run_distributed", killed_when_full)
+    out = tmp_path / "vocab.json"
+    assert main(["bench", "vocab", "--tokens=64", "--vocabs=256", "--pass-repeats=0", f"--out={out}"]) == 0
+    shown = capsys.readouterr().out
+    assert "killed (rank 1: signal 9; out of memory?)" in shown and "lower --max-logits-gib" in shown
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["full", "tiled", "ring", "ring-kept"] and rows[0]["killed"] == {"1": 9}

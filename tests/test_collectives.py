@@ -265,6 +265,21 @@ def test_failures_are_reported_with_rank_and_traceback():
     assert "rank 1 exited with code 3 without reporting a result" in msg
     assert "ranks [2] were still running and were killed" in msg
     assert time.monotonic() - start < 30  # killed after the grace period, not at the timeout
+    assert e.value.killed == {}  # an exit code and the harness's own kill are not a signal's end
+
+
+def killed_by_a_signal(rank, world):
+    if rank == 1:
+        import os
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)  # as the kernel's out-of-memory killer ends a rank
+
+
+def test_a_rank_ended_by_a_signal_is_named_with_the_signal():
+    with pytest.raises(DistributedError) as e:
+        run_distributed(killed_by_a_signal, 2, timeout=60)
+    assert e.value.killed == {1: 9} and "rank 1 exited with code -9" in str(e.value)
 
 
 def p2p_deadlock(rank, world):

@@ -24,7 +24,9 @@ is counted from the algorithm: the ring sends (P-1) weight shards forward and (P
 fp32 gradient buffers backward; full and tiled need the whole weight's gradient reduced across
 the W data-parallel ranks (plus the weight gathered, under FSDP2), counted as 2 (W-1)/W x the
 weight's bytes. The full-logits variant is skipped (not run) where its logits alone would exceed
---max-logits-gib. Ratios are against "full" where it ran, else against "tiled".
+--max-logits-gib (it needs about four times that per rank); a variant whose rank the kernel kills
+(out of memory) is reported as killed, and the others still run. Ratios are against "full" where
+it ran, else against "tiled".
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from mop.models.transformer import LMHead
 from mop.parallel import DistLayout, Layout
 from mop.parallel.vocab import TiledHead, VocabParallelHead, default_token_block
 from mop.runtime import keep_freed_host_memory
-from mop.testing import run_distributed
+from mop.testing import DistributedError, run_distributed
 from mop.testing.memory import measure_step
 
 GIB = 2**30
@@ -152,9 +154,17 @@ def run(args) -> dict:
                     rows.append({"vocab": vocab, "tokens": tokens, "variant": variant, "skipped": True,
                                  "logits_bytes": tokens * vocab * 4})
                     continue
-                per_rank = run_distributed(loss_rank, args.world, variant, tokens, vocab, args.hidden, args.repeats,
-                                           timeout=3600)
-                result = {"seconds": max(r["seconds"] for r in per_rank), "peak_bytes": max(r["peak_bytes"] for r in per_rank),
+                try:
+                    per_rank = run_distributed(loss_rank, args.world, variant, tokens, vocab, args.hidden,
+                                               args.repeats, timeout=3600)
+                except DistributedError as error:
+                    if not error.killed:
+                        raise
+                    rows.append({"vocab": vocab, "tokens": tokens, "variant": variant, "skipped": False,
+                                 "killed": error.killed})
+                    continue
+                result = {"seconds": max(r["seconds"] for r in per_rank),
+                          "peak_bytes": max(r["peak_bytes"] for r in per_rank),
                           "bytes_sent": communicated_bytes(variant, args.world, vocab, args.hidden)}
                 base = base or result
                 rows.append({"vocab": vocab, "tokens": tokens, "variant": variant, "skipped": False, **result,
@@ -165,13 +175,19 @@ def run(args) -> dict:
     return {"rows": rows, "passes": passes}
 
 
+def _cells(row: dict) -> list:
+    if row["skipped"]:
+        return ["skipped: logits alone need", f"{row['logits_bytes'] / GIB:.1f} GiB", "", "", ""]
+    if "killed" in row:
+        signals = ", ".join(f"rank {rank}: signal {signal}" for rank, signal in row["killed"].items())
+        return [f"killed ({signals}; out of memory?)", "lower --max-logits-gib", "", "", ""]
+    return [row["peak_bytes"] / MIB, row["peak_vs_base"], row["seconds"], row["time_vs_base"], row["bytes_sent"] / MIB]
+
+
 def report(args, results: dict) -> None:
     print(table(f"output projection + loss, forward + backward, per rank, W=P={args.world}, H={args.hidden}",
                 ["V", "N/rank", "variant", "peak MiB", "vs base", "time s", "vs base", "sent MiB"],
-                [[r["vocab"], r["tokens"], r["variant"], *(["skipped: logits alone need",
-                  f"{r['logits_bytes'] / GIB:.1f} GiB", "", "", ""] if r["skipped"] else
-                  [r["peak_bytes"] / MIB, r["peak_vs_base"], r["seconds"], r["time_vs_base"], r["bytes_sent"] / MIB])]
-                 for r in results["rows"]]))
+                [[r["vocab"], r["tokens"], r["variant"], *_cells(r)] for r in results["rows"]]))
     if results["passes"]:
         print()
         print(table(f"the ring's elementwise passes, forward + backward, median of {args.pass_repeats} steps each, "

@@ -49,7 +49,12 @@ _GRACE_S = 3.0
 
 
 class DistributedError(RuntimeError):
-    """One or more ranks raised, or died without reporting a result."""
+    """One or more ranks raised, or died without reporting a result. `killed`: the ranks a signal
+    ended (the kernel's out-of-memory killer sends SIGKILL), with the signal's number."""
+
+    def __init__(self, message: str, killed: dict[int, int] | None = None):
+        super().__init__(message)
+        self.killed = killed or {}
 
 
 def cuda_ranks_available(world_size: int) -> bool:
@@ -125,7 +130,8 @@ def run_distributed(
         parts = list(failures)
         if running:
             parts.append(f"ranks {running} were still running and were killed")
-        raise DistributedError(f"{len(failures)} of {world_size} ranks failed\n\n" + "\n".join(parts))
+        killed = {rank: -procs[rank].exitcode for rank in outcomes if (procs[rank].exitcode or 0) < 0}
+        raise DistributedError(f"{len(failures)} of {world_size} ranks failed\n\n" + "\n".join(parts), killed)
     if running:
         finished = sorted(exit_order)
         raise TimeoutError(
