@@ -66,14 +66,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/bench/vocab.json"))
 
 
-def loss_rank(rank, world, variant: str, tokens: int, vocab: int, hidden: int, repeats: int) -> dict:
-    keep_freed_host_memory()  # as `mop train`'s ranks do where memory allows (`train.keep_freed_host_memory`)
-    g = torch.Generator().manual_seed(rank)
+def logits_fit(args, tokens: int, vocab: int) -> bool:
+    """Whether a rank's full fp32 logits (the full variant's, the kept ring's) fit --max-logits-gib."""
+    return tokens * vocab * 4 <= args.max_logits_gib * GIB
+
+
+def rank_problem(rank: int, tokens: int, vocab: int, hidden: int):
+    """This rank's heap set as `mop train`'s where memory allows (`train.keep_freed_host_memory`), and
+    its problem: the head (the same on every rank), its hidden states and its targets."""
+    keep_freed_host_memory()
     head = LMHead(ModelConfig(vocab_size=vocab, hidden=hidden))
     torch.nn.init.normal_(head.weight, std=0.02, generator=torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(rank)
+    h = torch.randn(tokens, hidden, generator=g, requires_grad=True)
+    return head, h, torch.randint(0, vocab, (tokens,), generator=g)
+
+
+def ring_head(head: LMHead, world: int, keep_logits: bool) -> VocabParallelHead:
+    """The ring over all `world` ranks (P = W), its tiles of the automatic size, no z-loss."""
+    return VocabParallelHead(head, DistLayout(Layout(world, vocab=world), torch.device("cpu")), 0, 0.0, keep_logits)
+
+
+def loss_rank(rank, world, variant: str, tokens: int, vocab: int, hidden: int, repeats: int) -> dict:
+    head, h, labels = rank_problem(rank, tokens, vocab, hidden)
     if variant.startswith("ring"):
-        module = VocabParallelHead(head, DistLayout(Layout(world, vocab=world), torch.device("cpu")), 0, 0.0,
-                                   keep_logits=variant == "ring-kept")
+        module = ring_head(head, world, keep_logits=variant == "ring-kept")
         loss_fn = module.loss_sum
         head = None  # the full weight is not kept
     elif variant == "tiled":
@@ -83,8 +100,6 @@ def loss_rank(rank, world, variant: str, tokens: int, vocab: int, hidden: int, r
         module = head
         loss_fn = lambda h, y: F.cross_entropy(head(h).float(), y, reduction="sum")  # noqa: E731
     weight = module.weight
-    h = torch.randn(tokens, hidden, generator=g, requires_grad=True)
-    labels = torch.randint(0, vocab, (tokens,), generator=g)
 
     def step():
         weight.grad = None
@@ -99,14 +114,9 @@ def loss_rank(rank, world, variant: str, tokens: int, vocab: int, hidden: int, r
 def passes_rank(rank, world, keep_logits: bool, tokens: int, vocab: int, hidden: int, repeats: int) -> dict:
     """Seconds of ring steps (forward + backward, between barriers) with whole-tile elementwise passes
     and with the CPU's cache-sized ones, taken in turn."""
-    keep_freed_host_memory()
-    head = LMHead(ModelConfig(vocab_size=vocab, hidden=hidden))
-    torch.nn.init.normal_(head.weight, std=0.02, generator=torch.Generator().manual_seed(0))
-    module = VocabParallelHead(head, DistLayout(Layout(world, vocab=world), torch.device("cpu")), 0, 0.0, keep_logits)
+    head, h, labels = rank_problem(rank, tokens, vocab, hidden)
+    module = ring_head(head, world, keep_logits)
     rings = {"cache-sized": module.ring, "whole-tile": dataclasses.replace(module.ring, pass_bytes=None)}
-    g = torch.Generator().manual_seed(rank)
-    h = torch.randn(tokens, hidden, generator=g, requires_grad=True)
-    labels = torch.randint(0, vocab, (tokens,), generator=g)
     seconds = {name: [] for name in rings}
     for turn in range(repeats + 1):  # the first turn warms up both
         for name in (rings if turn % 2 else reversed(rings)):
@@ -124,7 +134,7 @@ def compare_passes(args, vocab: int, tokens: int) -> list[dict]:
     """The ring's two kinds of elementwise passes, per ring that fits --max-logits-gib."""
     rows = []
     for keep_logits in (False, True):
-        if keep_logits and tokens * vocab * 4 > args.max_logits_gib * GIB:
+        if keep_logits and not logits_fit(args, tokens, vocab):
             continue
         per_rank = run_distributed(passes_rank, args.world, keep_logits, tokens, vocab, args.hidden,
                                    args.pass_repeats, timeout=3600)
@@ -150,7 +160,7 @@ def run(args) -> dict:
         for tokens in (int(n) for n in args.tokens.split(",")):
             base = None
             for variant in ("full", "tiled", "ring", "ring-kept"):
-                if variant in ("full", "ring-kept") and tokens * vocab * 4 > args.max_logits_gib * GIB:
+                if variant in ("full", "ring-kept") and not logits_fit(args, tokens, vocab):
                     rows.append({"vocab": vocab, "tokens": tokens, "variant": variant, "skipped": True,
                                  "logits_bytes": tokens * vocab * 4})
                     continue
