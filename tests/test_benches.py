@@ -24,7 +24,7 @@ TINY = {
             "--repeats=1", "--scenarios=balanced,95% -> 16"],
     "optimizer": ["--shards=2", "--shard-size=1024", "--update-steps=2", "--steps=2"],
     "plan": ["--models=mop-120b", "--contexts=128K"],
-    "vocab": ["--tokens=64", "--vocabs=256", "--hidden=16", "--pass-repeats=2"],
+    "vocab": ["--tokens=64", "--vocabs=256", "--hidden=16", "--fix-repeats=2"],
 }
 
 
@@ -97,7 +97,7 @@ def test_the_vocab_benchmark_reports_a_variant_whose_rank_was_killed_and_goes_on
 
     monkeypatch.setattr(vocab, "run_distributed", killed_when_full)
     out = tmp_path / "vocab.json"
-    assert main(["bench", "vocab", "--tokens=64", "--vocabs=256", "--pass-repeats=0", f"--out={out}"]) == 0
+    assert main(["bench", "vocab", "--tokens=64", "--vocabs=256", "--fix-repeats=0", f"--out={out}"]) == 0
     shown = capsys.readouterr().out
     assert "killed (rank 1: signal 9; out of memory?)" in shown and "lower --max-logits-gib" in shown
     rows = json.loads(out.read_text())["rows"]

@@ -248,3 +248,32 @@ def test_a_tiles_row_chunks_hold_about_the_pass_bytes():
     ring = Ring(None, None, 0, 1, 10, 4, 0.0, pass_bytes=3 * 7 * 4)
     assert ring.row_chunks(torch.zeros(8, 7)) == [slice(0, 3), slice(3, 6), slice(6, 8)]
     assert dataclasses.replace(ring, pass_bytes=1).row_chunks(torch.zeros(2, 7)) == [slice(0, 1), slice(1, 2)]
+
+
+def tile_buffer_rank(rank, world):
+    """Every result of a recomputing ring twice, in fp32 and in bf16: each tile formed in the pass's
+    one buffer, and each in a tensor of its own."""
+    layout = DistLayout(Layout(world, vocab=world), torch.device("cpu"))
+    head, hidden, labels = problem(world, 13, 0.1)
+    results = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for tile_buffer in (True, False):
+            parallel = VocabParallelHead(head, layout, 4, 0.1, keep_logits=False).to(dtype)
+            assert parallel.ring.tile_buffer  # as the ring runs
+            parallel.ring = dataclasses.replace(parallel.ring, tile_buffer=tile_buffer)
+            h = hidden[rank].to(dtype, copy=True).requires_grad_()
+            loss = parallel.loss_sum(h, labels[rank])
+            loss.backward()
+            logprobs, entropy = parallel.token_logprobs_and_entropy(h.detach(), labels[rank])
+            results[dtype, tile_buffer] = (loss.detach(), h.grad, parallel.weight.grad, logprobs, entropy)
+    return results
+
+
+def test_tiles_formed_in_one_buffer_give_the_results_of_a_tile_per_block_bit_for_bit():
+    """A recomputing ring forms every tile of a pass in one buffer (`Ring.tile_buffer`): the loss, both
+    gradients, the log-probs and the entropies are those of a tile allocated per block, bit for bit,
+    in fp32 (the GEMM writes into the buffer) and in bf16 (the product widened into it)."""
+    for results in run_distributed(tile_buffer_rank, 2):
+        for dtype in (torch.float32, torch.bfloat16):
+            for buffered, own in zip(results[dtype, True], results[dtype, False], strict=True):
+                assert buffered.dtype == own.dtype and torch.equal(buffered, own)

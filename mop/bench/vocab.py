@@ -10,12 +10,17 @@
 - ring-kept: the same ring keeping the forward's tiles for the backward (`"keep"`): one GEMM fewer,
   the rank's `[N, V]` fp32 logits held; skipped where those exceed --max-logits-gib, as full is.
 
-Then, per ring (recomputing, and keeping where it ran), issue 50's cache-sized passes against the
-passes they replaced: the same ranks alternate a step with each elementwise pass over a whole
-logit tile (`Ring.pass_bytes = None`, as before) and a step as the ring runs on a CPU (about
-`CPU_PASS_BYTES` of a tile's rows at a time), `--pass-repeats` steps each, in turn, so that both
-see the same moments of a noisy machine; the table gives each one's median step (slowest rank)
-and their ratio. The results are the same bit for bit (tests/test_vocab.py).
+Then issue 50's two fixes of the ring on a CPU, each against what it replaced: the same ranks take,
+in turn, a step of the ring as mop runs it and a step with one fix undone, `--fix-repeats` steps
+each, so that all see the same moments of a noisy machine; the table gives each one's median step
+(slowest rank) and the ratio. The fixes (results bit for bit the same: tests/test_vocab.py):
+- cache-sized passes: a tile's elementwise passes about `CPU_PASS_BYTES` of its rows at a time,
+  against each pass over the whole tile (`Ring.pass_bytes = None`);
+- the tile buffer: a recomputing ring's tiles all formed in one buffer, against a tile allocated
+  per block (`Ring.tile_buffer = False`). It matters under glibc's default heap, where a 64 MiB
+  tile is mmapped afresh each time, so the recomputing ring is measured under both heaps: the one
+  that keeps freed memory (what `mop train` sets while memory allows) and the default (what the fit
+  leaves when memory is tight). A ring keeping its tiles has no buffer.
 
 Every rank runs its own N tokens (W ranks, one intra-op thread each). Memory per rank = the
 weight it holds + the transient peak of forward + backward (`mop.testing.memory`: the weight's
@@ -61,8 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--max-logits-gib", type=float, default=1.0, help="skip full logits larger than this")
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--pass-repeats", type=int, default=6,
-                        help="steps of each elementwise-pass variant, taken in turn (0: no pass comparison)")
+    parser.add_argument("--fix-repeats", type=int, default=6,
+                        help="steps of the ring as mop runs it and with each fix undone, taken in turn "
+                             "(0: no comparison of the fixes)")
     parser.add_argument("--out", type=Path, default=Path("runs/bench/vocab.json"))
 
 
@@ -71,10 +77,12 @@ def logits_fit(args, tokens: int, vocab: int) -> bool:
     return tokens * vocab * 4 <= args.max_logits_gib * GIB
 
 
-def rank_problem(rank: int, tokens: int, vocab: int, hidden: int):
-    """This rank's heap set as `mop train`'s where memory allows (`train.keep_freed_host_memory`), and
-    its problem: the head (the same on every rank), its hidden states and its targets."""
-    keep_freed_host_memory()
+def rank_problem(rank: int, tokens: int, vocab: int, hidden: int, keep_heap: bool = True):
+    """This rank's heap set as `mop train`'s where memory allows (`train.keep_freed_host_memory`; with
+    `keep_heap` off, glibc's default, as where memory is tight), and its problem: the head (the same on
+    every rank), its hidden states and its targets."""
+    if keep_heap:
+        keep_freed_host_memory()
     head = LMHead(ModelConfig(vocab_size=vocab, hidden=hidden))
     torch.nn.init.normal_(head.weight, std=0.02, generator=torch.Generator().manual_seed(0))
     g = torch.Generator().manual_seed(rank)
@@ -111,14 +119,20 @@ def loss_rank(rank, world, variant: str, tokens: int, vocab: int, hidden: int, r
             "weight_bytes": weight_bytes}
 
 
-def passes_rank(rank, world, keep_logits: bool, tokens: int, vocab: int, hidden: int, repeats: int) -> dict:
-    """Seconds of ring steps (forward + backward, between barriers) with whole-tile elementwise passes
-    and with the CPU's cache-sized ones, taken in turn."""
-    head, h, labels = rank_problem(rank, tokens, vocab, hidden)
+# each fix of the ring on a CPU: the ring with it undone
+UNDONE = {"whole-tile passes": {"pass_bytes": None}, "tile per block": {"tile_buffer": False}}
+
+
+def fixes_rank(rank, world, keep_logits: bool, keep_heap: bool, tokens: int, vocab: int, hidden: int,
+               repeats: int) -> dict:
+    """Seconds of ring steps (forward + backward, between barriers) as mop runs them and with each fix
+    undone that applies (a kept ring has no tile buffer), taken in turn."""
+    head, h, labels = rank_problem(rank, tokens, vocab, hidden, keep_heap)
     module = ring_head(head, world, keep_logits)
-    rings = {"cache-sized": module.ring, "whole-tile": dataclasses.replace(module.ring, pass_bytes=None)}
+    rings = {"mop": module.ring} | {name: dataclasses.replace(module.ring, **undo) for name, undo in UNDONE.items()
+                                    if not (keep_logits and "tile_buffer" in undo)}
     seconds = {name: [] for name in rings}
-    for turn in range(repeats + 1):  # the first turn warms up both
+    for turn in range(repeats + 1):  # the first turn warms up every ring
         for name in (rings if turn % 2 else reversed(rings)):
             module.ring, module.weight.grad, h.grad = rings[name], None, None
             dist.barrier()
@@ -130,19 +144,21 @@ def passes_rank(rank, world, keep_logits: bool, tokens: int, vocab: int, hidden:
     return seconds
 
 
-def compare_passes(args, vocab: int, tokens: int) -> list[dict]:
-    """The ring's two kinds of elementwise passes, per ring that fits --max-logits-gib."""
+def compare_fixes(args, vocab: int, tokens: int) -> list[dict]:
+    """The ring against each fix undone: recomputing under both heaps, and keeping (under the heap that
+    keeps freed memory) where its logits fit --max-logits-gib."""
     rows = []
-    for keep_logits in (False, True):
+    for keep_logits, keep_heap in ((False, True), (False, False), (True, True)):
         if keep_logits and not logits_fit(args, tokens, vocab):
             continue
-        per_rank = run_distributed(passes_rank, args.world, keep_logits, tokens, vocab, args.hidden,
-                                   args.pass_repeats, timeout=3600)
+        per_rank = run_distributed(fixes_rank, args.world, keep_logits, keep_heap, tokens, vocab, args.hidden,
+                                   args.fix_repeats, timeout=3600)
         steps = {name: [max(turn) for turn in zip(*(r[name] for r in per_rank))] for name in per_rank[0]}
         median = {name: statistics.median(s) for name, s in steps.items()}
         rows.append({"vocab": vocab, "tokens": tokens, "ring": "ring-kept" if keep_logits else "ring",
-                     "whole_tile_s": median["whole-tile"], "cache_sized_s": median["cache-sized"],
-                     "speedup": median["whole-tile"] / median["cache-sized"], "steps_s": steps})
+                     "heap": "kept" if keep_heap else "default", "median_s": median,
+                     "speedup": {name: median[name] / median["mop"] for name in median if name != "mop"},
+                     "steps_s": steps})
     return rows
 
 
@@ -155,7 +171,7 @@ def communicated_bytes(variant: str, world: int, vocab: int, hidden: int) -> int
 
 
 def run(args) -> dict:
-    rows, passes = [], []
+    rows, fixes = [], []
     for vocab in (int(v) for v in args.vocabs.split(",")):
         for tokens in (int(n) for n in args.tokens.split(",")):
             base = None
@@ -180,9 +196,9 @@ def run(args) -> dict:
                 rows.append({"vocab": vocab, "tokens": tokens, "variant": variant, "skipped": False, **result,
                              "peak_vs_base": result["peak_bytes"] / base["peak_bytes"],
                              "time_vs_base": result["seconds"] / base["seconds"]})
-            if args.pass_repeats:
-                passes += compare_passes(args, vocab, tokens)
-    return {"rows": rows, "passes": passes}
+            if args.fix_repeats:
+                fixes += compare_fixes(args, vocab, tokens)
+    return {"rows": rows, "fixes": fixes}
 
 
 def _cells(row: dict) -> list:
@@ -198,11 +214,16 @@ def report(args, results: dict) -> None:
     print(table(f"output projection + loss, forward + backward, per rank, W=P={args.world}, H={args.hidden}",
                 ["V", "N/rank", "variant", "peak MiB", "vs base", "time s", "vs base", "sent MiB"],
                 [[r["vocab"], r["tokens"], r["variant"], *_cells(r)] for r in results["rows"]]))
-    if results["passes"]:
+    if results["fixes"]:
         print()
-        print(table(f"the ring's elementwise passes, forward + backward, median of {args.pass_repeats} steps each, "
-                    "taken in turn", ["V", "N/rank", "ring", "whole-tile passes s", "cache-sized s", "speed-up"],
-                    [[r["vocab"], r["tokens"], r["ring"], r["whole_tile_s"], r["cache_sized_s"], r["speedup"]]
-                     for r in results["passes"]]))
+        undone = list(UNDONE)
+        columns = [c for name in undone for c in (f"{name} s", "x")]
+        print(table(f"the ring's fixes on a CPU, forward + backward, median of {args.fix_repeats} steps each, "
+                    "taken in turn (x: time with the fix undone / as mop runs)",
+                    ["V", "N/rank", "ring", "heap", "as mop runs s", *columns],
+                    [[r["vocab"], r["tokens"], r["ring"], r["heap"], r["median_s"]["mop"]]
+                     + [c for name in undone for c in ((r["median_s"][name], r["speedup"][name])
+                                                         if name in r["speedup"] else ("n/a", ""))]
+                     for r in results["fixes"]]))
     path = write_json(args.out, "vocab", {k: str(v) for k, v in vars(args).items() if k != "func"}, results)
     print(f"\nresults written to {path}")
