@@ -213,6 +213,15 @@ def test_the_kept_ring_holds_every_tile_until_its_backward_and_no_more():
         assert left is None and "parallel.vocab_logits=recompute" in refused
 
 
+def ring_results(parallel: VocabParallelHead, hidden: torch.Tensor, labels: torch.Tensor) -> tuple:
+    """The loss and both gradients of one step of `parallel` on a copy of `hidden`, then its log-probs
+    and entropies."""
+    h = hidden.clone().requires_grad_()
+    loss = parallel.loss_sum(h, labels)
+    loss.backward()
+    return loss.detach(), h.grad, parallel.weight.grad, *parallel.token_logprobs_and_entropy(h.detach(), labels)
+
+
 def pass_chunks_rank(rank, world):
     """Every ring result twice: each elementwise pass over one row of a tile at a time, and over the
     whole tile."""
@@ -224,11 +233,7 @@ def pass_chunks_rank(rank, world):
             parallel = VocabParallelHead(head, layout, 4, 0.1, keep_logits)
             assert parallel.ring.pass_bytes == CPU_PASS_BYTES  # a CPU layout's
             parallel.ring = dataclasses.replace(parallel.ring, pass_bytes=pass_bytes)
-            h = hidden[rank].clone().requires_grad_()
-            loss = parallel.loss_sum(h, labels[rank])
-            loss.backward()
-            logprobs, entropy = parallel.token_logprobs_and_entropy(h.detach(), labels[rank])
-            results[pass_bytes, keep_logits] = (loss.detach(), h.grad, parallel.weight.grad, logprobs, entropy)
+            results[pass_bytes, keep_logits] = ring_results(parallel, hidden[rank], labels[rank])
     chunks = parallel.ring.row_chunks(torch.zeros(5, 7))
     return results, chunks
 
@@ -261,11 +266,7 @@ def tile_buffer_rank(rank, world):
             parallel = VocabParallelHead(head, layout, 4, 0.1, keep_logits=False).to(dtype)
             assert parallel.ring.tile_buffer  # as the ring runs
             parallel.ring = dataclasses.replace(parallel.ring, tile_buffer=tile_buffer)
-            h = hidden[rank].to(dtype, copy=True).requires_grad_()
-            loss = parallel.loss_sum(h, labels[rank])
-            loss.backward()
-            logprobs, entropy = parallel.token_logprobs_and_entropy(h.detach(), labels[rank])
-            results[dtype, tile_buffer] = (loss.detach(), h.grad, parallel.weight.grad, logprobs, entropy)
+            results[dtype, tile_buffer] = ring_results(parallel, hidden[rank].to(dtype), labels[rank])
     return results
 
 

@@ -18,7 +18,7 @@ chunk by row chunk of about `CPU_PASS_BYTES` (`Ring.pass_bytes`), every pass ove
 the next chunk: a chunk stays in the core's cache between the passes, so a pass after the first
 reads cache, not memory. Measured on a 2-core Xeon (one thread): the forward's passes over a 64 MiB
 tile 33.5 -> 17.0 ms, the recomputing backward's 24.9 -> 14.3 ms; a ring step (forward and backward)
-2-10% faster (`mop bench vocab`, steps of both kinds in turn). The arithmetic per row is the same
+2-12% faster (`mop bench vocab`, steps of both kinds in turn). The arithmetic per row is the same
 either way: results are bit for bit those of whole-tile passes.
 
 Tile buffer. A pass whose tiles are not kept forms every tile, of every block and step, in one fp32
@@ -126,11 +126,11 @@ def _logits(hidden_block: torch.Tensor, shard: torch.Tensor, valid: int,
     return logits
 
 
-def _tile_buffer(ring: Ring, hidden: torch.Tensor, rows: int, tiles_kept: bool) -> torch.Tensor | None:
+def _tile_buffer(ring: Ring, hidden: torch.Tensor, rows: int) -> torch.Tensor | None:
     """The one fp32 `[block, rows]` buffer every tile of a pass is formed in, or None where each tile
-    has its own: the tiles are kept (the forward keeps them, the backward takes them), or
+    has its own: the ring keeps its tiles (the forward keeps them, the backward takes them), or
     `ring.tile_buffer` is off."""
-    if tiles_kept or not ring.tile_buffer:
+    if ring.keep_logits or not ring.tile_buffer:
         return None
     return hidden.new_empty((min(ring.token_block, hidden.shape[0]), rows), dtype=torch.float32)
 
@@ -192,7 +192,7 @@ def _forward_pass(hidden, weight, labels, ring: Ring, entropy: bool = False) -> 
     # The shard travels in the compute dtype (half the bytes in bf16).
     compute_hidden, shard = hidden.detach().to(dtype), weight.detach().to(dtype)
     kept = deque() if ring.keep_logits else None
-    buffer = _tile_buffer(ring, hidden, rows, tiles_kept=kept is not None)
+    buffer = _tile_buffer(ring, hidden, rows)
     for step in range(ring.size):
         now = _ring_step(ring, step, shard, labels)
         for block in now.blocks:
@@ -262,7 +262,7 @@ def _backward_pass(hidden, weight, labels, lse, ring: Ring, dtype: torch.dtype, 
     compute_hidden, shard = hidden.to(dtype), weight.detach().to(dtype)
     # A frozen projection (LoRA's base) gets no gradient: no buffer travels with its shards.
     shard_grad = torch.zeros_like(weight, dtype=torch.float32) if trains else None
-    buffer = _tile_buffer(ring, hidden, rows, tiles_kept=kept is not None)
+    buffer = _tile_buffer(ring, hidden, rows)
     for step in range(ring.size):
         now = _ring_step(ring, step, shard, labels)
         for block in now.blocks:
