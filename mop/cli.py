@@ -12,11 +12,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import signal
 import sys
 import typing
 
 from mop.bench import BENCHMARKS
 from mop.bench import load as load_benchmark
+from mop.bench.child import stop_on_sigterm
 from mop.config import Config, ConfigError, DataConfig, field_docs, hints, load_config, sections
 from mop.faults import PeerLost
 from mop.launch import RUN_ENDED, USER_ERRORS, failed_launch, launch, say_run_ended
@@ -147,7 +149,8 @@ def run_plan(args) -> None:
 
 def run_bench(args) -> None:
     module = load_benchmark(args.benchmark)
-    module.report(args, module.run(args))
+    with stop_on_sigterm():  # its child runs end with it (`mop.bench.child`)
+        module.report(args, module.run(args))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
         except USER_ERRORS as err:
             print(f"mop: error: {err}", file=sys.stderr)
             return 2
+        except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM during a benchmark (`mop.bench.child.Stopped`)
+            signum = getattr(stop, "signum", signal.SIGINT)
+            print(f"mop: {args.command} stopped by {signal.Signals(signum).name}", file=sys.stderr)
+            return 128 + signum
         return 0
     unknown = [arg for arg in rest if not (arg.startswith("--") and "." in arg.split("=", 1)[0])]
     if unknown:

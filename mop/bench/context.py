@@ -54,6 +54,7 @@ from pathlib import Path
 
 import torch
 
+from mop.bench import child
 from mop.bench.report import table, write_json
 from mop.bench.shape import ANCHOR, add_shape_arguments, shape_overrides
 from mop.config import ConfigError, load_config
@@ -128,7 +129,7 @@ def mop_train(args, name: str, context: int, extra: list[str], steps: int | None
     start = time.perf_counter()
     result = {"system": name, "context": context, "command": " ".join(command[2:])}
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+        done = child.run(command, timeout=args.timeout)
     except subprocess.TimeoutExpired:
         return {**result, "returncode": None, "error": f"took more than --timeout={args.timeout} s"}
     result.update(wall_s=time.perf_counter() - start, returncode=done.returncode)

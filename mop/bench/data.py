@@ -26,6 +26,7 @@ import time
 from importlib import resources
 from pathlib import Path
 
+from mop.bench import child
 from mop.bench.report import table, write_json
 from mop.data import load_dataset, load_tokenizer
 from mop.data.prepared import ChatSettings, encode_source
@@ -120,14 +121,14 @@ def prepare(source: Path, out: Path, tokenizer: str, workers: int) -> dict:
     command = [sys.executable, "-m", "mop.cli", "data", "prepare", str(source), "--tokenizer", tokenizer,
                "--out", str(out), "--workers", str(workers), "--no-progress"]
     start = time.perf_counter()
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     peak_sum = peak_one = 0
-    while process.poll() is None:
-        total, largest = _tree_rss(process.pid)
-        peak_sum, peak_one = max(peak_sum, total), max(peak_one, largest)
-        time.sleep(0.2)
-    seconds = time.perf_counter() - start
-    output = process.stdout.read()
+    with child.session(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as process:
+        while process.poll() is None:
+            total, largest = _tree_rss(process.pid)
+            peak_sum, peak_one = max(peak_sum, total), max(peak_one, largest)
+            time.sleep(0.2)
+        seconds = time.perf_counter() - start
+        output = process.stdout.read()
     if process.returncode:
         raise RuntimeError(f"mop data prepare failed ({process.returncode}): {output.strip()}")
     manifest = json.loads((out / "manifest.json").read_text())

@@ -46,6 +46,7 @@ from pathlib import Path
 
 import torch
 
+from mop.bench import child
 from mop.bench.context import mop_train
 from mop.bench.report import table, write_json
 from mop.config import ConfigError, load_config, load_model_config
@@ -170,7 +171,7 @@ def cuda_tier(timeout: float, gpus: int) -> dict:
     and the skipped tests that need more than `gpus` GPUs."""
     command = [str(ROOT / "mop.sh"), "test", "-m", "cuda", "-q", "-rs", "-p", "no:cacheprovider"]
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        done = child.run(command, timeout=timeout, cwd=ROOT)
     except subprocess.TimeoutExpired:
         return {"returncode": None, "summary": f"took more than {timeout:.0f} s", "needs_more_gpus": []}
     # mop.sh ends with a line per environment it tested; pytest's summary is the line before them.
