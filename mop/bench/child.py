@@ -7,10 +7,12 @@ by Ctrl-C, or by SIGTERM (`kill`, `timeout`, a scheduler), which `mop bench` rai
 `KeyboardInterrupt` does (`stop_on_sigterm`).
 
 Why: a child in the benchmark's own process group gets Ctrl-C from the terminal, but a SIGTERM sent
-to the benchmark alone killed it and left its `mop train` and that run's ranks computing, writing to
-the run directory the next invocation reuses. On a 2-core machine they skew what is measured next:
-`mop bench context`'s first run beside such strays read 21.0 s per 16K step (its first step 37 s)
-where a clean invocation read 17.1 s.
+to the benchmark alone killed it and left its `mop train` and that run's ranks computing; a timeout
+killed `mop train`, whose ranks ran on to the end of their step, and `mop.sh test` but not its
+pytest. On a 2-core machine the strays skew what is measured next: `mop bench context`'s first run
+beside them read 21.0 s per 16K step (its first step 37 s) where a clean invocation read 17.1 s.
+Being ended this way, a child saves nothing on its way out (a stopped `mop train` would otherwise
+checkpoint): a benchmark's runs are not kept.
 """
 
 from __future__ import annotations
