@@ -34,25 +34,6 @@ def ended(pids: set[int], within: float = 10.0) -> set[int]:
     return left
 
 
-def descendants(root: int) -> set[int]:
-    """The processes below `root`, from /proc's parent ids."""
-    parents = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                status = (entry / "status").read_text()
-            except (FileNotFoundError, ProcessLookupError):
-                continue
-            parents[int(entry.name)] = int(next(line for line in status.splitlines() if line.startswith("PPid:"))
-                                           .split()[1])
-    tree, grew = {root}, True
-    while grew:
-        grown = {pid for pid, parent in parents.items() if parent in tree} - tree
-        tree |= grown
-        grew = bool(grown)
-    return tree - {root}
-
-
 def test_a_child_that_outlives_its_time_is_ended_with_what_it_started(tmp_path):
     started = tmp_path / "started"
     command = ["bash", "-c", f"sleep 120 > /dev/null & echo $! > {started}; wait"]
@@ -66,6 +47,16 @@ def test_what_a_returned_child_left_running_is_ended():
     done = child.run(["bash", "-c", "sleep 120 > /dev/null 2>&1 & echo $!"], timeout=60)
     assert done.returncode == 0
     assert ended({int(done.stdout)}) == set()
+
+
+def test_the_process_tree_holds_the_child_and_what_it_started():
+    with child.session(["bash", "-c", "sleep 120 & wait"]) as process:
+        deadline, tree = time.monotonic() + 30, {}
+        while len(tree) < 2 and time.monotonic() < deadline:
+            tree = child.process_tree(process.pid)
+            time.sleep(0.05)
+        assert sorted(status["Name"].strip() for status in tree.values()) == ["bash", "sleep"]
+        assert process.pid in tree
 
 
 def test_sigterm_raises_stopped_inside_and_the_previous_handler_comes_back():
@@ -85,7 +76,7 @@ def test_sigterm_to_a_benchmark_ends_the_training_runs_it_started_and_says_so_in
     try:
         deadline, runs = time.monotonic() + 240, set()
         while len(runs) < 4 and time.monotonic() < deadline and bench.poll() is None:
-            runs = descendants(bench.pid)  # `mop train`, its resource tracker and its two ranks
+            runs = set(child.process_tree(bench.pid)) - {bench.pid}  # `mop train`, its tracker, its 2 ranks
             time.sleep(0.2)
         assert len(runs) >= 4, f"the benchmark's training run never started its ranks: {bench.communicate()}"
         bench.send_signal(signal.SIGTERM)

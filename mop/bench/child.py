@@ -22,6 +22,7 @@ import os
 import signal
 import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 
 class Stopped(KeyboardInterrupt):
@@ -64,3 +65,23 @@ def run(command: list[str], timeout: float | None = None, **popen: object) -> su
     with session(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen) as process:
         stdout, stderr = process.communicate(timeout=timeout)
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def process_tree(root: int) -> dict[int, dict[str, str]]:
+    """The `/proc/PID/status` fields of process `root` and of every process below it (by parent ids),
+    of those still there."""
+    statuses = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                lines = (entry / "status").read_text().splitlines()
+            except OSError:  # ended since the listing
+                continue
+            statuses[int(entry.name)] = dict(line.split(":", 1) for line in lines if ":" in line)
+    parents = {pid: int(status["PPid"]) for pid, status in statuses.items()}
+    tree, grew = {root}, True
+    while grew:
+        grown = {pid for pid, parent in parents.items() if parent in tree} - tree
+        tree |= grown
+        grew = bool(grown)
+    return {pid: statuses[pid] for pid in tree if pid in statuses}

@@ -97,23 +97,8 @@ def encode_agents(work: Path, tokenizer: str, counts: list[int]) -> list[dict]:
 
 def _tree_rss(root: int) -> tuple[int, int]:
     """(sum, largest) resident bytes of process `root` and its descendants."""
-    parents, rss = {}, {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "status").read_text().splitlines()
-            except OSError:
-                continue
-            status = dict(line.split(":", 1) for line in fields if ":" in line)
-            parents[int(entry.name)] = int(status["PPid"])
-            rss[int(entry.name)] = int(status.get("VmRSS", "0 kB").split()[0]) * 1024
-    tree, grew = {root}, True
-    while grew:
-        grown = {pid for pid, parent in parents.items() if parent in tree} - tree
-        tree |= grown
-        grew = bool(grown)
-    sizes = [rss.get(pid, 0) for pid in tree]
-    return sum(sizes), max(sizes)
+    sizes = [int(status.get("VmRSS", "0 kB").split()[0]) * 1024 for status in child.process_tree(root).values()]
+    return sum(sizes), max(sizes, default=0)
 
 
 def prepare(source: Path, out: Path, tokenizer: str, workers: int) -> dict:
