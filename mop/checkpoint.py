@@ -16,6 +16,10 @@ Content of one checkpoint (a directory `step_<N>`, N = optimizer steps completed
   computed from (`mop.objectives.reference_table`; DPO's, or the KL's of policy-gradient training),
   which a resume checks against the stored ones; `mtp`, where the frozen multi-token-prediction
   layers of the model it was imported from are (`save_hf_import`), which `mop convert to-hf` copies;
+  `hf_source`, the Hugging Face checkpoint the run's weights came from (`mop.models.hf.source_record`:
+  its directory, fingerprint and config.json; an import's, carried by every checkpoint of a run from
+  it, or a LoRA run's base), whose config.json keys every export keeps and whose format
+  `--dtype=published` writes;
 - `tokenizer/` (written by rank 0): the Hugging Face files of that tokenizer (`hf_files()`: for the
   byte tokenizer its exact HF equivalent), so that `mop convert to-hf` is self-contained and a
   run can name the checkpoint's own copy as `data.tokenizer`;
@@ -126,16 +130,17 @@ def complete_checkpoints(directory: Path) -> list[Path]:
 
 def save(directory: Path, step: int, model, optimizer: Optimizer, views: GlobalViews, data_state: dict,
          config: Config, keep: int, tokenizer: AnyTokenizer, base: dict | None = None,
-         reference: dict | None = None, mtp: dict | None = None) -> Path:
+         reference: dict | None = None, mtp: dict | None = None, hf_source: dict | None = None) -> Path:
     """Write checkpoint `step_<step>` atomically (collective over all ranks) and prune to the newest `keep`;
     `base`: a LoRA run's base, `reference`: what its precomputed reference log-probs were made of, `mtp`:
-    where its frozen multi-token-prediction layers are (`save_hf_import`).
+    where its frozen multi-token-prediction layers are (`save_hf_import`), `hf_source`: the Hugging Face
+    checkpoint its weights came from (module docstring).
 
     A file-system failure (read-only, full, permissions) is one line naming `checkpoint.dir`; the
     complete checkpoints before it are untouched."""
     try:
         return _save(directory, step, model, optimizer, views, data_state, config, keep, tokenizer,
-                     {"lora_base": base, "reference": reference, "mtp": mtp})
+                     {"lora_base": base, "reference": reference, "mtp": mtp, "hf_source": hf_source})
     except (OSError, CheckpointException) as err:  # DCP's own exception is a BaseException
         raise ConfigError("checkpoint.dir", f"{directory} cannot be written ({_last_line(err)}); the checkpoints "
                           f"before step {step} are intact: free space or fix permissions, then resume with "
@@ -170,20 +175,20 @@ def _save(directory: Path, step: int, model, optimizer: Optimizer, views: Global
     return final
 
 
-def save_hf_import(path: Path, hf_dir: Path, fingerprint: dict[str, str], config: Config,
-                   tokenizer: AnyTokenizer, mtp: dict | None = None) -> None:
-    """A step-0 checkpoint whose weights are those of the Hugging Face directory `hf_dir`, read in
+def save_hf_import(path: Path, source: dict, config: Config, tokenizer: AnyTokenizer, mtp: dict | None = None) -> None:
+    """A step-0 checkpoint whose weights are those of the Hugging Face directory `source` records
+    (`mop.models.hf.source_record`: its path, fingerprint and config.json), read in
     place whenever it is loaded: each rank reads only the rows of its own shards from the
     safetensors files (`mop.models.hf.HFWeights`), so no process ever holds the whole model. No
-    weights are copied: `hf_dir` must stay where it is, unchanged (its `fingerprint` is checked at
-    load); the `tokenizer` (small) is, like every checkpoint's. `mtp`: where the directory's
-    multi-token-prediction layers are, which mop keeps frozen outside the model it trains (`{"path",
+    weights are copied: the directory must stay where it is, unchanged (its fingerprint is checked at
+    load), and the record is every later checkpoint's `hf_source`; the `tokenizer` (small) is, like every
+    checkpoint's. `mtp`: where the directory's multi-token-prediction layers are, which mop keeps frozen outside the model it trains (`{"path",
     "fingerprint" (of their files too), "layers"}`), carried by every checkpoint of a run from it
     (`mop.build.TrainingRun.mtp`). One process; atomic like `save`."""
     partial = path.with_name(path.name + PARTIAL)
     partial.mkdir(parents=True)
     meta = {"step": 0, "data": None, "config": asdict(config), "has_optimizer": False,
-            "hf_weights": str(hf_dir.resolve()), "hf_fingerprint": fingerprint,
+            "hf_weights": source["path"], "hf_fingerprint": source["fingerprint"], "hf_source": source,
             "tokenizer": _write_tokenizer(partial, tokenizer), **({"mtp": mtp} if mtp else {})}
     (partial / META).write_text(json.dumps(meta, indent=1))
     partial.rename(path)

@@ -411,19 +411,30 @@ class RlConfig:
     train.global_batch sequences of data.seq_len (padded with empty ones)."""
     engine: Literal["transformers", "vllm", "sglang"] = "transformers"
     """The RL loop's inference engine (mop.rl.engine): "transformers", generate on the CPU from a folder the
-    weights are written to; "vllm" or "sglang", a running server at rl.engine_url, the weights pushed through its
-    weight-update API (mop.rl.senders: vLLM needs --weight-transfer-config '{"backend":"nccl"}' and
-    VLLM_SERVER_DEV_MODE=1; both --enable-return-routed-experts for routing replay)."""
+    weights are written to; "vllm" or "sglang", a running server at rl.engine_url, the weights pushed each batch
+    (rl.sync; vLLM's API needs VLLM_SERVER_DEV_MODE=1, and --enable-return-routed-experts for routing replay)."""
     engine_url: str = ""
     """With rl.engine "vllm" or "sglang": the server's base URL (e.g. http://10.0.0.5:8000)."""
     engine_model: str = ""
     """With rl.engine "vllm": the served model's name ("": the server's only one)."""
-    engine_ranks: int = 1
-    """With rl.engine "vllm" or "sglang": the server's workers (its tensor-parallel x pipeline ranks), which join
-    the weight group beside the trainer's rank 0."""
+    sync: Literal["auto", "broadcast", "folder"] = "auto"
+    """How a server takes the weights (mop.rl.senders): "broadcast", its weight-update API over a group its
+    workers join at rl.sync_address (vLLM's NCCL group needs --weight-transfer-config '{"backend":"nccl"}' and
+    CUDA on both sides); "folder", written as safetensors to rl.sync_folder, which vLLM reloads in place
+    (/collective_rpc reload_weights: its CPU build's way); "auto": folder for vLLM from a CPU trainer, else
+    broadcast."""
+    sync_folder: str = ""
+    """With rl.sync "folder": where the weights are written for the server to read ("": <run dir>/engine); on
+    a file system the server shares."""
+    sync_dtype: Literal["auto", "bfloat16", "float32", "published"] = "auto"
+    """The form the weights are sent in: "published", each tensor as the Hugging Face checkpoint the run's
+    weights came from publishes it (fp8 blocks with their scales, MXFP4 experts: what a server of that
+    checkpoint holds and loads; mop.rl.weights); "auto": published for a server when that checkpoint is
+    quantized, else bfloat16 for a server (what vLLM and SGLang compute in; a vLLM server takes the weights in its
+    own dtype only, which it is checked for) and the run's dtype for the CPU engine."""
     sync_address: str = "127.0.0.1:29700"
-    """With rl.engine "vllm" or "sglang": host:port of the trainer's rank 0 where the server's workers join the
-    weight group (a free port they can reach)."""
+    """With rl.sync "broadcast": host:port of the trainer's rank 0 where the server's workers join the weight
+    group (a free port they can reach)."""
     sync_bucket_mb: int = 512
     """The weight sync's bucket: the most MiB of checkpoint tensors gathered on rank 0 before they are sent."""
     off_policy: bool = False

@@ -8,7 +8,13 @@
   `eos_token_id`/`bos_token_id` in config.json. No `pad_token_id` goes into config.json:
   transformers would freeze that embedding row in a fine-tune, and mop's pad is often eos itself.
   The weights are written in the dtype the run trained in (`train.dtype` in the checkpoint's
-  config; float32 for an import that was never trained: lossless) unless `--dtype` says otherwise.
+  config; float32 for an import that was never trained: lossless) unless `--dtype` says otherwise;
+  `--dtype=published` writes each tensor as the Hugging Face checkpoint the weights came from
+  publishes it (the checkpoint's `hf_source`, checked unchanged by its fingerprint: re-quantized to
+  its format, fp8 blocks or MXFP4 experts, the other tensors in its dtypes, the MTP layers' stored
+  bytes and scales), what an engine serving that checkpoint loads. config.json keeps every key of
+  that checkpoint's config.json that mop does not write itself (engines read keys transformers
+  ignores: DeepSeek-V3's `topk_method` and `scoring_func` build vLLM's router).
   Multi-token-prediction layers (DeepSeek-V3's, GLM-4.5's): mop trains the main model only and keeps
   them frozen, so the checkpoint records where they are (`mtp` in mop.json, from the import) and
   `to-hf` copies them from there, dequantized and cast like the rest, with the original
@@ -66,6 +72,8 @@ from mop.models.hf import (
     HFWeights,
     MtpLayers,
     model_types,
+    open_source,
+    source_record,
     write_hf,
 )
 from mop.models.lora import LoraConfig, adapted_weights
@@ -87,8 +95,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     to_hf.add_argument("out", type=Path, help="the Hugging Face directory to write")
     to_hf.add_argument("--model-type", choices=sorted(FAMILIES), default=None,
                        help="family to write as (default: the checkpoint's model.family)")
-    to_hf.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                       help="dtype of the written weights (default: the train.dtype the checkpoint was trained in)")
+    to_hf.add_argument("--dtype", choices=[*sorted(DTYPES), "published"], default=None,
+                       help="dtype of the written weights (default: the train.dtype the checkpoint was trained in), or "
+                            "'published': each tensor as the checkpoint the weights came from publishes it")
     to_hf.add_argument("--mtp", choices=["keep", "drop"], default="keep", help=MTP_HELP)
     to_peft = directions.add_parser("to-peft", help="export a LoRA checkpoint's adapters in PEFT's layout")
     to_peft.add_argument("checkpoint", type=Path, help="a step_<N> directory of a LoRA run")
@@ -185,7 +194,8 @@ def merge(path: Path, out: Path, dtype: str, base_dir: Path | None, keep_mtp: bo
         token_ids = export_tokenizer(path, meta, out)
         published = AsPublished(base) if dtype == "published" else None
         mtp = MtpLayers(base) if keep_mtp and base is not None and base.mtp else None
-        write_hf(cfg, out, read, DTYPES.get(dtype, torch.bfloat16), None, MAX_SHARD_BYTES, token_ids, published, mtp)
+        write_hf(cfg, out, read, DTYPES.get(dtype, torch.bfloat16), None, MAX_SHARD_BYTES, token_ids, published, mtp,
+                 base.hf_config if base is not None else None)
     print(f"mop: wrote {out}: the base with the adapters of {path} merged in")
 
 
@@ -206,13 +216,19 @@ def export(path: Path, out: Path, model_type: str | None, dtype: str | None,
     def read(names: list[str]) -> dict[str, torch.Tensor]:  # one output file's tensors at a time
         return checkpoint.read_tensors(path, meta, {name: shapes[name] for name in names}, buffers)
 
+    source = meta.get("hf_source")
+    if dtype == "published" and source is None:
+        raise ConfigError("--dtype", f"{path}'s weights did not come from a Hugging Face checkpoint (mop convert "
+                          "from-hf), so they have no published format; pass --dtype=bfloat16 or float32")
     make_directory(out, out)
     token_ids = export_tokenizer(path, meta, out)
     record = meta.get("mtp") if keep_mtp else None
     written = cfg if keep_mtp else replace(cfg, mtp_loss_coef=0.0)  # --mtp=drop: a trained model's depths too
-    with (mtp_source(record, path) if record else nullcontext()) as source:
-        write_hf(written, out, read, DTYPES[dtype or meta["config"]["train"]["dtype"]], model_type, max_shard_bytes,
-                 token_ids, mtp=MtpLayers(source) if source is not None else None)
+    with (mtp_source(record, path) if record else nullcontext()) as layers, \
+            (open_source(source, "--dtype") if dtype == "published" else nullcontext()) as base:
+        write_hf(written, out, read, DTYPES.get(dtype or meta["config"]["train"]["dtype"], torch.bfloat16), model_type,
+                 max_shard_bytes, token_ids, AsPublished(base) if base is not None else None,
+                 MtpLayers(layers) if layers is not None else None, source and source["config"])
     print(f"mop: wrote {out} from {path}" + (f" with the {record['layers']} multi-token-prediction layer(s) of "
                                              f"{record['path']}" if record else ""))
 
@@ -258,7 +274,7 @@ def import_hf(hf_dir: Path, path: Path, tokenizer_spec: str | None, eos_token: s
     if path.exists():
         raise ConfigError(str(path), "already exists; choose a new checkpoint directory")
     with HFWeights(hf_dir) as weights:  # checks keys and shapes; reads no tensor data
-        cfg, fingerprint = weights.cfg, weights.fingerprint()
+        cfg, source = weights.cfg, source_record(weights)
         mtp = {"path": str(hf_dir.resolve()), "fingerprint": weights.fingerprint(mtp=True),
                "layers": MtpLayers(weights).layers, "tensors": len(weights.mtp)} if weights.mtp else None
     if mtp:
@@ -268,7 +284,7 @@ def import_hf(hf_dir: Path, path: Path, tokenizer_spec: str | None, eos_token: s
     own = "byte" if tokenizer.kind == "byte" else str(path.resolve() / checkpoint.TOKENIZER)
     config = Config(model=cfg, data=DataConfig(tokenizer=own, eos_token=eos_token or ""))
     make_directory(path.parent, path)
-    checkpoint.save_hf_import(path, hf_dir, fingerprint, config, tokenizer, mtp)
+    checkpoint.save_hf_import(path, source, config, tokenizer, mtp)
     (path / "model.toml").write_text(config_toml(config))
     print(f"mop: wrote {path} (tokenizer {tokenizer.name}); fine-tune with: "
           f"mop train {path / 'model.toml'} --checkpoint.resume={path}")

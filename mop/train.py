@@ -473,7 +473,7 @@ def save(run: TrainingRun, run_dir: Path, done: int) -> Path:
     config = run.config
     return checkpoint.save(checkpoint.checkpoint_dir(config, run_dir), done, run.model, run.optimizer, run.views,
                            run.data.stream.state_dict(), config, config.checkpoint.keep, run.data.tokenizer, run.base,
-                           run.reference, run.mtp)
+                           run.reference, run.mtp, run.hf_source)
 
 
 def resume(run: TrainingRun, run_dir: Path) -> int:
@@ -494,10 +494,18 @@ def resume(run: TrainingRun, run_dir: Path) -> int:
             run.data.stream.load_state_dict(meta["data"])
     elif config.checkpoint.init:
         meta = start_from(run, Path(config.checkpoint.init))
-    # the frozen MTP layers' record (`TrainingRun.mtp`), unless the run trains them as part of its model
-    run.mtp = meta.get("mtp") if meta is not None and not config.model.trained_mtp_layers else None
+    take_origin(run, meta)
     run.reference = objective_for(run).prepare(run_dir, meta)
     return meta["step"] if meta is not None else 0
+
+
+def take_origin(run: TrainingRun, meta: dict | None) -> None:
+    """What the run carries of the checkpoint it started from (`meta`; None: none): where the frozen MTP
+    layers are (`TrainingRun.mtp`, unless the run trains them as part of its model) and the Hugging Face
+    checkpoint its weights came from (`TrainingRun.hf_source`; a LoRA run's is its base, `build_run`)."""
+    run.mtp = meta.get("mtp") if meta is not None and not run.config.model.trained_mtp_layers else None
+    if run.base is None:
+        run.hf_source = meta.get("hf_source") if meta is not None else None
 
 
 def start_from(run: TrainingRun, path: Path) -> dict:

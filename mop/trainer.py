@@ -50,7 +50,7 @@ from mop.rl.feed import BatchData, rollout_batch, write_rows
 from mop.rl.weights import Bucket, weight_buckets
 from mop.run_dir import shared_run_dir
 from mop.runtime import Runtime
-from mop.train import run_step, save, setup_runtime, start_from, worst_rank_state
+from mop.train import run_step, save, setup_runtime, start_from, take_origin, worst_rank_state
 
 
 class HandedRows(BatchData):
@@ -113,7 +113,7 @@ class Trainer:
         self.state_memory = worst_rank_state(self.run, before)
         self.step = 0
         if config.checkpoint.init:
-            start_from(self.run, Path(config.checkpoint.init))
+            take_origin(self.run, start_from(self.run, Path(config.checkpoint.init)))
 
     def log_probs(self, rows: list[dict]) -> list[dict]:
         """Each row's `logps` and `entropy` (float32 arrays, one value per completion token trained:
@@ -174,6 +174,7 @@ class Trainer:
         meta = checkpoint.read_meta(path)
         checkpoint.check_compatible(meta, self.config, path)
         checkpoint.load(path, self.run.model, self.run.optimizer, self.run.views, meta=meta)
+        take_origin(self.run, meta)
         self.step = meta["step"]
 
     def sleep(self) -> None:

@@ -28,6 +28,17 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     set_rank_threads(int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
 
 
+def pytest_collection_modifyitems(config, items):
+    """The engine tier (`-m engine`) runs only when asked for: its tests start a real vLLM from .venv-vllm,
+    which `./mop.sh test -m engine` makes."""
+    if "engine" in (config.option.markexpr or ""):
+        return
+    engine = [item for item in items if item.get_closest_marker("engine")]
+    if engine:
+        config.hook.pytest_deselected(items=engine)
+        items[:] = [item for item in items if not item.get_closest_marker("engine")]
+
+
 def devices(world: int = 1) -> list:
     """pytest parameters "cpu" and "cuda"; the latter marked `cuda`, skipped without `world` GPUs."""
     return ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(

@@ -131,3 +131,45 @@ def test_a_merge_gives_back_an_fp8_bases_mtp_layers_as_published_or_dequantized(
             assert torch.equal(exact[weight], expected), weight
     for config in ("published", "fp32"):
         assert json.loads((tmp_path / config / "config.json").read_text())["num_nextn_predict_layers"] == 1
+
+
+def test_to_hf_writes_a_fine_tune_of_an_fp8_checkpoint_as_published_and_keeps_its_config_keys(tmp_path):
+    """`to-hf --dtype=published` (issue 63): after a fine-tune of DeepSeek-V3's fp8 form, every weight the
+    checkpoint publishes in fp8 comes back as fp8 blocks with their scales (the trained ones re-quantized;
+    the frozen MTP layer's stored bytes and scales as they were), every other tensor in the checkpoint's
+    dtype, with its quantization_config; and config.json keeps the checkpoint's keys mop does not write
+    (`topk_method`, `scoring_func`: vLLM builds DeepSeek-V3's router from them), in every dtype."""
+    import test_deepseek_v3
+
+    hub_folder(tmp_path / "hf", deepseek_config())
+    main_file = tmp_path / "hf" / "model-00001-of-00002.safetensors"  # quantize_fp8 reads model.safetensors
+    tensors = {**load_file(main_file), **load_file(tmp_path / "hf" / MTP_FILE)}
+    save_file(tensors, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    for leftover in (main_file, tmp_path / "hf" / MTP_FILE, tmp_path / "hf" / "model.safetensors.index.json"):
+        leftover.unlink()
+    test_deepseek_v3.quantize_fp8(tmp_path / "hf", (16, 8))
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config.update(topk_method="noaux_tc", scoring_func="sigmoid", ep_size=1)  # as DeepSeek-V3 publishes them
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    assert main(["convert", "from-hf", str(tmp_path / "hf"), str(tmp_path / "imported"), "--tokenizer=byte"]) == 0
+    step = fine_tune(tmp_path / "imported", tmp_path / "run", write_corpus(tmp_path / "corpus.txt"), "--train.steps=2")
+    assert main(["convert", "to-hf", str(step), str(tmp_path / "published"), "--dtype=published"]) == 0
+    assert main(["convert", "to-hf", str(step), str(tmp_path / "bf16"), "--dtype=bfloat16"]) == 0
+    published, source = written(tmp_path / "published"), load_file(tmp_path / "hf" / "model.safetensors")
+    assert published.keys() == source.keys()
+    for key, tensor in source.items():
+        assert published[key].dtype == tensor.dtype, key
+        if key.startswith("model.layers.3."):  # the frozen MTP layer: its stored bytes
+            assert torch.equal(published[key].view(torch.uint8), tensor.view(torch.uint8)), key
+    trained = [key for key in source if key.endswith("_scale_inv") and not key.startswith("model.layers.3.")
+               and not torch.equal(published[key], source[key])]
+    assert trained  # the fine-tuned weights were re-quantized
+    written_config = json.loads((tmp_path / "published" / "config.json").read_text())
+    assert written_config["quantization_config"] == config["quantization_config"]
+    plain = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    assert "quantization_config" not in plain and all(
+        c["topk_method"] == "noaux_tc" and c["scoring_func"] == "sigmoid" and c["ep_size"] == 1
+        for c in (written_config, plain))
+    moved = tmp_path / "moved"
+    (tmp_path / "hf").rename(moved)  # the checkpoint it came from is gone: published has nothing to write as
+    assert main(["convert", "to-hf", str(step), str(tmp_path / "again"), "--dtype=published", "--mtp=drop"]) == 2

@@ -1,10 +1,22 @@
-"""The weight senders to a running engine (issue 48, `mop.rl.senders`), against a stand-in engine that
-serves SGLang's and vLLM's weight-update endpoints as their sources document them (mop/rl/PROTOCOLS.md
+"""The weight senders to a running engine (issues 48 and 63, `mop.rl.senders`), against a stand-in engine
+that serves SGLang's and vLLM's weight-update endpoints as their sources document them (mop/rl/PROTOCOLS.md
 and the senders' docstring: the request bodies' fields, the session's order, the group joined at
-`rank_offset`, one broadcast per tensor in the request's order) and receives over a gloo group: every
-tensor of every bucket arrives whole, under its name, in its dtype; the requests come in the
-documented order with the documented fields; an engine's refusal is one line naming the request.
-Not a real vLLM or SGLang: they need GPUs (NCCL), and their wheels pull CUDA builds."""
+`rank_offset` by the ranks the engine reports, one broadcast per tensor in the request's order) and
+receives over a gloo group: every tensor of every bucket arrives whole, under its name, in its dtype;
+the requests come in the documented order with the documented fields; an engine's refusal is one line
+naming the request, and leaves nothing open. vLLM's CPU build runs the folder path and the sampling
+for real (`tests/test_engine_vllm.py`); its NCCL group and SGLang (GPU-only) are this stand-in's.
+
+The failure paths as the engines' code reads (issue 63, item 4): SGLang 0.5.23 keeps a weight-update
+session open after a failed `/update_weights_from_distributed`, so the next `/begin_weight_update`
+fails "a weight-update session is already open" (`srt/managers/scheduler_components/weight_updater.py`
+187-230, 311-316) until `/end_weight_update` (323-335); its init of a group whose name exists fails
+(torch's "The specified group name has already been created"), and `/destroy_weights_update_group` of
+an unknown one says "The group to be destroyed does not exist." (`model_executor/model_runner_components/
+weight_updater.py` 146-157); its group holds `rank_offset + tp_rank` (ibid. 124), so pipeline stages or
+data-parallel replicas cannot join. vLLM 0.32 refuses a malformed `/update_weights` before any receive
+(`distributed/weight_transfer/base.py` 441-459, `nccl_engine.py` 97-109) and its workers join at
+`offset + dp x world_size + rank` (`nccl_common.py` 193-201), `world_size` of `/get_world_size`."""
 
 from __future__ import annotations
 
@@ -12,7 +24,7 @@ import base64
 import io
 import json
 import multiprocessing as mp
-import socket
+import time
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
@@ -22,11 +34,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
+from servers import free_port, wait_until_serving
 
 from mop.data.rollouts import RolloutRows, RouteShape, read_rollouts
 from mop.data.tokenizer import ByteTokenizer
 from mop.rl.engine import SGLangServer, VLLMServer
-from mop.rl.senders import EngineError, SGLangSender, VLLMSender, custom_group
+from mop.rl.senders import EngineError, SGLangSender, VLLMFolderSender, VLLMSender, custom_group
+from mop.rl.vllm_cpu import EXTENSION
 
 SGLANG_INIT = {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"}
 VLLM_INIT = {"master_address", "master_port", "rank_offset", "world_size", "nccl_unique_id_b64", "packed",
@@ -34,27 +48,28 @@ VLLM_INIT = {"master_address", "master_port", "rank_offset", "world_size", "nccl
 TIMEOUT = timedelta(seconds=60)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class StandIn:
-    """The engine's side of both protocols, one worker (rank 1)."""
+    """The engine's side of both protocols, one worker (rank 1). `server`: what it says of itself (SGLang's
+    `/server_info` sizes); names in `fail` fail their bucket after it is received, names in `refuse` before."""
 
-    def __init__(self, out: Path, shape: tuple[int, int, int] = (2, 4, 2)):
+    def __init__(self, out: Path, shape: tuple[int, int, int] = (2, 4, 2), server: dict | None = None,
+                 fail: tuple = (), refuse: tuple = ()):
         self.out, self.group, self.session, self.received, self.log = out, None, False, {}, []
         self.layers, self.experts, self.top_k = shape
-        self.version = 0
+        self.server = {"tp_size": 1, "pp_size": 1, "dp_size": 1, **(server or {})}
+        self.fail, self.refuse = fail, refuse
 
     def route(self, path: str, body: dict | None) -> dict:
         self.log.append([path, body])
+        (self.out / "requests.json").write_text(json.dumps(self.log))
         handler = {"/init_weights_update_group": self.sglang_init, "/begin_weight_update": self.begin,
                    "/update_weights_from_distributed": lambda b: self.receive(b, "dtypes"),
-                   "/end_weight_update": self.end, "/init_weight_transfer_engine": self.vllm_init,
-                   "/start_weight_update": self.begin, "/finish_weight_update": self.end,
+                   "/end_weight_update": self.end, "/destroy_weights_update_group": self.destroy,
+                   "/server_info": lambda b: self.server, "/get_world_size": lambda b: {"world_size": 1},
+                   "/init_weight_transfer_engine": self.vllm_init, "/start_weight_update": self.begin,
                    "/update_weights": lambda b: self.receive(b["update_info"], "dtype_names"),
+                   "/finish_weight_update": self.end, "/reset_prefix_cache": lambda b: {"success": True},
+                   "/shutdown_weight_transfer_engine": self.destroy, "/collective_rpc": self.rpc,
                    "/v1/completions": self.completions, "/generate": self.generate}[path]
         return handler(body)
 
@@ -96,8 +111,23 @@ class StandIn:
 
     def sglang_init(self, body: dict) -> dict:
         assert set(body) == SGLANG_INIT, body
+        if self.group is not None:
+            return {"success": False, "message": "Failed to initialize custom process group: The specified group "
+                    "name has already been created, please use a different group name."}
         self.join(body["backend"].replace("nccl", "gloo"), body)
         return {"success": True, "message": "Succeeded to initialize custom process group."}
+
+    def rpc(self, body: dict) -> dict:  # vLLM's dev endpoint: the worker's methods, an extension's included
+        if body["method"] == "mop_reload_fix" and self.server.get("extension"):
+            return {"results": [self.server["extension"]]}
+        return {"success": False, "message": f"AttributeError: 'CPUWorker' object has no attribute '{body['method']}'"}
+
+    def destroy(self, body) -> dict:
+        if self.group is None:
+            return {"success": False, "message": "The group to be destroyed does not exist."}
+        dist.destroy_process_group(self.group)
+        self.group = None
+        return {"success": True, "message": "ok"}
 
     def vllm_init(self, body: dict) -> dict:
         init = body["init_info"]
@@ -119,27 +149,33 @@ class StandIn:
         if not self.session:
             return {"success": False, "message": "update_weights_from_distributed must run between "
                     "begin_weight_update() and end_weight_update()"}
+        if set(info["names"]) & set(self.refuse):
+            return {"success": False, "message": f"Invalid update_info: {sorted(set(info['names']) & set(self.refuse))}"}
         for name, dtype, shape in zip(info["names"], info[dtypes], info["shapes"], strict=True):
             tensor = torch.empty(shape, dtype=getattr(torch, dtype))
             dist.broadcast(tensor, src=0, group=self.group)
             self.received[name] = tensor
+        if set(info["names"]) & set(self.fail):
+            return {"success": False, "message": "Failed to update parameter online: partially updated"}
         return {"success": True, "message": "Succeeded to update model weights."}
 
     def end(self, body) -> dict:
         self.session = False
         save_file(self.received, self.out / "received.safetensors")
-        (self.out / "requests.json").write_text(json.dumps(self.log))
         return {"success": True, "message": "ok"}
 
 
-def serve(port: int, out: str, shape: tuple[int, int, int]) -> None:
-    engine = StandIn(Path(out), shape)
+def serve(port: int, out: str, shape: tuple[int, int, int], options: dict) -> None:
+    engine = StandIn(Path(out), shape, **options)
 
     class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.do_POST()
+
         def do_POST(self):
             length = int(self.headers.get("Content-Length") or 0)
             body = json.loads(self.rfile.read(length)) if length else None
-            data = json.dumps(engine.route(self.path, body)).encode()
+            data = json.dumps(engine.route(self.path.split("?")[0], body)).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
@@ -152,18 +188,19 @@ def serve(port: int, out: str, shape: tuple[int, int, int]) -> None:
     HTTPServer(("127.0.0.1", port), Handler).serve_forever()
 
 
+def start_stand_in(out: Path, **options):
+    """A stand-in engine in a process of its own, once it listens: its URL and process."""
+    port = free_port()
+    process = mp.get_context("spawn").Process(target=serve, args=(port, str(out), (2, 4, 2), options), daemon=True)
+    process.start()
+    wait_until_serving(port, process)
+    return f"http://127.0.0.1:{port}", process
+
+
 @pytest.fixture
 def engine(tmp_path):
-    port = free_port()
-    process = mp.get_context("spawn").Process(target=serve, args=(port, str(tmp_path), (2, 4, 2)), daemon=True)
-    process.start()
-    for _ in range(200):  # until it listens
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
-            break
-        except OSError:
-            process.join(0.05)
-    yield f"http://127.0.0.1:{port}", tmp_path
+    url, process = start_stand_in(tmp_path)
+    yield url, tmp_path
     process.kill()
 
 
@@ -183,52 +220,133 @@ def check_received(out: Path) -> list:
     return json.loads((out / "requests.json").read_text())
 
 
+class Gloo:
+    """The trainer's side of vLLM's group over gloo, where vLLM's own NCCL communicator would be."""
+
+    def __init__(self, init, timeout=TIMEOUT):
+        self.group = custom_group("gloo", init["master_address"], init["master_port"], init["world_size"], 0, "vllm",
+                                  timeout)
+
+    def broadcast(self, tensor, src):
+        dist.broadcast(tensor, src=src, group=self.group)
+
+
 def test_the_sglang_sender_speaks_update_weights_from_distributed(engine):
     url, out = engine
-    sender = SGLangSender(url, "127.0.0.1", free_port(), engine_ranks=1, backend="gloo", timeout_s=60)
+    sender = SGLangSender(url, "127.0.0.1", free_port(), backend="gloo", timeout_s=60)
     sender.connect()
     sender.send(BUCKETS, weight_version="step-3")
     sender.close()
     requests = check_received(out)
-    assert [path for path, _ in requests] == ["/init_weights_update_group", "/begin_weight_update",
-                                             *["/update_weights_from_distributed"] * 3, "/end_weight_update"]
+    assert [path for path, _ in requests] == ["/server_info", "/destroy_weights_update_group",
+                                             "/init_weights_update_group", "/begin_weight_update",
+                                             *["/update_weights_from_distributed"] * 3, "/end_weight_update",
+                                             "/destroy_weights_update_group"]
     updates = [body for path, body in requests if path == "/update_weights_from_distributed"]
     assert [u["flush_cache"] for u in updates] == [False, False, True]  # the cache flushed once, at the end
     assert updates[-1]["weight_version"] == "step-3" and "weight_version" not in updates[0]
     assert updates[1]["dtypes"] == ["bfloat16", "float32"] and updates[1]["shapes"] == [[6, 4], [1, 1]]
-    assert requests[0][1]["rank_offset"] == 1 and requests[0][1]["world_size"] == 2
+    assert requests[2][1]["rank_offset"] == 1 and requests[2][1]["world_size"] == 2
 
 
 def test_the_vllm_sender_speaks_the_weight_transfer_engine(engine):
     url, out = engine
     port = free_port()
-
-    class Gloo:  # the trainer's side of the group, where vLLM's own NCCL communicator would be
-        def __init__(self, init):
-            self.group = custom_group("gloo", init["master_address"], init["master_port"], init["world_size"], 0,
-                                      "vllm", TIMEOUT)
-
-        def broadcast(self, tensor, src):
-            dist.broadcast(tensor, src=src, group=self.group)
-
-    sender = VLLMSender(url, "127.0.0.1", port, engine_ranks=1, device=torch.device("cpu"), communicator=Gloo,
+    sender = VLLMSender(url, "127.0.0.1", port, device=torch.device("cpu"), communicator=Gloo,
                         timeout_s=60)
     sender.connect()
     sender.send(BUCKETS, weight_version="step-3")
+    group = sender.communicator.group
     sender.close()
+    dist.destroy_process_group(group)
     requests = check_received(out)
-    assert [path for path, _ in requests] == ["/init_weight_transfer_engine", "/start_weight_update",
-                                             *["/update_weights"] * 3, "/finish_weight_update"]
-    assert requests[-1][1] == {"weight_version": "step-3"} and requests[1][1] is None
-    assert requests[3][1]["update_info"]["dtype_names"] == ["bfloat16", "float32"]
+    assert [path for path, _ in requests] == ["/get_world_size", "/init_weight_transfer_engine",
+                                             "/start_weight_update", *["/update_weights"] * 3,
+                                             "/finish_weight_update", "/reset_prefix_cache",
+                                             "/shutdown_weight_transfer_engine"]
+    assert requests[1][1]["init_info"]["world_size"] == 2  # the trainer and the one worker /get_world_size counts
+    assert requests[6][1] == {"weight_version": "step-3"} and requests[2][1] is None
+    assert requests[4][1]["update_info"]["dtype_names"] == ["bfloat16", "float32"]
 
 
 def test_a_refused_request_is_one_line_naming_it(engine):
     url, _ = engine
-    sender = SGLangSender(url, "127.0.0.1", free_port(), engine_ranks=1, backend="gloo", timeout_s=60)
+    sender = SGLangSender(url, "127.0.0.1", free_port(), backend="gloo", timeout_s=60)
     sender.client.post("/begin_weight_update", {})  # a session left open by someone else
     with pytest.raises(EngineError, match=r"/begin_weight_update: a weight update session is already open"):
         sender.send(BUCKETS)
+
+
+def test_a_failed_bucket_closes_sglangs_session_so_the_next_sync_goes_through(tmp_path):
+    """SGLang keeps the session of a bucket that failed after it was received (module docstring): the
+    sender ends it, and the next sync is taken whole."""
+    url, process = start_stand_in(tmp_path, fail=("model.norm.weight",))
+    sender = SGLangSender(url, "127.0.0.1", free_port(), backend="gloo", timeout_s=60)
+    sender.connect()
+    with pytest.raises(EngineError, match=r"/update_weights_from_distributed: Failed to update parameter online"):
+        sender.send(BUCKETS)
+    sender.send(BUCKETS[1:], weight_version="2")  # begins a new session: the failed one was ended
+    sender.close()
+    process.kill()
+    paths = [path for path, _ in json.loads((tmp_path / "requests.json").read_text())]
+    assert paths[3:] == ["/begin_weight_update", "/update_weights_from_distributed", "/end_weight_update",
+                         "/begin_weight_update", *["/update_weights_from_distributed"] * 2, "/end_weight_update",
+                         "/destroy_weights_update_group"]
+
+
+def test_a_resumed_run_replaces_the_group_an_earlier_run_left(engine):
+    """A trainer that died without closing leaves SGLang's group, whose name the next init would fail on:
+    the next run's sender destroys it first."""
+    url, out = engine
+    earlier = SGLangSender(url, "127.0.0.1", free_port(), backend="gloo", timeout_s=60)
+    earlier.connect()
+    dist.destroy_process_group(earlier.group)  # its process ended: the engine keeps its side
+    sender = SGLangSender(url, "127.0.0.1", free_port(), backend="gloo", timeout_s=60)
+    sender.connect()
+    sender.send(BUCKETS)
+    sender.close()
+    check_received(out)
+
+
+def test_sglang_with_pipeline_stages_is_refused_in_one_line(tmp_path):
+    url, process = start_stand_in(tmp_path, server={"tp_size": 2, "pp_size": 2})
+    sender = SGLangSender(url, "127.0.0.1", free_port(), backend="gloo", timeout_s=60)
+    with pytest.raises(EngineError, match=r"tensor-parallel ranks only .* pp_size=2, dp_size=1"):
+        sender.connect()
+    process.kill()
+
+
+def test_a_refusal_before_receiving_ends_the_send_at_once(tmp_path):
+    """vLLM refuses a malformed update before its workers receive (module docstring): the trainer's send
+    ends with the engine's line within a minute, not when its group's ten-minute timeout ends a broadcast
+    nobody receives."""
+    url, process = start_stand_in(tmp_path, refuse=("model.norm.weight",))
+    sender = VLLMSender(url, "127.0.0.1", free_port(), device=torch.device("cpu"),
+                        communicator=lambda init: Gloo(init, timedelta(minutes=10)), timeout_s=60)
+    sender.connect()
+    start = time.monotonic()
+    with pytest.raises(EngineError, match=r"/update_weights: Invalid update_info: \['model.norm.weight'\]"):
+        sender.send(BUCKETS)
+    assert time.monotonic() - start < 60
+    group = sender.communicator.group
+    sender.close()
+    process.kill()
+    dist.destroy_process_group(group)
+
+
+@pytest.mark.parametrize("extension", [None, EXTENSION])
+def test_a_cpu_vllm_without_mops_reload_fix_is_refused_in_one_line(tmp_path, extension):
+    """vLLM's CPU build reloads MoE experts wrongly (`mop.rl.vllm_cpu`): the folder sender asks a CPU server for
+    the fix's method and names the flag that loads it when the server has none."""
+    url, process = start_stand_in(tmp_path, server={"vllm_config": "model='m', dtype=torch.bfloat16, quantization=None, "
+                                                                    "device_config=cpu", "extension": extension})
+    sender = VLLMFolderSender(url, tmp_path / "sync")
+    if extension is None:
+        with pytest.raises(EngineError, match=rf"start the server with --worker-extension-cls {EXTENSION}"):
+            sender.connect()
+    else:
+        sender.connect()
+    process.kill()
 
 
 def test_a_trainer_sends_its_weights_through_a_sender(engine, tmp_path):
@@ -241,7 +359,7 @@ def test_a_trainer_sends_its_weights_through_a_sender(engine, tmp_path):
 
     url, out = engine
     trainer = Trainer(load_config(None, [*SETTINGS, *REFERENCE, f"--log.run_dir={tmp_path / 'run'}"]))
-    sender = SGLangSender(url, "127.0.0.1", free_port(), engine_ranks=1, backend="gloo", timeout_s=60)
+    sender = SGLangSender(url, "127.0.0.1", free_port(), backend="gloo", timeout_s=60)
     sender.connect()
     trainer.send_weights(sender, "v1", bucket_mb=1)
     sender.close()

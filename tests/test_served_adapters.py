@@ -157,3 +157,28 @@ def test_an_adapter_vllm_drops_is_warned_of():
     assert serving_warnings(deepseek, LoraConfig(targets="q_a_proj,q_b_proj,o_proj,experts")) == []
     (warning,) = serving_warnings(deepseek, LoraConfig(targets="attention"))
     assert "kv_b_proj" in warning and "48974" in warning
+
+
+def test_adapters_sglang_fails_on_or_drops_are_warned_of():
+    """What SGLang 0.5.23 does with these adapters, as its code reads (issue 63): a latent attention
+    without a low-rank query (`q_lora_rank` 0) has a plain q_proj, whose adapter SGLang's qkv
+    normalisation fails on (`srt/lora/lora.py:283-293`: `weights[v_name]` of a model with no v_proj), and
+    kv_a_proj_with_mqa is adapted only fused with q_a_proj (`lora.py:503-528`, `utils.py:312-313`); its
+    shared-experts fusion, on by default on GPUs for GLM-4.5 and for DeepSeek-V3 of 256 or 384 routed
+    experts and one shared (`srt/models/deepseek_v2.py:3357-3374`, `glm4_moe.py:1012-1030`), builds no
+    shared_experts module, and their adapters are skipped without a word (`srt/lora/mem_pool.py:1146-1148`)."""
+    import dataclasses
+
+    deepseek = config_from_hf(hf_models()["deepseek_v3"]().to_dict())
+    plain_query = dataclasses.replace(deepseek, options=dataclasses.replace(deepseek.options, q_lora_rank=0))
+    warnings = serving_warnings(plain_query, LoraConfig(targets="attention"))
+    assert len(warnings) == 2 and "q_proj and kv_a_proj_with_mqa" in warnings[1] and "lora.py:293" in warnings[1]
+    assert serving_warnings(plain_query, LoraConfig(targets="kv_b_proj,o_proj,experts"))[1:] == []
+    assert serving_warnings(deepseek, LoraConfig(targets="shared_experts")) == []  # its few experts: never fused
+    published_shape = dataclasses.replace(deepseek, experts=256, top_k=8)
+    (warning,) = serving_warnings(published_shape, LoraConfig(targets="shared_experts"))
+    assert "--disable-shared-experts-fusion" in warning
+    glm = config_from_hf(hf_models()["glm4_moe"]().to_dict())
+    assert glm.shared_expert_intermediate and "--disable-shared-experts-fusion" in serving_warnings(
+        glm, LoraConfig(targets="shared_experts"))[0]
+    assert serving_warnings(glm, LoraConfig(targets="attention,routed_experts")) == []

@@ -13,7 +13,7 @@ from torch.testing import assert_close
 from mop.build import build_run
 from mop.config import load_config
 from mop.parallel import DistLayout, Layout
-from mop.rl.weights import weight_buckets, write_folder
+from mop.rl.weights import sync_unit, weight_buckets, write_folder
 from mop.runtime import Runtime
 from mop.settle import settle
 from mop.testing import run_distributed
@@ -82,7 +82,7 @@ def export_after_a_step(rank: int, world: int, overrides: list[str], folder: str
 
     def measured(buckets):
         for bucket in buckets:
-            sizes.append((sum(t.nbytes for _, t in bucket), len(bucket)))
+            sizes.append((sum(t.nbytes for _, t in bucket), sorted({sync_unit(key) for key, _ in bucket})))
             yield bucket
 
     write_folder(measured(weight_buckets(run, BUCKET, torch.float32)), run, folder, torch.float32)
@@ -96,7 +96,10 @@ def test_exported_weights_load_in_transformers_and_give_the_trainers_log_probs(t
     ranks = run_distributed(export_after_a_step, 4, [*COMMON, *MODEL[family]], str(folder))
     sizes = ranks[0]["sizes"]
     assert len(sizes) > 3 and all(not r["sizes"] for r in ranks[1:])
-    assert all(size <= BUCKET or count == 1 for size, count in sizes)  # over its size only as one tensor's own
+    # over its size only as one unit's own (a tensor, or a layer's attention), and no unit split
+    assert all(size <= BUCKET or len(units) == 1 for size, units in sizes)
+    units = [unit for _, bucket_units in sizes for unit in bucket_units]
+    assert len(units) == len(set(units)) and any(unit.endswith(".self_attn") for unit in units)
     check_transformers_log_probs(folder, ranks)
 
 

@@ -43,6 +43,11 @@ STORED_BYTES = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "BF16": 2, "F16": 2, "I1
 
 # ---------------------------------------------------------------- config
 
+NOT_KEPT = ("quantization_config", "pad_token_id")
+"""The source's config.json keys an export drops: the weights written are not quantized unless `write_hf`
+writes them as published (which adds its own `quantization_config`), and no pad id goes into config.json
+(`mop.convert`: transformers would freeze that embedding row in a fine-tune)."""
+
 
 def config_from_hf(source: str | Path | dict) -> ModelConfig:
     """The `ModelConfig` of a HF model directory, config.json file or parsed config dict."""
@@ -54,11 +59,38 @@ def config_from_hf(source: str | Path | dict) -> ModelConfig:
     return cfg
 
 
-def config_to_hf(cfg: ModelConfig, model_type: str | None = None, dtype: torch.dtype = torch.float32) -> dict:
-    """The config.json dict of `cfg` as `model_type` (None: its own family's)."""
+def config_to_hf(cfg: ModelConfig, model_type: str | None = None, dtype: torch.dtype = torch.float32,
+                 source: dict | None = None) -> dict:
+    """The config.json dict of `cfg` as `model_type` (None: its own family's). `source`: the config.json
+    the model's weights came from (`source_record`), whose every key mop does not write itself is kept
+    (engines read keys transformers ignores: vLLM's DeepSeek-V3 router is built from `topk_method` and
+    `scoring_func`), but for those `NOT_KEPT`; kept only when it is of the same family."""
     family = _expressible_family(cfg, model_type)
     cfg = replace(cfg, family=family.name)  # a config saved as another family it fits becomes one
-    return {**shared_config_to_hf(cfg, family.hf.architecture, dtype), **family.hf.config_to_hf(cfg)}
+    kept = {}
+    if source is not None and model_types().get(source.get("model_type")) is family:
+        kept = {key: value for key, value in source.items() if key not in NOT_KEPT}
+    return {**kept, **shared_config_to_hf(cfg, family.hf.architecture, dtype), **family.hf.config_to_hf(cfg)}
+
+
+def source_record(weights: "HFWeights") -> dict:
+    """What a run keeps of the Hugging Face checkpoint its weights came from (`mop.checkpoint`'s
+    `hf_source`): its directory, its fingerprint and its config.json, which exports keep
+    (`config_to_hf`) and `--dtype=published` writes as (`AsPublished`)."""
+    return {"path": str(weights.path.resolve()), "fingerprint": weights.fingerprint(), "config": weights.hf_config}
+
+
+def open_source(record: dict, setting: str) -> "HFWeights":
+    """The checkpoint of a `source_record`, opened and checked unchanged (its fingerprint), or one line
+    naming `setting`."""
+    path = Path(record["path"])
+    weights = HFWeights(path) if (path / "config.json").is_file() else None
+    if weights is None or weights.fingerprint() != record["fingerprint"]:
+        if weights is not None:
+            weights.__exit__()
+        raise HFConversionError(f"{setting}: the weights came from {path}, which is gone or has changed since; "
+                                "restore that directory, or export in bfloat16 or float32")
+    return weights
 
 
 def model_types() -> dict[str, Family]:
@@ -306,7 +338,8 @@ def save_hf(model: MoETransformer, path: str | Path, dtype: torch.dtype | None =
 
 def write_hf(cfg: ModelConfig, path: str | Path, read, dtype: torch.dtype, model_type: str | None = None,
              max_shard_bytes: int = MAX_SHARD_BYTES, token_ids: dict[str, int] | None = None,
-             published: "AsPublished | None" = None, mtp: "MtpLayers | None" = None) -> None:
+             published: "AsPublished | None" = None, mtp: "MtpLayers | None" = None,
+             source: dict | None = None) -> None:
     """Write the model `cfg` describes to the directory `path` as a HF checkpoint, file by file:
     `read(names)` returns the whole tensors of those parameters and buffers, and is asked for one
     output file's at a time, so a process holds one file's tensors (and whole parameters spanning
@@ -321,10 +354,14 @@ def write_hf(cfg: ModelConfig, path: str | Path, read, dtype: torch.dtype, model
     and its `quantization_config`; the other tensors in the base's dtypes). `mtp`: a checkpoint's
     multi-token-prediction layers, passed through (`MtpLayers`: as published with `published`, else
     in `dtype`) in shards of their own after the model's, with its `num_nextn_predict_layers`.
+    `source`: the config.json the weights came from, whose keys config.json keeps (`config_to_hf`).
+    Buffers (the router's score-correction bias) are written in fp32 whatever `dtype` (`exported_dtype`).
     """
     family = _expressible_family(cfg, model_type)
     with torch.device("meta"):
-        shapes = {name: tensor.shape for name, tensor in _tensors(MoETransformer(cfg))}
+        model = MoETransformer(cfg)
+    shapes = {name: tensor.shape for name, tensor in _tensors(model)}
+    buffers = {name for name, _ in model.named_buffers()}
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     _remove_old_weights(path)
@@ -340,7 +377,8 @@ def write_hf(cfg: ModelConfig, path: str | Path, read, dtype: torch.dtype, model
         for piece in shard:
             value = tensors[piece.param][piece.index]
             stored = published(piece.key, value) if published is not None else None
-            out.update(stored if stored is not None else {piece.key: _disk_tensor(value, dtype)})
+            written = _disk_tensor(value, exported_dtype(piece.param, buffers, dtype))
+            out.update(stored if stored is not None else {piece.key: written})
         weight_map, total = _saved(out, path / name, weight_map, total)
         del tensors, out
     for name, keys in zip(names[len(shards):], extra):
@@ -349,7 +387,7 @@ def write_hf(cfg: ModelConfig, path: str | Path, read, dtype: torch.dtype, model
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     # config.json goes last: a save interrupted earlier leaves no directory that looks loadable.
-    config = {**config_to_hf(cfg, family.name, dtype), **(token_ids or {}),
+    config = {**config_to_hf(cfg, family.name, dtype, source), **(token_ids or {}),
               **({"quantization_config": published.config} if published is not None and published.config else {}),
               **({"num_nextn_predict_layers": mtp.layers} if mtp is not None else {})}
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -460,6 +498,14 @@ def _plan_shards(pieces: list[Piece], shapes: dict[str, torch.Size], dtype: torc
         shards[-1].append(piece)
         size += nbytes
     return shards
+
+
+def exported_dtype(name: str, buffers: set[str], dtype: torch.dtype) -> torch.dtype:
+    """The dtype mop tensor `name` is exported in: `dtype`, but fp32 for a buffer (the router's
+    score-correction bias: fp32 in DeepSeek-V3's published checkpoint and in the engines, vLLM
+    `deepseek_v2.py` and SGLang `deepseek_v2.py`; in bf16 its small differences would pick other
+    experts)."""
+    return torch.float32 if name in buffers else dtype
 
 
 def _disk_tensor(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

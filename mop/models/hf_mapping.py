@@ -139,18 +139,21 @@ def yarn_options(hf: dict) -> dict:
             "yarn_truncate": bool(rope.get("truncate", True))}
 
 
-def yarn_to_hf(cfg: ModelShape) -> dict:
-    """The RoPE keys of config.json for a family with `YarnOptions` (the default RoPE when off)."""
+def yarn_to_hf(cfg: ModelShape, always: bool = False) -> dict:
+    """The RoPE keys of config.json for a family with `YarnOptions` (the default RoPE when off, unless
+    `always`: YaRN's keys at factor 1, which is the default RoPE exactly, for a family whose engines read
+    them unconditionally)."""
     o = cfg.options
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    if o.yarn:
+    yarn = o.yarn or always
+    if yarn:
         rope.update(rope_type="yarn", factor=o.yarn_factor, original_max_position_embeddings=o.yarn_original_context,
                     beta_fast=o.yarn_beta_fast, beta_slow=o.yarn_beta_slow,
                     **({} if o.yarn_truncate else {"truncate": False}),  # unset means true
                     **({"mscale": o.yarn_mscale} if o.yarn_mscale else {}),
                     **({"mscale_all_dim": o.yarn_mscale_all_dim} if o.yarn_mscale_all_dim else {}))
     # transformers 5.x reads rope_parameters, 4.x rope_scaling (YaRN only) beside the top-level rope_theta
-    scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if o.yarn else None
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if yarn else None
     return {"rope_parameters": rope, **({"rope_scaling": scaling} if scaling else {})}
 
 

@@ -23,9 +23,15 @@ Every other adapter (attention, the dense and shared MLPs) keeps PEFT's key, its
 part; vLLM follows the tensors' keys), Mixtral's expert names as SGLang spells them (gate_proj,
 up_proj, down_proj for w1, w3, w2), and no `target_parameters` (neither engine reads them).
 
-Known drops (`serving_warnings`): vLLM loads DeepSeek MLA's `kv_b_proj` adapter but never applies
-it (vllm-project/vllm#48974); neither engine adapts the multi-token-prediction layers (mop puts no
-adapters on them: LoRA keeps them frozen). mop's expert adapters always cover gate, up and down,
+Known drops (`serving_warnings`, printed at a LoRA run's start and by `mop convert to-peft`): vLLM
+loads DeepSeek MLA's `kv_b_proj` adapter but never applies it (vllm-project/vllm#48974); SGLang fails
+on a latent attention's `q_proj` adapter (a model with `q_lora_rank` 0) and on `kv_a_proj_with_mqa`'s
+without `q_a_proj`'s (it adapts the two as one fused module), and drops shared-expert adapters
+where it fuses the shared experts into the routed ones (its default on GPUs for GLM-4.5 and for
+DeepSeek-V3 of 256 or 384 routed experts and one shared; `--disable-shared-experts-fusion`); neither
+engine adapts the multi-token-prediction layers (mop puts no adapters on them: LoRA keeps them
+frozen). vLLM's CPU build takes no LoRA for an MoE model at all: its `--enable-lora` runs every MoE
+layer through a Triton kernel the CPU build lacks (the engine tier names it). mop's expert adapters always cover gate, up and down,
 the engines' condition for wrapping experts at all.
 """
 
@@ -110,11 +116,31 @@ def served_config(lora: LoraConfig, tensors: dict[str, torch.Tensor]) -> dict:
 
 
 def serving_warnings(cfg: ModelConfig, lora: LoraConfig) -> list[str]:
-    """The adapted modules an engine is known to drop (module docstring), one line each."""
+    """The adapted modules an engine is known to drop or fail on (module docstring), one line each."""
     with torch.device("meta"):
         names = [name for name, _ in MoETransformer(cfg, lora).named_parameters()]
-    if any(".kv_b_proj.lora_" in name for name in names):
-        return ["lora.targets adapts kv_b_proj: vLLM (0.33) loads an MLA kv_b_proj adapter but never applies it "
-                "(vllm-project/vllm#48974), so a model served there computes without it; SGLang applies it, or "
-                "drop kv_b_proj from lora.targets (or serve mop convert merge's weights)"]
-    return []
+
+    def adapts(module: str) -> bool:
+        return any(f".{module}.lora_" in name for name in names)
+
+    warnings = []
+    if adapts("kv_b_proj"):
+        warnings.append("lora.targets adapts kv_b_proj: vLLM (0.33) loads an MLA kv_b_proj adapter but never applies "
+                        "it (vllm-project/vllm#48974), so a model served there computes without it; SGLang applies it, "
+                        "or drop kv_b_proj from lora.targets (or serve mop convert merge's weights)")
+    # SGLang adapts q_a_proj with kv_a_proj_with_mqa as one fused module, found from q_a_proj's adapter
+    unloadable = [module for module in ("q_proj", "kv_a_proj_with_mqa") if adapts(module)
+                  and not (module == "kv_a_proj_with_mqa" and adapts("q_a_proj"))]
+    if cfg.family == "deepseek_v3" and unloadable:
+        warnings.append(f"lora.targets adapts {' and '.join(unloadable)} of a latent attention: SGLang (0.5.23) adapts "
+                        "q_a_proj with kv_a_proj_with_mqa, q_b_proj, kv_b_proj and o_proj only, and fails on a q_proj "
+                        "adapter (KeyError, srt/lora/lora.py:293) or a kv_a_proj_with_mqa one without q_a_proj's (no "
+                        "such module, srt/lora/mem_pool.py:983); serve these adapters with vLLM, or set lora.targets "
+                        "to kv_b_proj,o_proj and the MLPs")
+    fused = cfg.family == "glm4_moe" or (cfg.family == "deepseek_v3" and cfg.experts in (256, 384)
+                                          and cfg.shared_expert_intermediate == cfg.expert_intermediate)
+    if fused and any(".mlp.shared." in name and ".lora_" in name for name in names):
+        warnings.append("lora.targets adapts the shared experts: SGLang (0.5.23) fuses them into the routed experts "
+                        "on GPUs by default for this model and then drops their adapters without a word "
+                        "(srt/lora/mem_pool.py:1146); start its server with --disable-shared-experts-fusion")
+    return warnings

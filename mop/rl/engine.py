@@ -15,15 +15,24 @@ MoE layer's router (`model.layers.{i}.mlp.gate`, whose last output is its top-k 
 5), in vLLM's form: `[tokens - 1, layers, top_k]`, the dense layers' rows 0.
 
 `VLLMServer` and `SGLangServer`: a running server of either, the weights pushed through its
-weight-update API (`mop.rl.senders`), rollouts asked for by token ids at temperature 1 with no top-k or
-top-p (every sampling field sent, as vLLM otherwise fills them from the model's generation config):
-vLLM's `POST /v1/completions` (`n`, `logprobs: 0` for the sampled token's log-prob, `return_token_ids`,
-`seed`; choices prompt-major) and SGLang's `POST /generate` (`sampling_params.n`, `return_logprob`,
-`logprob_start_len: -1`; a flat list, prompt-major; its seed works only under deterministic
-inference, so none is sent). Both keep the end-of-text token with its log-prob, and return the routed
-experts (with the server's `--enable-return-routed-experts`) in the forms the rollout reader takes.
-Their log-probs are the raw model's at temperature 1, which here is the distribution sampled from.
-Read from their sources (mop/rl/PROTOCOLS.md); tested against a stand-in server only.
+weight-update API (`mop.rl.senders`: a broadcast group, or for vLLM a folder it reloads), rollouts
+asked for by token ids at temperature 1 with no top-k, top-p, min-p or penalty: every sampling field
+is sent, since vLLM fills an omitted one from the model folder's generation_config.json
+(`config/model.py` `get_diff_sampling_param`; a published model's repetition penalty, temperature,
+top-k ...), and then samples from another distribution than the one whose log-probs it returns.
+vLLM's `POST /v1/completions` (`n`, `logprobs: 0` for the sampled token's log-prob,
+`return_token_ids`, `seed`; choices prompt-major) and SGLang's `POST /generate`
+(`sampling_params.n`, `return_logprob`, `logprob_start_len: -1`; a flat list, prompt-major; its seed
+works only under deterministic inference, so none is sent). Both keep the end-of-text token with its
+log-prob, and return the routed experts (with the server's `--enable-return-routed-experts`) in the
+forms the rollout reader takes. Their log-probs are the model's at temperature 1, the distribution
+sampled (vLLM: with `--logprobs-mode processed_logprobs` they stay so whatever a request sets).
+Before its first sync a `VLLMServer` asks the server what it loaded (`GET /server_info`: its
+`quantization` and `dtype`) and refuses weights in another form (bf16 to a server of fp8 blocks
+leaves its scales as they were: silently wrong weights; fp32 to a bf16 server's reload killed its
+worker; `rl.sync_dtype`). Read from their sources
+(mop/rl/PROTOCOLS.md); vLLM's CPU build serves the engine tier (`tests/test_engine_vllm.py`),
+SGLang a stand-in (`tests/test_rl_senders.py`).
 """
 
 from __future__ import annotations
@@ -35,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from mop.rl.senders import EngineClient, SGLangSender, VLLMSender
+from mop.rl.senders import EngineClient, EngineError, SGLangSender, VLLMFolderSender, VLLMSender
 from mop.rl.weights import Bucket, save_folder
 
 ROUTER = re.compile(r"^model\.layers\.(\d+)\.mlp\.gate$")
@@ -125,20 +134,42 @@ class _Server(Engine):
         self.sender.close()
 
 
+NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
+           "presence_penalty": 0.0, "frequency_penalty": 0.0}
+"""Sampling from the model's own distribution, every field a server would otherwise fill from the
+model's generation_config.json (module docstring)."""
+
+
 class VLLMServer(_Server):
     """A running vLLM server (module docstring); `model`: its served model's name ("": the server's one)."""
 
-    def __init__(self, url: str, sender: VLLMSender, model: str = "", timeout_s: float = 600.0):
+    def __init__(self, url: str, sender: VLLMSender | VLLMFolderSender, model: str = "", timeout_s: float = 600.0):
         self.client, self.sender, self.model, self.version = EngineClient(url, timeout_s), sender, model, 0
 
     def take(self, buckets: Iterable[Bucket], config: dict) -> None:
+        if self.version == 0:
+            self.check_format(config)
         _push(self, buckets)
+
+    def check_format(self, config: dict) -> None:
+        """Refuse weights in another form than the server's (module docstring): `config` is what is sent."""
+        info = str(self.client.get("/server_info").get("vllm_config", ""))  # vllm/config/vllm.py's summary
+        quantization, dtype = re.search(r"\bquantization=([\w-]+)", info), re.search(r"\bdtype=torch\.(\w+)", info)
+        served = None if quantization is None or quantization.group(1) == "None" else quantization.group(1)
+        sent = (config.get("quantization_config") or {}).get("quant_method")
+        if quantization is not None and served != sent:
+            raise EngineError(f"rl.sync_dtype: the server at {self.client.url} serves {served or 'unquantized'} "
+                              f"weights and the run would send {sent or 'unquantized'} ones, which it would load "
+                              "wrongly; send the checkpoint's published format (rl.sync_dtype = published) to a "
+                              "server of the published checkpoint, or serve mop convert to-hf's export")
+        if dtype is not None and dtype.group(1) != config["torch_dtype"]:  # its reload casts nothing
+            raise EngineError(f"rl.sync_dtype: the server at {self.client.url} computes in {dtype.group(1)} and the run "
+                              f"would send {config['torch_dtype']} weights; set rl.sync_dtype = {dtype.group(1)}")
 
     def sample(self, prompts: list[list[int]], group: int, max_new_tokens: int, seed: int) -> list[dict]:
         body = {**({"model": self.model} if self.model else {}), "prompt": prompts, "n": group,
-                "max_tokens": max_new_tokens, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
-                "logprobs": 0, "return_token_ids": True, "skip_special_tokens": False, "seed": seed,
-                "routed_experts_prompt_start": 0}
+                "max_tokens": max_new_tokens, **NEUTRAL, "logprobs": 0, "return_token_ids": True,
+                "skip_special_tokens": False, "seed": seed, "routed_experts_prompt_start": 0}
         choices = sorted(self.client.post("/v1/completions", body)["choices"], key=lambda c: c["index"])
         return [_row(prompts[c["index"] // group], c["token_ids"], c["logprobs"]["token_logprobs"],
                      c.get("routed_experts")) for c in choices]
@@ -156,8 +187,8 @@ class SGLangServer(_Server):
     def sample(self, prompts: list[list[int]], group: int, max_new_tokens: int, seed: int) -> list[dict]:
         body = {"input_ids": prompts, "return_logprob": True, "logprob_start_len": -1, "top_logprobs_num": 0,
                 "return_routed_experts": True, "routed_experts_start_len": 0,
-                "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 1.0, "top_p": 1.0, "top_k": -1,
-                                    "min_p": 0.0, "n": group, "skip_special_tokens": False}}
+                "sampling_params": {"max_new_tokens": max_new_tokens, **NEUTRAL, "n": group,
+                                    "skip_special_tokens": False}}
         outputs = self.client.post("/generate", body)
         outputs = outputs if isinstance(outputs, list) else [outputs]
         return [_row(prompts[k // group], out["output_ids"], [t[0] for t in out["meta_info"]["output_token_logprobs"]],

@@ -5,9 +5,10 @@ weights, rewarded, and packed as recorded rollouts are (`mop.data.rollout_packin
 `RolloutFeed` stands where a run's `Data` does (`tokenizer`, `dataset`, `stream`). Drawing batch b
 (`stream.next_batch`, every rank at the same point of the loop):
 1. sync: the run's weights are exported in buckets (`mop.rl.weights.weight_buckets`: collective,
-   rank 0 gathers each tensor once; fp32 for an fp32 run, else bf16) to rank 0's engine (`rl.engine`,
-   `mop.rl.engine`: the CPU engine's folder `<run dir>/engine`, or a vLLM or SGLang server's
-   weight-update API);
+   rank 0 gathers each tensor once; in `rl.sync_dtype`'s form: fp32 for an fp32 run, else bf16, or as
+   the checkpoint they came from publishes them, which a server of that quantized checkpoint takes)
+   to rank 0's engine (`rl.engine`, `mop.rl.engine`: the CPU engine's folder `<run dir>/engine`, or
+   a vLLM or SGLang server through `rl.sync`'s sender, `mop.rl.senders`);
 2. sample (rank 0): the engine draws `rl.group` completions of each of the batch's
    `rl.prompts_per_batch` prompts (the prompts' order: a permutation per pass from `train.seed`, as
    the data stream's; the engine's seed from `train.seed` and b), with their sampling log-probs and
@@ -44,12 +45,11 @@ from mop.build import TrainingRun, rollout_settings
 from mop.config import Config, ConfigError
 from mop.data import DataError, SequenceStream, load_dataset, load_tokenizer, source_options
 from mop.data.prepared import ChatSettings
-from mop.models.hf import config_to_hf
 from mop.rl.engine import Engine, SGLangServer, TransformersEngine, VLLMServer
 from mop.rl.prompts import Prompts, read_prompts
 from mop.rl.rewards import reward_function
-from mop.rl.senders import SGLangSender, VLLMSender
-from mop.rl.weights import weight_buckets
+from mop.rl.senders import SGLangSender, VLLMFolderSender, VLLMSender
+from mop.rl.weights import engine_config, sync_form, weight_buckets
 
 
 def sampled_data(config: Config, run_dir: Path, is_main: bool, device: torch.device) -> RolloutFeed | None:
@@ -58,16 +58,20 @@ def sampled_data(config: Config, run_dir: Path, is_main: bool, device: torch.dev
 
 
 def engine_for(config: Config, eos_id: int, folder: Path, device: torch.device) -> Engine:
-    """Rank 0's engine (`rl.engine`), a server's with its sender joining the weight group from `device`."""
+    """Rank 0's engine (`rl.engine`); a server's sender (`rl.sync`) broadcasts from `device` or writes `folder`
+    (`rl.sync_folder` when set)."""
     rl = config.rl
     if rl.engine == "transformers":
         return TransformersEngine(eos_id, folder)
     host, _, port = rl.sync_address.rpartition(":")
     if rl.engine == "vllm":
-        return VLLMServer(rl.engine_url, VLLMSender(rl.engine_url, host, int(port), rl.engine_ranks, device),
-                          rl.engine_model)
+        if rl.sync == "folder" or (rl.sync == "auto" and device.type != "cuda"):  # vLLM's NCCL group needs CUDA
+            sender = VLLMFolderSender(rl.engine_url, Path(rl.sync_folder) if rl.sync_folder else folder)
+        else:
+            sender = VLLMSender(rl.engine_url, host, int(port), device)
+        return VLLMServer(rl.engine_url, sender, rl.engine_model)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    return SGLangServer(rl.engine_url, SGLangSender(rl.engine_url, host, int(port), rl.engine_ranks, backend, device))
+    return SGLangServer(rl.engine_url, SGLangSender(rl.engine_url, host, int(port), backend, device))
 
 
 class BatchData:
@@ -106,11 +110,20 @@ class RolloutFeed(BatchData):
         self.reward = reward_function(rl.reward)
         self.engine = engine_for(config, self.tokenizer.eos_id, run_dir / "engine", device) if is_main else None
         self.run, self._batch, self._drawn_ahead = None, None, False
+        self.sync_dtype, self.published = None, None
         self._pending: Future | None = None
         self._threads = ThreadPoolExecutor(1) if rl.off_policy and is_main else None
 
     def bind(self, run: TrainingRun) -> None:
         self.run = run
+
+    def _sync_form(self) -> tuple:
+        """The weights' form for the engine (`rl.sync_dtype`, `mop.rl.weights.sync_form`), decided at the first
+        sync: the run's source is known once it has resumed."""
+        if self.sync_dtype is None:
+            self.sync_dtype, self.published = sync_form(self.run, self.config.rl.sync_dtype,
+                                                        self.config.rl.engine != "transformers")
+        return self.sync_dtype, self.published
 
     def close(self) -> None:
         if self._threads is not None:
@@ -187,14 +200,14 @@ class RolloutFeed(BatchData):
                                        **{"rl/sync_s": synced - start, "rl/generate_s": sampled})
 
     def _sync(self, failure: Exception | None) -> Exception | None:
-        """The run's weights to rank 0's engine (`Engine.take`; fp32 for an fp32 run, else bf16); the export is
+        """The run's weights to rank 0's engine (`Engine.take`, in `rl.sync_dtype`'s form); the export is
         collective: every rank iterates it to its end whatever failed."""
         run = self.run
-        dtype = torch.float32 if run.config.compute_dtype == torch.float32 else torch.bfloat16
-        buckets = weight_buckets(run, self.config.rl.sync_bucket_mb << 20, dtype)
+        dtype, published = self._sync_form()
+        buckets = weight_buckets(run, self.config.rl.sync_bucket_mb << 20, dtype, published)
         if self.is_main and failure is None:
             try:
-                self.engine.take(buckets, config_to_hf(run.config.model, dtype=dtype))
+                self.engine.take(buckets, engine_config(run, dtype, published))
             except Exception as err:
                 failure = err
         for _ in buckets:  # the other ranks' part, or what a failed take left

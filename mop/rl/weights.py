@@ -10,14 +10,16 @@ them. For each parameter, one reduce over the world gives rank 0 its whole tenso
 every rank contributes a zero tensor of the global shape with its own rows written where it is
 their owner (`GlobalViews.owns`: a replicated copy once), so the sum is exact. Rank 0 cuts the
 parameter into its checkpoint tensors (contiguous copies) and adds them to the open bucket, which it
-yields once the next tensor would take it past `bucket_bytes` (a tensor bigger than a bucket gets
-one of its own); the other ranks yield nothing. Buffers (a router's score-correction bias) are the
-same on every rank: rank 0 takes its own.
+yields once the next unit would take it past `bucket_bytes`; a unit is a tensor, or a layer's
+attention, which a bucket never splits (`sync_unit`), and one bigger than a bucket gets one of its
+own. The other ranks yield nothing.
+Buffers (a router's score-correction bias) are the same on every rank: rank 0 takes its own, in fp32
+whatever the export dtype (`mop.models.hf.exported_dtype`).
 
 Memory per rank: one parameter's whole tensor in the export dtype (the reduce's buffer, released
 before the next; gloo's reduce adds a temporary of its size, and the owner's rows are cast once), and
 on rank 0 the open bucket: about one bucket plus one to two times a layer's largest stacked tensor
-(its experts), whatever the model's size (`mop bench rl-sync`). Communication: each parameter once, in the
+(its experts) or its attention, whatever the model's size (`mop bench rl-sync`). Communication: each parameter once, in the
 export dtype (bf16: half of fp32's bytes).
 
 In a published format (`published`: `mop.models.hf.AsPublished` of the Hugging Face folder the run's
@@ -25,8 +27,10 @@ weights came from, e.g. DeepSeek-V3's fp8 checkpoint imported with `mop convert 
 parameter is gathered in fp32, and each checkpoint tensor the base publishes quantized is sent
 re-quantized (fp8 e4m3 with its block scales as `<key>` and `<key>_scale_inv`; MXFP4 experts as
 `<key>_blocks` and `<key>_scales`), every other one in the dtype the base stores it in: what an engine
-serving the published checkpoint takes (vLLM re-quantizes nothing then), the trainer's weights
-quantized as the base's publisher quantized its own.
+serving the published checkpoint takes (it quantizes nothing itself: a bf16 weight sent to vLLM's fp8
+layer is cast into its fp8 storage and the old scale kept, `mop.rl.senders`), the trainer's weights
+quantized as the base's publisher quantized its own. `sync_form` decides the form for the RL loop
+(`rl.sync_dtype`) and `engine_config` writes the config.json that goes with it.
 
 A LoRA run exports its base with the adapters merged in (`W + alpha/r B A` in fp32, `mop convert merge`'s
 arithmetic): each adapted weight's adapters are gathered like any parameter, and rank 0 reads the base
@@ -39,6 +43,7 @@ SGLang's LoRA APIs load `serve/`).
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -48,8 +53,9 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from mop.build import TrainingRun, base_weights
+from mop.config import ConfigError
 from mop.models.families import family_of
-from mop.models.hf import AsPublished, config_to_hf
+from mop.models.hf import AsPublished, config_to_hf, exported_dtype, open_source
 from mop.models.hf_mapping import Piece, model_pieces
 from mop.models.lora import adapted_weights
 from mop.models.lora import merged as lora_merged
@@ -66,25 +72,70 @@ def weight_buckets(run: TrainingRun, bucket_bytes: int, dtype: torch.dtype = tor
     """The run's weights as buckets of `(hf_name, tensor)` on rank 0, none on the others, in `dtype` or, with
     `published`, in the base's published format (a LoRA run's: its base with the adapters merged in; module
     docstring); every rank iterates it to the end."""
+    bucket, size = [], 0
+    for _, parts in itertools.groupby(_sent(run, dtype, published), key=lambda part: part[0]):
+        tensors = [item for _, sent in parts for item in sent.items()]
+        nbytes = sum(tensor.nbytes for _, tensor in tensors)
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket += tensors
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def sync_unit(key: str) -> str:
+    """What a bucket never splits: a layer's attention (SGLang fuses DeepSeek-V3's q_a_proj and
+    kv_a_proj_with_mqa only when one `load_weights` call brings both, and loads neither otherwise,
+    silently: `models/deepseek_weight_loader.py`), else the checkpoint tensor itself."""
+    layer, _, rest = key.partition(".self_attn.")
+    return layer + ".self_attn" if rest else key
+
+
+def _sent(run: TrainingRun, dtype: torch.dtype, published: AsPublished | None) -> Iterator[tuple[str, dict]]:
+    """Each checkpoint tensor as sent (`_as_sent`) with its `sync_unit`, in checkpoint order, on rank 0; the
+    other ranks take part in the gathers and yield nothing."""
     run.optimizer.synchronize()  # the host optimizer's last updates, settled into the device weights
     cfg = run.config.model
     main = run.runtime.rank == 0
-    bucket, size = [], 0
+    buffers = {canonical_name(name) for name, _ in run.model.named_buffers()}
     with base_weights(run.config) as base:
         whole_of = _merged(run, base) if run.config.adapters is not None else _trained(run)
         for name, pieces in _by_tensor(model_pieces(cfg, family_of(cfg).hf, set())):
-            whole = whole_of(name, dtype if published is None else torch.float32)
+            sent_dtype = exported_dtype(name, buffers, dtype)
+            whole = whole_of(name, sent_dtype if published is None else torch.float32)
             for piece in pieces if main else ():
-                sent = _as_sent(piece.key, whole[piece.index], dtype, published)
-                nbytes = sum(value.nbytes for value in sent.values())
-                if bucket and size + nbytes > bucket_bytes:
-                    yield bucket
-                    bucket, size = [], 0
-                bucket.extend(sent.items())
-                size += nbytes
+                yield sync_unit(piece.key), _as_sent(piece.key, whole[piece.index], sent_dtype, published)
             del whole
-    if bucket:
-        yield bucket
+
+
+def sync_form(run: TrainingRun, choice: str, server: bool) -> tuple[torch.dtype, AsPublished | None]:
+    """The dtype and published format (`weight_buckets`) of `rl.sync_dtype` = `choice` for a run's engine
+    (`server`: a vLLM or SGLang server, which holds a quantized checkpoint as published); every rank agrees
+    (the gathers' dtype follows)."""
+    source = run.hf_source
+    quantized = source is not None and bool(source["config"].get("quantization_config"))
+    if choice == "published" or (choice == "auto" and server and quantized):
+        if source is None:
+            raise ConfigError("rl.sync_dtype", "'published' sends the weights as the Hugging Face checkpoint they came "
+                              "from publishes them, and this run's did not come from one (mop convert from-hf, or "
+                              "lora.base): set rl.sync_dtype = bfloat16")
+        with open_source(source, "rl.sync_dtype") as weights:
+            return torch.bfloat16, AsPublished(weights)
+    if choice == "auto":  # a server computes in bf16; the CPU engine as the run does
+        return (torch.float32 if not server and run.config.compute_dtype == torch.float32 else torch.bfloat16), None
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32}[choice], None
+
+
+def engine_config(run: TrainingRun, dtype: torch.dtype, published: AsPublished | None = None) -> dict:
+    """The config.json of the weights `weight_buckets` exports: the run's model over every other key of the
+    checkpoint its weights came from (`config_to_hf`), and with `published` that checkpoint's
+    `quantization_config`."""
+    config = config_to_hf(run.config.model, dtype=dtype, source=run.hf_source and run.hf_source["config"])
+    if published is not None and published.config:
+        config["quantization_config"] = published.config
+    return config
 
 
 def adapter_tensors(run: TrainingRun) -> dict[str, torch.Tensor]:
@@ -186,12 +237,7 @@ def write_folder(buckets: Iterator[Bucket], run: TrainingRun, path: str | Path, 
                  published: AsPublished | None = None) -> Path:
     """A sender: the buckets as a Hugging Face checkpoint folder (`save_folder`, with the base's
     `quantization_config` when they are `published`), written by rank 0; every rank iterates the buckets."""
-    config = None
-    if run.runtime.rank == 0:
-        config = config_to_hf(run.config.model, dtype=dtype)
-        if published is not None and published.config:
-            config["quantization_config"] = published.config
-    return save_folder(buckets, path, config)
+    return save_folder(buckets, path, engine_config(run, dtype, published) if run.runtime.rank == 0 else None)
 
 
 def save_folder(buckets: Iterable[Bucket], path: str | Path, config: dict | None) -> Path:

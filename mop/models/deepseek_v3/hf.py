@@ -20,15 +20,24 @@ the model and `to-hf` and `merge` pass them through (`mop.models.hf.MtpLayers`).
 from __future__ import annotations
 
 from mop.models.deepseek_v3.options import Options
-from mop.models.hf_mapping import (HFMapping, Piece, block_pieces as mlp_block_pieces, hub_swiglu_experts, required,
-                                   shared_config_from_hf, sigmoid_router_pieces, yarn_options, yarn_to_hf)
+from mop.models.hf_mapping import (HFConversionError, HFMapping, Piece, block_pieces as mlp_block_pieces,
+                                   hub_swiglu_experts, required, shared_config_from_hf, sigmoid_router_pieces,
+                                   yarn_options, yarn_to_hf)
 from mop.models.shape import ModelShape
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
 DEFAULTS = {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "router_aux_loss_coef": 0.0}
+ROUTER = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+"""The router mop's deepseek_v3 is (group-limited sigmoid scores with a selection bias), as DeepSeek-V3 and
+Kimi-K2 publish it: transformers' config has neither key, but vLLM builds its router from them
+(`deepseek_v2.py`: without `noaux_tc` a softmax router with no `e_score_correction_bias`)."""
 
 
 def config_from_hf(hf: dict) -> ModelShape:
+    for key, value in ROUTER.items():
+        if hf.get(key, value) != value:
+            raise HFConversionError(f"config.json: {key}={hf[key]!r}; mop's deepseek_v3 router is {key}={value!r} "
+                                    "(DeepSeek-V3's and Kimi-K2's)")
     bias = bool(hf.get("attention_bias", False))
     shared = shared_config_from_hf({**hf, "model_type": "deepseek_v3"}, DEFAULTS, attention_bias=bias, yarn=True)
     rope, nope = required(hf, "qk_rope_head_dim"), required(hf, "qk_nope_head_dim")
@@ -58,6 +67,7 @@ def config_to_hf(cfg: ModelShape) -> dict:
                 v_head_dim=o.v_head_dim, head_dim=o.qk_rope_head_dim, rope_interleave=o.rope_interleave,
                 attention_bias=o.attention_bias, n_group=o.groups, topk_group=o.groups_per_token,
                 routed_scaling_factor=o.routed_scaling_factor, num_nextn_predict_layers=cfg.trained_mtp_layers,
+                **ROUTER,
                 max_position_embeddings=int(o.yarn_original_context * o.yarn_factor),
                 **yarn_to_hf(cfg))
 

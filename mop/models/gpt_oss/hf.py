@@ -58,7 +58,8 @@ def config_to_hf(cfg: ModelShape) -> dict:
     return dict(num_local_experts=cfg.experts, intermediate_size=cfg.expert_intermediate,
                 sliding_window=o.sliding_window, layer_types=alternating_layers(cfg.layers),
                 attention_bias=o.attention_bias, swiglu_limit=o.swiglu_limit, swiglu_alpha=o.swiglu_alpha,
-                max_position_embeddings=int(o.yarn_original_context * o.yarn_factor), **yarn_to_hf(cfg))
+                max_position_embeddings=int(o.yarn_original_context * o.yarn_factor),
+                **yarn_to_hf(cfg, always=True))  # vLLM's gpt-oss reads rope_parameters["factor"] (gpt_oss.py:117)
 
 
 def inexpressible(cfg: ModelShape) -> list[str]:

@@ -95,5 +95,9 @@ def check_loop(config: Config) -> None:
     host, _, port = rl.sync_address.rpartition(":")
     if rl.engine != "transformers" and not (host and port.isdigit()):
         raise ConfigError("rl.sync_address", f"{rl.sync_address!r} is not host:port")
-    if rl.engine_ranks < 1:
-        raise ConfigError("rl.engine_ranks", f"must be >= 1, got {rl.engine_ranks}")
+    if rl.engine == "sglang" and rl.sync == "folder":
+        raise ConfigError("rl.sync", "'folder' is vLLM's reload (rl.engine = 'vllm'); SGLang takes the weights by "
+                          "broadcast: set rl.sync = 'auto' or 'broadcast'")
+    if rl.engine == "transformers" and rl.sync_dtype == "published":
+        raise ConfigError("rl.sync_dtype", "'published' is for a server of the published checkpoint; the CPU engine "
+                          "(rl.engine = 'transformers') loads the weights in bfloat16 or float32")
