@@ -430,8 +430,8 @@ class RlConfig:
     """The form the weights are sent in: "published", each tensor as the Hugging Face checkpoint the run's
     weights came from publishes it (fp8 blocks with their scales, MXFP4 experts: what a server of that
     checkpoint holds and loads; mop.rl.weights); "auto": published for a server when that checkpoint is
-    quantized, else bfloat16 for a server (what vLLM and SGLang compute in; a vLLM server takes the weights in its
-    own dtype only, which it is checked for) and the run's dtype for the CPU engine."""
+    quantized, else bfloat16 for a server (what vLLM and SGLang compute in: half fp32's bytes) and the run's dtype
+    for the CPU engine."""
     sync_address: str = "127.0.0.1:29700"
     """With rl.sync "broadcast": host:port of the trainer's rank 0 where the server's workers join the weight
     group (a free port they can reach)."""

@@ -210,3 +210,25 @@ def test_bf16_in_the_mop_layout_stays_within_the_bf16_tolerance_of_the_bf16_refe
     check_bf16_mop_layout_against_the_bf16_reference(tmp_path, DEEPSEEK_RUN, [
         "--parallel.nproc=2", "--parallel.sequence=2", "--parallel.expert=2", "--parallel.vocab=2",
         "--parallel.expert_balance=llep", "--train.activation_checkpointing=full"])
+
+
+def test_exports_keep_the_source_configs_keys_and_the_router_it_implies():
+    """config.json as an engine reads it (issue 63): every key of the checkpoint the weights came from that mop
+    does not write itself is kept (vLLM builds DeepSeek-V3's router from `topk_method` and `scoring_func`,
+    `deepseek_v2.py`), but for its quantization_config and pad id; with no source, the router mop's
+    deepseek_v3 is; a checkpoint of another router is refused in one line."""
+    from mop.models.hf import HFConversionError, config_from_hf, config_to_hf
+
+    source = {**hf_config().to_dict(), "topk_method": "noaux_tc", "scoring_func": "sigmoid", "ep_size": 1,
+              "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config"}, "pad_token_id": 3,
+              "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+    cfg = config_from_hf(source)
+    written = config_to_hf(cfg, source=source)
+    assert {key: written[key] for key in ("ep_size", "auto_map", "topk_method")} == {
+        key: source[key] for key in ("ep_size", "auto_map", "topk_method")}
+    assert "quantization_config" not in written and "pad_token_id" not in written
+    assert written["n_routed_experts"] == cfg.experts and config_from_hf(written) == cfg
+    bare = config_to_hf(cfg)
+    assert (bare["topk_method"], bare["scoring_func"]) == ("noaux_tc", "sigmoid")
+    with pytest.raises(HFConversionError, match=r"^config.json: scoring_func='softmax'; mop's deepseek_v3 router is"):
+        config_from_hf({**source, "scoring_func": "softmax"})

@@ -64,6 +64,20 @@ def hub_folder(folder, config):
     return layer
 
 
+def fp8_hub_folder(folder) -> dict:
+    """`hub_folder` of DeepSeek-V3 in one file, quantized as DeepSeek-V3 publishes it (fp8 blocks of 16 x 8
+    here, the MTP layer's too); what the tests' quantizer dequantizes each weight to."""
+    import test_deepseek_v3
+
+    hub_folder(folder, deepseek_config())
+    main_file = folder / "model-00001-of-00002.safetensors"  # quantize_fp8 reads model.safetensors
+    save_file({**load_file(main_file), **load_file(folder / MTP_FILE)}, folder / "model.safetensors",
+              metadata={"format": "pt"})
+    for leftover in (main_file, folder / MTP_FILE, folder / "model.safetensors.index.json"):
+        leftover.unlink()
+    return test_deepseek_v3.quantize_fp8(folder, (16, 8))
+
+
 def written(folder) -> dict:
     """Every tensor of a written HF directory by name."""
     index = folder / "model.safetensors.index.json"
@@ -106,16 +120,9 @@ def test_a_fine_tune_writes_back_the_frozen_mtp_layers_as_they_were(tmp_path, ca
 
 
 def test_a_merge_gives_back_an_fp8_bases_mtp_layers_as_published_or_dequantized(tmp_path):
-    import test_deepseek_v3
     from test_lora import base_run
 
-    hub_folder(tmp_path / "hf", deepseek_config())
-    main_file = tmp_path / "hf" / "model-00001-of-00002.safetensors"  # quantize_fp8 reads model.safetensors
-    tensors = {**load_file(main_file), **load_file(tmp_path / "hf" / MTP_FILE)}
-    save_file(tensors, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
-    for leftover in (main_file, tmp_path / "hf" / MTP_FILE, tmp_path / "hf" / "model.safetensors.index.json"):
-        leftover.unlink()
-    dequantized = test_deepseek_v3.quantize_fp8(tmp_path / "hf", (16, 8))
+    dequantized = fp8_hub_folder(tmp_path / "hf")
     base_run(tmp_path, "run", f"--lora.base={tmp_path / 'hf'}")
     step = tmp_path / "run" / "checkpoints" / "step_4"
     assert main(["convert", "merge", str(step), str(tmp_path / "published"), "--dtype=published"]) == 0
@@ -139,15 +146,7 @@ def test_to_hf_writes_a_fine_tune_of_an_fp8_checkpoint_as_published_and_keeps_it
     the frozen MTP layer's stored bytes and scales as they were), every other tensor in the checkpoint's
     dtype, with its quantization_config; and config.json keeps the checkpoint's keys mop does not write
     (`topk_method`, `scoring_func`: vLLM builds DeepSeek-V3's router from them), in every dtype."""
-    import test_deepseek_v3
-
-    hub_folder(tmp_path / "hf", deepseek_config())
-    main_file = tmp_path / "hf" / "model-00001-of-00002.safetensors"  # quantize_fp8 reads model.safetensors
-    tensors = {**load_file(main_file), **load_file(tmp_path / "hf" / MTP_FILE)}
-    save_file(tensors, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
-    for leftover in (main_file, tmp_path / "hf" / MTP_FILE, tmp_path / "hf" / "model.safetensors.index.json"):
-        leftover.unlink()
-    test_deepseek_v3.quantize_fp8(tmp_path / "hf", (16, 8))
+    fp8_hub_folder(tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     config.update(topk_method="noaux_tc", scoring_func="sigmoid", ep_size=1)  # as DeepSeek-V3 publishes them
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config))

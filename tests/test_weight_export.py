@@ -120,6 +120,7 @@ def export_published(rank: int, world: int, imported: str, overrides: list[str],
     train_step(run, run.next_batches())
     update(run)
     write_folder(weight_buckets(run, BUCKET, torch.float32), run, plain, torch.float32)
+    write_folder(weight_buckets(run, BUCKET, torch.bfloat16), run, f"{plain}-bf16", torch.bfloat16)
     with HFWeights(Path(published)) as base:
         form = AsPublished(base)
     write_folder(weight_buckets(run, BUCKET, torch.bfloat16, form), run, sent, torch.bfloat16, form)
@@ -171,6 +172,11 @@ def test_a_published_base_is_sent_as_its_publisher_quantizes_the_trainers_weight
         assert torch.equal(got[key].view(value.dtype), value), key
     config = json.loads((sent / "config.json").read_text())
     assert config["quantization_config"] == json.loads((published / "config.json").read_text())["quantization_config"]
+    # the router's score-correction bias goes in fp32 in any export dtype, as published and as the engines hold it
+    in_bf16, in_fp32 = folder_tensors(tmp_path / "plain-bf16"), folder_tensors(plain)
+    biases = [key for key in in_bf16 if key.endswith("e_score_correction_bias")]
+    assert len(biases) == (family == "deepseek_v3") * 2 and all(
+        in_bf16[key].dtype == torch.float32 and torch.equal(in_bf16[key], in_fp32[key]) for key in biases)
     with HFWeights(sent) as weights:
         assert weights.quantized.format is not None
 

@@ -30,8 +30,7 @@ KV_CACHE_BYTES = 256 << 20
 COMMON = ["--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "512", "--seed", "0"]
 PROCESSED = ["--logprobs-mode", "processed_logprobs"]
 """The log-probs of the distribution sampled, as TRL runs vLLM (mop's requests set every sampling field, so
-they equal the raw ones): on the toy task's model this mode killed vLLM's CPU worker (SIGILL) at its first
-sample, so only the test of the sampling fields asks for it."""
+they equal the raw ones); the test of the sampling fields asks for it, to see a default the server fills."""
 
 
 def vllm_python() -> Path:

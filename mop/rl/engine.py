@@ -28,9 +28,8 @@ log-prob, and return the routed experts (with the server's `--enable-return-rout
 forms the rollout reader takes. Their log-probs are the model's at temperature 1, the distribution
 sampled (vLLM: with `--logprobs-mode processed_logprobs` they stay so whatever a request sets).
 Before its first sync a `VLLMServer` asks the server what it loaded (`GET /server_info`: its
-`quantization` and `dtype`) and refuses weights in another form (bf16 to a server of fp8 blocks
-leaves its scales as they were: silently wrong weights; fp32 to a bf16 server's reload killed its
-worker; `rl.sync_dtype`). Read from their sources
+`quantization`) and refuses weights in another form (bf16 to a server of fp8 blocks leaves its scales
+as they were: silently wrong weights; `rl.sync_dtype`). Read from their sources
 (mop/rl/PROTOCOLS.md); vLLM's CPU build serves the engine tier (`tests/test_engine_vllm.py`),
 SGLang a stand-in (`tests/test_rl_senders.py`).
 """
@@ -154,17 +153,16 @@ class VLLMServer(_Server):
     def check_format(self, config: dict) -> None:
         """Refuse weights in another form than the server's (module docstring): `config` is what is sent."""
         info = str(self.client.get("/server_info").get("vllm_config", ""))  # vllm/config/vllm.py's summary
-        quantization, dtype = re.search(r"\bquantization=([\w-]+)", info), re.search(r"\bdtype=torch\.(\w+)", info)
-        served = None if quantization is None or quantization.group(1) == "None" else quantization.group(1)
+        quantization = re.search(r"\bquantization=([\w-]+)", info)
+        if quantization is None:  # a vLLM that does not say
+            return
+        served = None if quantization.group(1) == "None" else quantization.group(1)
         sent = (config.get("quantization_config") or {}).get("quant_method")
-        if quantization is not None and served != sent:
+        if served != sent:
             raise EngineError(f"rl.sync_dtype: the server at {self.client.url} serves {served or 'unquantized'} "
                               f"weights and the run would send {sent or 'unquantized'} ones, which it would load "
                               "wrongly; send the checkpoint's published format (rl.sync_dtype = published) to a "
                               "server of the published checkpoint, or serve mop convert to-hf's export")
-        if dtype is not None and dtype.group(1) != config["torch_dtype"]:  # its reload casts nothing
-            raise EngineError(f"rl.sync_dtype: the server at {self.client.url} computes in {dtype.group(1)} and the run "
-                              f"would send {config['torch_dtype']} weights; set rl.sync_dtype = {dtype.group(1)}")
 
     def sample(self, prompts: list[list[int]], group: int, max_new_tokens: int, seed: int) -> list[dict]:
         body = {**({"model": self.model} if self.model else {}), "prompt": prompts, "n": group,

@@ -5,8 +5,8 @@ weights, rewarded, and packed as recorded rollouts are (`mop.data.rollout_packin
 `RolloutFeed` stands where a run's `Data` does (`tokenizer`, `dataset`, `stream`). Drawing batch b
 (`stream.next_batch`, every rank at the same point of the loop):
 1. sync: the run's weights are exported in buckets (`mop.rl.weights.weight_buckets`: collective,
-   rank 0 gathers each tensor once; in `rl.sync_dtype`'s form: fp32 for an fp32 run, else bf16, or as
-   the checkpoint they came from publishes them, which a server of that quantized checkpoint takes)
+   rank 0 gathers each tensor once; in `rl.sync_dtype`'s form: bf16 for a server, the run's dtype for
+   the CPU engine, or as the quantized checkpoint they came from publishes them for a server of it)
    to rank 0's engine (`rl.engine`, `mop.rl.engine`: the CPU engine's folder `<run dir>/engine`, or
    a vLLM or SGLang server through `rl.sync`'s sender, `mop.rl.senders`);
 2. sample (rank 0): the engine draws `rl.group` completions of each of the batch's
