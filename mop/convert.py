@@ -72,6 +72,7 @@ from mop.models.hf import (
     HFWeights,
     MtpLayers,
     model_types,
+    open_recorded,
     open_source,
     source_record,
     write_hf,
@@ -236,15 +237,10 @@ def export(path: Path, out: Path, model_type: str | None, dtype: str | None,
 def mtp_source(record: dict, path: Path) -> HFWeights:
     """The Hugging Face directory a checkpoint's frozen multi-token-prediction layers are read from,
     opened, checked unchanged (its `mtp` record's fingerprint)."""
-    source = Path(record["path"])
-    problem = None if (source / "config.json").is_file() else "is gone"
-    weights = HFWeights(source) if problem is None else None
-    if weights is not None and weights.fingerprint(mtp=True) != record["fingerprint"]:
-        weights.__exit__()
-        problem = "has changed since"
-    if problem:
-        raise ConfigError("--mtp", f"{path} keeps its multi-token-prediction layers in {source}, which {problem}; "
-                          "restore that directory, or pass --mtp=drop to write the model without them")
+    weights, problem = open_recorded(record, mtp=True)
+    if weights is None:
+        raise ConfigError("--mtp", f"{path} keeps its multi-token-prediction layers in {Path(record['path'])}, which "
+                          f"{problem}; restore that directory, or pass --mtp=drop to write the model without them")
     return weights
 
 

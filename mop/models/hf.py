@@ -80,16 +80,27 @@ def source_record(weights: "HFWeights") -> dict:
     return {"path": str(weights.path.resolve()), "fingerprint": weights.fingerprint(), "config": weights.hf_config}
 
 
-def open_source(record: dict, setting: str) -> "HFWeights":
-    """The checkpoint of a `source_record`, opened and checked unchanged (its fingerprint), or one line
-    naming `setting`."""
+def open_recorded(record: dict, mtp: bool = False) -> tuple["HFWeights | None", str]:
+    """The Hugging Face directory a record names (`{"path", "fingerprint"}`: `source_record`'s, or the MTP
+    layers' with `mtp`, whose fingerprint covers their files too), opened if it is there unchanged; else None
+    and what happened to it ("is gone", "has changed since")."""
     path = Path(record["path"])
-    weights = HFWeights(path) if (path / "config.json").is_file() else None
-    if weights is None or weights.fingerprint() != record["fingerprint"]:
-        if weights is not None:
-            weights.__exit__()
-        raise HFConversionError(f"{setting}: the weights came from {path}, which is gone or has changed since; "
-                                "restore that directory, or export in bfloat16 or float32")
+    if not (path / "config.json").is_file():
+        return None, "is gone"
+    weights = HFWeights(path)
+    if weights.fingerprint(mtp=mtp) != record["fingerprint"]:
+        weights.__exit__()
+        return None, "has changed since"
+    return weights, ""
+
+
+def open_source(record: dict, setting: str) -> "HFWeights":
+    """The checkpoint of a `source_record`, opened and checked unchanged (`open_recorded`), or one line
+    naming `setting`."""
+    weights, problem = open_recorded(record)
+    if weights is None:
+        raise HFConversionError(f"{setting}: the weights came from {record['path']}, which {problem}; restore that "
+                                "directory, or export in bfloat16 or float32")
     return weights
 
 
