@@ -51,11 +51,15 @@ def test_what_a_returned_child_left_running_is_ended():
 
 def test_the_process_tree_holds_the_child_and_what_it_started():
     with child.session(["bash", "-c", "sleep 120 & wait"]) as process:
+        def names(tree):
+            return sorted(status["Name"].strip() for status in tree.values())
+
+        # The forked child is named bash until it has exec'd sleep: wait for the exec, not only the fork.
         deadline, tree = time.monotonic() + 30, {}
-        while len(tree) < 2 and time.monotonic() < deadline:
+        while names(tree) != ["bash", "sleep"] and time.monotonic() < deadline:
             tree = child.process_tree(process.pid)
             time.sleep(0.05)
-        assert sorted(status["Name"].strip() for status in tree.values()) == ["bash", "sleep"]
+        assert names(tree) == ["bash", "sleep"]
         assert process.pid in tree
 
 
