@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import os
 import signal
 import sys
 import typing
@@ -175,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
             signum = getattr(stop, "signum", signal.SIGINT)
             print(f"mop: {args.command} stopped by {signal.Signals(signum).name}", file=sys.stderr)
             return 128 + signum
+        except BrokenPipeError:  # the reader went away (`mop data inspect ... | head`): stop quietly, as cat does
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit would fail too
+            return 128 + signal.SIGPIPE
         return 0
     unknown = [arg for arg in rest if not (arg.startswith("--") and "." in arg.split("=", 1)[0])]
     if unknown:

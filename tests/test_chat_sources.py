@@ -464,8 +464,10 @@ def test_a_folder_prepared_with_the_earlier_targets_is_refused(prepared, tmp_pat
     with pytest.raises(DataError) as excinfo:
         open_prepared(str(earlier), SETTINGS)
     assert re.fullmatch(rf"data\.source: {re.escape(str(earlier))} was prepared with mop's earlier assistant targets "
-                        r"\(version 1, now 3: tool calls from their opening text, turns found without special tokens; no token of a "
-                        r"generation prompt that opens a think block is trained\); prepare it again with mop data prepare", one_line_error(excinfo))
+                        r"\(version 1, now 4: tool calls from their opening text, turns found without special tokens; no token of a "
+                        r"generation prompt that opens a think block is trained; no text a template writes after the last "
+                        r"turn's end \(an eos token, the next header\) is trained\); prepare it again with mop data prepare",
+                        one_line_error(excinfo))
 
 
 def test_prepare_never_writes_into_a_non_empty_folder(tmp_path):
@@ -516,13 +518,20 @@ def trained_by_training(tmp_path, row: dict, seq_len: int, overlong: str = "drop
     return labels, int(dataset.packing.lengths.sum())
 
 
+def without_summary(shown: str) -> str:
+    """`mop data inspect`'s output less its first block, the line on the chat template."""
+    assert shown.startswith("── chat template ")
+    return shown.split("\n\n", 1)[1]
+
+
 def test_inspect_shows_rows_as_training_sees_them(tmp_path, capsys):
     source = write_jsonl(tmp_path / "c.jsonl", [GOOD, {"messages": [{"role": "user", "content": "No answer."}]},
                                                  LAST])
     assert main(["data", "inspect", str(source), "--tokenizer", QWEN3, "--rows", "2", "--seq-len", "64"]) == 0
     shown = capsys.readouterr().out
     count, tokens = trained_by_training(tmp_path, GOOD, 64)
-    assert shown == (f"── {source} row 1: {tokens} tokens, {count} trained ({count / tokens:.0%}), fits seq_len 64\n"
+    assert shown == (f"── chat template {QWEN3}/tokenizer_config.json: generation prompt '<|im_start|>assistant\\n'\n\n"
+                     f"── {source} row 1: {tokens} tokens, {count} trained ({count / tokens:.0%}), fits seq_len 64\n"
                      "<|im_start|>user\nHello?<|im_end|>\n<|im_start|>assistant\n"
                      "⟦<think>\n\n</think>\n\nHello.<|im_end|>⟧\n\n"
                      f"── {source} row 2: cannot be used: it has no assistant turn\n\n")
@@ -541,7 +550,7 @@ def test_inspect_says_what_happens_to_an_overlong_row_and_colours_on_request(tmp
     seq_len = first_end + 2  # room for the first answer, not the second
     assert main(["data", "inspect", str(source), "--tokenizer", QWEN3, "--seq-len", str(seq_len), "--overlong",
                  "truncate", "--color", "always"]) == 0
-    header, text = capsys.readouterr().out.split("\n", 1)
+    header, text = without_summary(capsys.readouterr().out).split("\n", 1)
     count, kept = trained_by_training(tmp_path, row, seq_len, "truncate")
     assert kept == first_end
     assert header == (f"── {source} row 1: {len(ids)} tokens, {count} trained ({count / len(ids):.0%}), overlong "
@@ -556,14 +565,14 @@ def test_inspect_reads_a_prepared_folder_as_its_source(prepared, capsys):
     out, _, _ = prepared
     source = out.parent / "src" / "c.jsonl"
     assert main(["data", "inspect", str(source), "--tokenizer", QWEN3, "--rows", "3"]) == 0
-    from_source = capsys.readouterr().out.split("── ")[1:]
+    from_source = without_summary(capsys.readouterr().out).split("── ")[1:]
     assert main(["data", "inspect", str(out), "--tokenizer", QWEN3, "--rows", "3"]) == 0
-    from_folder = capsys.readouterr().out.split("── ")[1:]
+    from_folder = without_summary(capsys.readouterr().out).split("── ")[1:]
     assert len(from_source) == len(from_folder) == 3
     for k, (shown, folder_shown) in enumerate(zip(from_source, from_folder)):
         assert folder_shown == shown.replace(f"{source} row {k + 1}:", f"{out} conversation {k + 1}:", 1)
     assert main(["data", "inspect", str(out), "--tokenizer", QWEN3, "--rows", "1", "--loss-on", "all",
                  "--seq-len", "4096"]) == 0
-    header, text = capsys.readouterr().out.split("\n", 1)
+    header, text = without_summary(capsys.readouterr().out).split("\n", 1)
     count, tokens = trained_by_training(out.parent, json.loads(source.read_text().splitlines()[0]), 4096, loss_on="all")
     assert f"{tokens} tokens, {count} trained" in header and text.startswith("<|im_start|>⟦")

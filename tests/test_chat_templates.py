@@ -6,6 +6,7 @@ each tokenizer's real special flags and with every flag flipped; a template with
 is used as it marks them; and each template's targets on the tool conversation read as written here."""
 
 import hashlib
+import json
 
 import numpy as np
 import pytest
@@ -271,6 +272,24 @@ THINK_CLOSED = ("{% set ns = namespace(last=-1) %}{% for m in messages if m.role
 PREFIXED = ("{% for m in messages %}{% if m.role == 'assistant' %}<A>{% generation %}{{ m.content + '<E>' }}"
             "{% endgeneration %}{% else %}<{{ m.role }}>{{ m.content }}{% endif %}{% endfor %}"
             "{% if add_generation_prompt %}(be brief)<A>{% endif %}")
+# And the two shapes of issue 64. A template that writes the next assistant header and an opening `<think>\n`
+# after every conversation, whether or not the generation prompt is asked, dropping the reasoning of its turns
+# (with ChatML's shared header opening `<|im_start|>`, and with a role token of its own per header, written as
+# plain text here):
+ALWAYS_THINK = ("{% for m in messages %}<|im_start|>{{ m.role + '\\n' }}{% if m.role == 'assistant' %}"
+                "{% generation %}{{ m.content.split('</think>')[-1] + '<|im_end|>' }}{% endgeneration %}"
+                "{% else %}{{ m.content + '<|im_end|>' }}{% endif %}{{ '\\n' }}{% endfor %}"
+                "{{ '<|im_start|>assistant\\n<think>\\n' }}")
+ALWAYS_THINK_ROLES = ("{% for m in messages %}<|{{ m.role }}|>{{ '\\n' }}{% if m.role == 'assistant' %}"
+                      "{% generation %}{{ m.content.split('</think>')[-1] + '<|end|>' }}{% endgeneration %}"
+                      "{% else %}{{ m.content + '<|end|>' }}{% endif %}{{ '\\n' }}{% endfor %}"
+                      "{{ '<|assistant|>\\n<think>\\n' }}")
+# And one that ends an unprompted rendering with the tokenizer's eos token, the model ending each turn with
+# its own `<|end|>` (Phi-3.5's):
+EOS_UNPROMPTED = ("{% for m in messages %}<|{{ m.role }}|>{{ '\\n' }}{% if m.role == 'assistant' %}{% generation %}"
+                  "{{ m.content + '<|end|>' }}{% endgeneration %}{% else %}{{ m.content + '<|end|>' }}{% endif %}"
+                  "{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% else %}"
+                  "{{ eos_token }}{% endif %}")
 SHAPE_CONVERSATION = [{"role": "system", "content": "Be brief."},
                       {"role": "user", "content": "Line one\nLine two: what is 2+2?"},
                       {"role": "assistant", "content": "<think>\nAdd.\n</think>4"},
@@ -278,10 +297,16 @@ SHAPE_CONVERSATION = [{"role": "system", "content": "Be brief."},
                       {"role": "user", "content": "4+4?"}, {"role": "assistant", "content": "<think>8"},
                       {"role": "user", "content": ""}, {"role": "assistant", "content": "10"},
                       {"role": "user", "content": "5+5?"}, {"role": "assistant", "content": "<t>10</t>"}]
+# A single turn, and an empty turn in the middle and at the end (its end-of-turn text is still the model's).
+SHORT_CONVERSATIONS = [SHAPE_CONVERSATION[:2] + [{"role": "assistant", "content": "4"}],
+                       [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""},
+                        {"role": "user", "content": "Again?"}, {"role": "assistant", "content": ""}]]
 
 
-@pytest.mark.parametrize("generation", [FORCED_THINK, THINK_CLOSED, NEEDS_SYSTEM, NUMBERED, PREFIXED],
-                         ids=["forced-think", "think-closed", "needs-system", "numbered", "prefixed"])
+@pytest.mark.parametrize("generation", [FORCED_THINK, THINK_CLOSED, NEEDS_SYSTEM, NUMBERED, PREFIXED, ALWAYS_THINK,
+                                        ALWAYS_THINK_ROLES, EOS_UNPROMPTED],
+                         ids=["forced-think", "think-closed", "needs-system", "numbered", "prefixed", "always-think",
+                              "always-think-roles", "eos-unprompted"])
 def test_template_shapes_train_what_the_marked_copy_marks(generation, tmp_path):
     from transformers import AutoTokenizer
 
@@ -289,12 +314,17 @@ def test_template_shapes_train_what_the_marked_copy_marks(generation, tmp_path):
     plain.write_text(generation.replace("{% generation %}", "").replace("{% endgeneration %}", ""))
     folder = chat_cases.SHIPPED["qwen3"]
     template = ChatSettings(str(folder), chat_template=str(plain)).template()
-    ids, targets = template.encode(Conversation(SHAPE_CONVERSATION))
-    out = AutoTokenizer.from_pretrained(str(folder)).apply_chat_template(
-        SHAPE_CONVERSATION, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
-        chat_template=generation)
-    assert ids.tolist() == out["input_ids"] and targets.tolist() == [bool(m) for m in out["assistant_masks"]]
-    assert targets.sum() > 0
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    needs_system = generation is NEEDS_SYSTEM
+    for messages in [SHAPE_CONVERSATION] + [SHAPE_CONVERSATION[:1] + m if needs_system else m
+                                            for m in SHORT_CONVERSATIONS]:
+        ids, targets = template.encode(Conversation(messages))
+        out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True, chat_template=generation)
+        assert ids.tolist() == out["input_ids"], len(messages)
+        assert targets.tolist() == [bool(m) for m in out["assistant_masks"]], tokenizer.decode(
+            [i for i, m in zip(ids.tolist(), targets.tolist()) if m])
+        assert targets.sum() > 0
 
 
 def test_a_generation_block_whose_place_cannot_be_told_is_refused(tmp_path):
@@ -327,3 +357,28 @@ def test_finding_turns_renders_a_bounded_number_of_messages_per_turn(name, folde
         counts.append(sum(rendered))
     assert counts[1] <= 2.2 * counts[0], counts
 
+
+
+@pytest.mark.parametrize("generation, summary, marked", [
+    (ALWAYS_THINK, "generation prompt '<|im_start|>assistant\\n<think>\\n', written after every conversation (not "
+                   "trained after the last message)",
+     "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n⟦4<|im_end|>⟧\n<|im_start|>user\nAgain?<|im_end|>\n"
+     "<|im_start|>assistant\n⟦6<|im_end|>⟧\n<|im_start|>assistant\n<think>"),
+    (EOS_UNPROMPTED, "generation prompt '<|assistant|>\\n'; '<|im_end|>' written after the last message without it "
+                     "(not trained)",
+     "<|user|>\nHi<|end|>\n<|assistant|>\n⟦4<|end|>⟧\n<|user|>\nAgain?<|end|>\n<|assistant|>\n⟦6<|end|>⟧\n"
+     "<|im_end|>")], ids=["always-think", "eos-unprompted"])
+def test_inspect_shows_what_each_shape_trains(generation, summary, marked, tmp_path, capsys):
+    from mop.cli import main
+
+    plain = tmp_path / "plain.jinja"
+    plain.write_text(generation.replace("{% generation %}", "").replace("{% endgeneration %}", ""))
+    source = tmp_path / "c.jsonl"
+    source.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "4"},
+                                               {"role": "user", "content": "Again?"},
+                                               {"role": "assistant", "content": "6"}]}) + "\n")
+    assert main(["data", "inspect", str(source), "--tokenizer", str(chat_cases.SHIPPED["qwen3"]),
+                 "--chat-template", str(plain), "--color", "never"]) == 0
+    head, _, text = capsys.readouterr().out.partition("\n\n")
+    assert head == f"── chat template {plain}: {summary}"
+    assert text.split("\n", 1)[1] == marked + "\n\n"

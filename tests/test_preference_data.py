@@ -562,7 +562,8 @@ def test_inspect_shows_a_pair_with_its_prompt_once(tmp_path, capsys):
     p, c, r = corpus.parts[0]
     assert main(["data", "inspect", str(source), "--tokenizer", QWEN3, "--format", "preference", "--seq-len", "64",
                  "--rows", "2", "--color", "never"]) == 0
-    assert capsys.readouterr().out == (
+    summary = f"── chat template {QWEN3}/tokenizer_config.json: generation prompt '<|im_start|>assistant\\n'\n\n"
+    assert capsys.readouterr().out == summary + (
         f"── {source} row 1: pair, prompt {p} tokens, unit {p + c + 1 + r} tokens (the prompt once), fits seq_len 64\n"
         "▸ prompt\n<|im_start|>user\nWhat colour is the sky?<|im_end|>\n<|im_start|>assistant\n"
         f"▸ chosen: {c} tokens, {c - 1} trained\n⟦<think>\n\n</think>\n\nBlue.<|im_end|>⟧\n"
@@ -572,7 +573,7 @@ def test_inspect_shows_a_pair_with_its_prompt_once(tmp_path, capsys):
     assert main(["data", "inspect", str(source), "--tokenizer", QWEN3, "--format", "preference", "--seq-len",
                  str(seq_len), "--overlong", "truncate", "--loss-on", "all", "--rows", "1"]) == 0
     kept = load_tokenizer(QWEN3).decode(corpus.item(0)[0][p - 5:p], special=True).removesuffix("\n")
-    assert capsys.readouterr().out.startswith(
+    assert capsys.readouterr().out.startswith(summary +
         f"── {source} row 1: pair, prompt {p} tokens, unit {p + c + 1 + r} tokens (the prompt once), overlong "
         f"({p + c + 1 + r} > seq_len {seq_len}): prompt cut to its last 5 tokens (data.overlong = truncate)\n"
         f"▸ prompt: its last 5 tokens\n{kept}\n▸ chosen: {c} tokens, {c} trained\n")

@@ -1,7 +1,9 @@
 """`mop data inspect`: conversations as `mop train` sees them, with the tokens the loss trains marked.
 
-For each of the first `--rows` conversations of a source (rendered and masked as training and
-`mop data prepare` do, `mop.data.templates`) or of a prepared folder: a header with where it is,
+First a line on the chat template: its generation blocks, or the generation prompt and the text
+after the last message its probes found (`ChatTemplate.summary`). Then, for each of the first
+`--rows` conversations of a source (rendered and masked as training and `mop data prepare` do,
+`mop.data.templates`) or of a prepared folder: a header with where it is,
 its token count, how many tokens are trained and their share, and whether it fits `--seq-len`
 (and what `--overlong`, `data.overlong`, does with it when it does not), then its text with the
 trained tokens marked: green on a terminal, between ⟦ and ⟧ otherwise (`--color`). A token is
@@ -65,6 +67,8 @@ def run(args) -> None:
     settings = ChatSettings(args.tokenizer, args.chat_template, kind=args.format)
     encoder = settings.encoder()
     marks = MARKS["color" if args.color == "always" or (args.color == "auto" and sys.stdout.isatty()) else "plain"]
+    if encoder.template is not None:
+        print(f"── {encoder.template.summary()}", end="\n\n")
     for where, encoded in islice(_encoded(args.source, settings, encoder), args.rows):
         what = (where, encoded, encoder.tokenizer, args.seq_len, args.loss_on, args.overlong, marks)
         print(show(*what) if args.format == "chat" else show_pair(*what, shared=args.shared_prompt), end="\n\n")

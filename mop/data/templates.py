@@ -24,8 +24,9 @@ for a copy of the template with `{% generation %}` around what the model writes.
 
 Probes when a template is loaded (a user turn, then two turns, without and with reasoning; with a
 system prompt first where the template needs one): its assistant header (`mop.data.turns.Headers`:
-what `add_generation_prompt` adds after a user turn, where its tokens end, and what the template
-writes before earlier answers) and whether it closes an
+what `add_generation_prompt` adds after a user turn, where its tokens end, what the template
+writes before earlier answers, and what it writes after the last message without the prompt: an eos
+token, or the prompt itself where it writes that after every conversation) and whether it closes an
 assistant turn with text of its own (GLM-4.5's does not: the next message's first token is then the
 turn's last target). A template that renders nothing between an assistant turn and the next user
 turn is refused: its turns have no boundary.
@@ -51,14 +52,19 @@ import jinja2.ext
 import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from mop.data.bisection import common_prefix
 from mop.data.errors import ConversationError, DataError
 from mop.data.turns import REASONING_FIELDS, Headers, assistant_spans
 
-TARGETS_VERSION = 3
+TARGETS_VERSION = 4
 """1: targets from marked values to the next special token (mop before issue 36); 2: `mop.data.turns`;
-3: a turn starts after the part of the generation prompt it repeats (issue 45)."""
+3: a turn starts after the part of the generation prompt it repeats (issue 45); 4: text a template
+writes after the last message is never a target, and a prompt it writes after every conversation is
+found (issue 64)."""
 TARGETS_CHANGES = {2: "tool calls from their opening text, turns found without special tokens",
-                   3: "no token of a generation prompt that opens a think block is trained"}
+                   3: "no token of a generation prompt that opens a think block is trained",
+                   4: "no text a template writes after the last turn's end (an eos token, the next header) is "
+                      "trained"}
 """What each version of the targets changed, for a refused prepared folder's message."""
 _RECORDING = "_mop_recording"  # the render variable holding a `_Recording`, if any
 _PROBE = [{"role": "user", "content": "mop probe one"}, {"role": "assistant", "content": "mop answer one"},
@@ -247,6 +253,19 @@ class ChatTemplate:
         self._headers = Headers("", (), ()) if self.marks_generation else self._probe_headers()
         self._closes_turns = self.marks_generation or self._probe_turn_ends()
 
+    def summary(self) -> str:
+        """One line on how the targets are found: the template's own generation blocks, or the header
+        and trailer its probes found (`mop data inspect` prints it)."""
+        if self.marks_generation:
+            return f"chat template {self.origin}: targets from its {{% generation %}} blocks"
+        prompt, trailer = self._headers.prompt, self._headers.trailer
+        found = f"generation prompt {prompt!r}" if prompt else "no generation prompt"
+        if trailer and trailer == prompt:
+            found += ", written after every conversation (not trained after the last message)"
+        elif trailer:
+            found += f"; {trailer!r} written after the last message without it (not trained)"
+        return f"chat template {self.origin}: {found}"
+
     def render(self, conversation: Conversation, add_generation_prompt: bool = False, messages=None,
                recording: _Recording | None = None) -> str:
         messages = conversation.messages if messages is None else messages
@@ -301,27 +320,88 @@ class ChatTemplate:
         return None
 
     def _probe_headers(self) -> Headers:
-        """What `add_generation_prompt` adds after a user turn ("" where it adds nothing, or where no
-        probe renders), and the headers the template writes before earlier turns' text: each answer of
-        the two-turn probe, without and with reasoning (before and after the last user turn, with the
-        think block a template renders or drops)."""
+        """The generation prompt and trailer (`_prompt_and_trailer`; "" where no probe renders), and the
+        headers the template writes before earlier turns' text: each answer of the two-turn probe,
+        without and with reasoning (before and after the last user turn, with the think block a
+        template renders or drops)."""
         plain, prompted = self._probe(_PROBE[:1], False), self._probe(_PROBE[:1], True)
-        if plain is None or prompted is None or not prompted.startswith(plain):
+        if plain is None or prompted is None:
             return Headers("", (), ())
+        prompt, trailer = self._prompt_and_trailer(plain, prompted)
+        if not prompt:
+            return Headers("", (), (), trailer)
         shown = []
         for probe in (_PROBE, [dict(m, reasoning_content=_PROBE_REASONING) if m["role"] == "assistant" else m
                                for m in _PROBE]):
             text = self._probe(probe, False)
             for answer in (1, 3):
                 before = self._probe(probe[:answer], False)
+                if before is not None and trailer and before.endswith(trailer):
+                    before = before[:-len(trailer)]
                 if before is None or text is None or not text.startswith(before):
                     continue
                 rest = text[len(before):]
                 found = [at for at in (rest.find(_PROBE_REASONING), rest.find(probe[answer]["content"])) if at >= 0]
                 if found:
                     shown.append(rest[:min(found)])
-        prompt = prompted[len(plain):]
-        return Headers.of(prompt, self.tokenizer.encode_with_offsets(prompt)[1][:, 1].tolist(), shown)
+        return Headers.of(prompt, self.tokenizer.encode_with_offsets(prompt)[1][:, 1].tolist(), shown, trailer)
+
+    def _prompt_and_trailer(self, plain: str, prompted: str) -> tuple[str, str]:
+        """What `add_generation_prompt` adds after a user turn, and what the template writes after the
+        last message's turn without it (the trailer), from the one-turn probe rendered without and
+        with the prompt: the rest of the prompted rendering where it starts with the plain one (most
+        templates: no trailer); else both ends past the last token end the two agree to (a template
+        that appends the eos token unless the prompt is asked, Phi-3.5's); where the prompt changes
+        nothing, the text the template writes after every conversation (`_written_after_all`), or
+        none ("", "": a template without a generation prompt, Mistral's)."""
+        if prompted.startswith(plain) and prompted != plain:
+            return prompted[len(plain):], ""
+        if prompted != plain:
+            agreed = common_prefix(plain, prompted)
+            cut = max((int(end) for end in set(self._token_ends(plain)) & set(self._token_ends(prompted))
+                       if end <= agreed), default=0)
+            two_turns = self._probe(_PROBE[:2], False)
+            if two_turns is None or not two_turns.endswith(plain[cut:]):  # not written after every conversation
+                return "", ""
+            return prompted[cut:], plain[cut:]
+        trailer = self._written_after_all(plain)
+        return trailer, trailer
+
+    def _written_after_all(self, plain: str) -> str:
+        """The text a template writes after every conversation, with or without the generation prompt
+        (the next assistant header and an opening `<think>\\n`): what the two-turn probe writes after
+        its answer, from where the next header starts. That header starts where the text after the
+        answer and after it in the three-turn probe (a user turn next) part, at the next role, less
+        the part of a header before its role (ChatML's `<|im_start|>`, Llama's `<|start_header_id|>`):
+        the text the one-turn probe and the probe opening with a system turn share before their first
+        roles part, as far as it ends the text after the answer there; at a token start. "" where the
+        probes show no such text, or none that every probe ends with."""
+        two, three = self._probe(_PROBE[:2], False), self._probe(_PROBE[:3], False)
+        if two is None or three is None or two.startswith(plain):
+            return ""
+        answer = _PROBE[1]["content"]
+        after = two.index(answer) + len(answer)
+        region = two[after:]
+        parting = common_prefix(region, three[three.index(answer) + len(answer):])
+        try:
+            first = self.render(Conversation([_SYSTEM_PROBE, _PROBE[0]]), False)
+        except ConversationError:
+            first = plain
+        opening = plain[:common_prefix(plain, first)]
+        shared = common_prefix(region[:parting][::-1], opening[::-1])
+        start = max((int(s) - after for s in self._token_starts(two) if after <= s <= after + parting - shared),
+                    default=0)
+        trailer = region[start:]
+        if trailer and all(text.endswith(trailer) for text in (plain, two, three)) and \
+                two.startswith(plain[:-len(trailer)]):
+            return trailer
+        return ""
+
+    def _token_ends(self, text: str) -> list[int]:
+        return self.tokenizer.encode_with_offsets(text)[1][:, 1].tolist()
+
+    def _token_starts(self, text: str) -> list[int]:
+        return self.tokenizer.encode_with_offsets(text)[1][:, 0].tolist()
 
     def _probe_turn_ends(self) -> bool:
         """Whether the template closes an assistant turn with text of its own (a two-turn probe

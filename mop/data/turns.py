@@ -28,7 +28,8 @@ For assistant message i (what "found" and "pinned" mean: `_longest_end`):
    a template that needs a first message, which renders no P), after the first whole header;
 3. end: Q less its prompt is found ending between the turn's start and the next value of a later
    message, pinned at the turn's last value (its start, for a turn without one); the turn ends
-   there, trailing whitespace left out. The last message ends where R does, less that whitespace;
+   there, trailing whitespace left out. The last message ends where R does, less the text the
+   template writes after the last message (`Headers.trailer`) and that whitespace;
 4. where a template closes a turn with no text of its own (GLM-4.5 stops on the next message's
    `<|user|>` or `<|observation|>`, which its own fine-tuning code trains), each turn but the last
    extends through the first character after it, so the token holding that is a target.
@@ -63,14 +64,18 @@ class Headers(NamedTuple):
     """A template's assistant headers: `prompt`, what `add_generation_prompt` adds after a user turn
     ("" for a template without one); `cuts`, where its tokens end in it (the tokenizer's offsets of
     the prompt alone), which a turn's start may fall on; `shown`, longest first, the part of the
-    prompt each header the template writes before an earlier turn's text shows (`Headers.of`)."""
+    prompt each header the template writes before an earlier turn's text shows (`Headers.of`);
+    `trailer`, what a rendering without the prompt ends with after the last message's turn, never a
+    target (Phi-3.5's eos token; the prompt itself, for a template that writes it after every
+    conversation)."""
 
     prompt: str
     cuts: tuple[int, ...]
     shown: tuple[str, ...]
+    trailer: str = ""
 
     @classmethod
-    def of(cls, prompt: str, cuts: Iterable[int], headers: Iterable[str]) -> Headers:
+    def of(cls, prompt: str, cuts: Iterable[int], headers: Iterable[str], trailer: str = "") -> Headers:
         """From the prompt, its token ends and the headers earlier turns show: each header's part of the
         prompt is all of it where it lies inside (DeepSeek-R1's leaves out the think block the prompt
         opens; a prompt with text before the header ends with it), else the beginning of the prompt it
@@ -83,7 +88,7 @@ class Headers(NamedTuple):
             part = header if header in prompt else prompt[:max((c for c in cuts if c <= repeated), default=0)]
             if part:
                 shown.add(part)
-        return cls(prompt, cuts, tuple(sorted(shown, key=len, reverse=True)))
+        return cls(prompt, cuts, tuple(sorted(shown, key=len, reverse=True)), trailer)
 
 
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -105,7 +110,7 @@ def assistant_spans(render: Render, messages: list[dict], headers: Headers, clos
     for i, message in enumerate(messages):
         if message.get("role") == "assistant":
             start = _turn_start(render, messages, whole, i, headers, (start, done))
-            done = max(start, _turn_end(render, messages, whole, i, headers.prompt, start))
+            done = max(start, _turn_end(render, messages, whole, i, headers, start))
             stop = done
             if not closes_turns and i < len(messages) - 1:  # step 4: through the next message's first character
                 stop = min(len(whole.text) - len(whole.text[done:].lstrip()) + 1, len(whole.text))
@@ -188,11 +193,13 @@ def _header_length(text: str, at: int, headers: Headers, high: int, whole: bool 
     return max(cut, shown)
 
 
-def _turn_end(render: Render, messages: list[dict], whole: _Rendering, i: int, prompt: str, start: int) -> int:
+def _turn_end(render: Render, messages: list[dict], whole: _Rendering, i: int, headers: Headers, start: int) -> int:
     """Step 3: where a rendering of the messages through turn i, less the next generation prompt, is
     found."""
-    text = whole.text
+    text, prompt = whole.text, headers.prompt
     if i == len(messages) - 1:
+        if headers.trailer and text.endswith(headers.trailer):
+            text = text[:-len(headers.trailer)]
         return len(text.rstrip())
     span = whole.value_span(i)
     spanned = span[1] if span is not None else start  # what the match must span: the turn's last text, or its start
