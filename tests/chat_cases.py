@@ -12,7 +12,7 @@ mop's shipped chat assets followed by the model's own added tokens with its real
 
 `conversations(name)` gives the test conversations in the form each template reads (tool-call
 arguments as objects or JSON strings, tool-call ids of nine characters for Mistral's), leaving out
-those a template cannot render by design (Mixtral has no tools, Llama 3.1 one tool call per message,
+those a template cannot render by design (Mixtral and Phi-3.5 have no tools, Llama 3.1 one tool call per message,
 Mistral's and Mixtral's a conversation that does not alternate user and assistant turns, most
 templates content parts).
 """
@@ -30,7 +30,7 @@ SHIPPED = {"qwen3": ROOT / "mop" / "data" / "assets" / "qwen3", "gpt-oss": ROOT 
 BASE_TOKENIZER = SHIPPED["qwen3"] / "tokenizer.json"
 TEMPLATES = ["deepseek-v3", "deepseek-v3.1", "kimi-k2", "kimi-k2-thinking", "glm-4.5", "gpt-oss", "qwen3",
              "mistral-nemo", "mixtral", "llama-3.1", "qwen3-thinking-2507", "nemotron-3-nano", "qwen3-coder",
-             "deepseek-r1", "llama-4"]
+             "deepseek-r1", "llama-4", "phi-3.5-moe", "glm-4.7", "qwen3.5", "ling-3.0", "minimax-m2"]
 NAMED_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
 # sha256 of each published template's bytes (tests/assets/chat_templates/README.md), so that none is edited.
 SHA256 = {
@@ -49,16 +49,22 @@ SHA256 = {
     "qwen3-coder": "672e747c77e990320152343b0a4951222e40de5645297905d89afba05586d827",
     "deepseek-r1": "3a3036eeb96ca0e48565fc1f19b4d7d3fa17ada32bb1b3d5ed539ae74cf22923",
     "llama-4": "01a91bfb2e84c8055bf7b635898fef3cae0b69e42ac5634c212d308e0e9091bd",
+    "phi-3.5-moe": "78d976a442bcde2f0be15aafbb8e3050e1104f86732266f68403251b89982a90",
+    "glm-4.7": "d63ad536c3c81880043e22ec7fd08db42b4d8fb7c89c7138bc562bfa25281375",
+    "qwen3.5": "a4aee8afcf2e0711942cf848899be66016f8d14a889ff9ede07bca099c28f715",
+    "ling-3.0": "b4ab3a1c8f748e6f874d9aea102333efe7ab82528e8ab81c2eb155851e8705c6",
+    "minimax-m2": "55beae30a60db5cef958f81f8f503df667a495675e560df6c364a9fb0ccba654",
 }
 
 # How each template wants a conversation: tool-call arguments as JSON strings (DeepSeek's templates
-# concatenate them), no tools at all (Mixtral), one tool call per message (Llama 3.1), an opening
+# concatenate them), no tools at all (Mixtral, Phi-3.5), one tool call per message (Llama 3.1), an opening
 # user turn (Mistral's and Mixtral's alternation checks).
 JSON_ARGUMENTS = {"deepseek-v3", "deepseek-v3.1", "deepseek-r1"}
-NO_TOOLS = {"mixtral"}
+NO_TOOLS = {"mixtral", "phi-3.5-moe"}
 ONE_CALL_PER_MESSAGE = {"llama-3.1"}
 USER_FIRST = {"mistral-nemo", "mixtral"}  # they also refuse two assistant turns in a row
-CONTENT_PARTS = {"kimi-k2", "kimi-k2-thinking", "glm-4.5"}  # the templates that read a list of content parts
+CONTENT_PARTS = {"kimi-k2", "kimi-k2-thinking", "glm-4.5", "glm-4.7", "qwen3.5",
+                 "minimax-m2"}  # the templates that read a list of content parts
 
 
 def template_text(name: str) -> str:

@@ -28,8 +28,10 @@ For assistant message i (what "found" and "pinned" mean: `_longest_end`):
    a template that needs a first message, which renders no P), after the first whole header;
 3. end: Q less its prompt is found ending between the turn's start and the next value of a later
    message, pinned at the turn's last value (its start, for a turn without one); the turn ends
-   there, trailing whitespace left out. The last message ends where R does, less the text the
-   template writes after the last message (`Headers.trailer`) and that whitespace;
+   there, trailing whitespace left out (where no such prefix renders, as Qwen3.5's template refuses
+   one without a user turn, the prefix after a user turn of its own, whose end is the same). The
+   last message ends where R does, less the text the template writes after the last message
+   (`Headers.trailer`) and that whitespace;
 4. where a template closes a turn with no text of its own (GLM-4.5 stops on the next message's
    `<|user|>` or `<|observation|>`, which its own fine-tuning code trains), each turn but the last
    extends through the first character after it, so the token holding that is a target.
@@ -51,6 +53,7 @@ from __future__ import annotations
 import copy
 import re
 from collections.abc import Callable, Iterable, Iterator
+from itertools import chain
 from typing import NamedTuple
 
 from mop.data.bisection import common_prefix, largest_holding
@@ -98,6 +101,7 @@ _MARKER = re.compile("[\U000F0000-\U000FFFFD]")
 _QUOTED_MARK = re.compile('"([\U000F0000-\U000FFFFD])([^"\U000F0000-\U000FFFFD]*)([\U000F0000-\U000FFFFD])"')
 _MAX_MARKED = (0xFFFFD - _MARKER_BASE) // 4  # messages that get markers of their own
 _KEPT = 4  # messages before a cut that a short prefix rendering keeps (back to an assistant turn)
+_OPENER = {"role": "user", "content": "mop opener"}  # before a prefix a template renders only after a user turn
 
 
 def assistant_spans(render: Render, messages: list[dict], headers: Headers, closes_turns: bool) -> tuple[str, list]:
@@ -203,7 +207,7 @@ def _turn_end(render: Render, messages: list[dict], whole: _Rendering, i: int, h
         return len(text.rstrip())
     span = whole.value_span(i)
     spanned = span[1] if span is not None else start  # what the match must span: the turn's last text, or its start
-    for after in _prefixes(render, messages, i + 1):
+    for after in chain(_prefixes(render, messages, i + 1), _prefixes(render, [_OPENER, *messages[:i + 1]], i + 2)):
         if prompt and after.endswith(prompt):
             after = after[:-len(prompt)]
         found = _longest_end(after, text, start, whole.next_value_start(i, start), spanned)
