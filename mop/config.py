@@ -386,8 +386,9 @@ class RlConfig:
     replay: Literal["auto", "rollout", "old", "off"] = "auto"
     """Routing replay (the experts forced, the router's weights for them live): "rollout" (R3) the experts the
     engine recorded in the rollouts' routed_experts, on every forward; "old" (R2) those the batch's first step
-    ran, on its later steps; "off" routes freely; "auto": "rollout" when the rollouts carry routes, else "old"
-    with updates_per_batch > 1, else "off"."""
+    ran, on its later steps; "off" routes freely (TRL has no replay: its loss with several updates per batch); "auto":
+    "rollout" when the rollouts carry routes, else "old" with updates_per_batch > 1, else "off" (config.json records
+    the mode chosen)."""
     reference: Literal["auto", "base", "precomputed", "none"] = "auto"
     """The KL's reference (with beta > 0): "base", the frozen base with the adapters off, its forward in every step
     (train.finetune = "lora" only); "precomputed", each generated token's log-prob under the starting weights, one

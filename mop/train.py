@@ -204,10 +204,10 @@ def announce(run: TrainingRun, run_dir: Path) -> None:
     """Write the resolved configuration (every default filled in, the layout chosen) to the run
     directory as `config.json`, and say in one line what runs (and in more what was fitted, what the
     data holds that is odd, what a LoRA run trains)."""
-    config, runtime = run.config, run.runtime
+    config, runtime, objective = run.config, run.runtime, objective_for(run)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=1))
-    p, objective = config.parallel, objective_for(run)
+    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(objective.recorded(config)), indent=1))
+    p = config.parallel
     layout = f"D={p.sequence} Ep={p.expert} P={p.vocab}" if p.strategy != "reference" else "one process"
     print(f"mop: {p.strategy} on {runtime.world} rank(s) ({layout}, {runtime.device.type}), {config.train.dtype}, "
           f"{'host' if config.optim.offload else 'torch'} AdamW, {config.train.steps} steps of "

@@ -34,6 +34,8 @@ pytest's capture hides them), so that a rank's error is shown to reach the termi
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import os
 import shutil
@@ -575,11 +577,20 @@ ADAPTERS = [
 SHIPPED_ROLLOUTS = Path(mop.__file__).parent / "data" / "corpus" / "rollouts.jsonl"
 
 
-def rollouts(s: Scene, *settings: str, rows: list[dict] | None = None) -> list[str]:
-    """`mop train` of recorded rollouts: the shipped ones (the debug model's shape), or `rows`."""
+def rollouts(s: Scene, *settings: str, rows: list[dict] | None = None, ranks: int = 1) -> list[str]:
+    """`mop train` of recorded rollouts: the shipped ones (the debug model's shape), or `rows`; on 2
+    launched ranks with `ranks=2`."""
     source = SHIPPED_ROLLOUTS if rows is None else s.write("rollouts.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
-    return s.train("--data.format=rollouts", f"--data.source={source}", "--data.seq_len=128", "--model.layers=4",
-                   "--model.experts=8", "--model.top_k=2", *settings)
+    run = s.train if ranks == 1 else s.launch
+    return run("--data.format=rollouts", f"--data.source={source}", "--data.seq_len=128", "--model.layers=4",
+               "--model.experts=8", "--model.top_k=2", *settings)
+
+
+def npy_base64(array: np.ndarray, keep: int | None = None) -> str:
+    """`array` as vLLM sends routes, base64 of a `.npy` file (its first `keep` bytes only, where given)."""
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    return base64.b64encode(buffer.getvalue()[:keep]).decode()
 
 
 ROLLOUT = {"prompt_ids": [1, 2, 3], "completion_ids": [4, 5], "advantage": 1.0}
@@ -593,6 +604,17 @@ RL = [
     case("rl-routes-of-another-top-k", lambda s: rollouts(s, rows=[{**ROLLOUT, "routed_experts": [[[0, 1, 2]] * 4] * 4}]),
          "data.source", "rollouts.jsonl row 1", "top_k 2"),
     case("rl-replay-without-routes", lambda s: rollouts(s, "--rl.replay=rollout", rows=[ROLLOUT] * 4), "rl.replay"),
+    # issue 64: rows that ended in a rank's traceback or trained silently
+    case("rl-routes-neither-npy-nor-int32", lambda s: rollouts(
+        s, rows=[{**ROLLOUT, "routed_experts": base64.b64encode(b"hello").decode()}]),
+        "rollouts.jsonl row 1", "neither a .npy file", "raw int32"),
+    launched("rl-routes-npy-cut-short-launched", lambda s: rollouts(
+        s, rows=[{**ROLLOUT, "routed_experts": npy_base64(np.zeros((4, 4, 2), np.int64), keep=-9)}], ranks=2),
+        "rollouts.jsonl row 1", ".npy file that cannot be read"),
+    case("rl-log-prob-above-zero", lambda s: rollouts(s, rows=[{**ROLLOUT, "sampling_logps": [-0.1, 0.7]}]),
+         "rollouts.jsonl row 1", "'sampling_logps' holds 0.7", "at most 0"),
+    case("rl-nan-log-prob", lambda s: rollouts(s, rows=[{**ROLLOUT, "sampling_logps": [float("nan"), -0.1]}]),
+         "rollouts.jsonl row 1", "'sampling_logps' holds a non-finite value (nan)", "null"),
 ]
 CASES = CONFIG + DATA + EVALUATION + TOKENIZER + CHECKPOINT + CONVERT + DIRECTORY + PLAN + ADAPTERS + RL
 

@@ -279,10 +279,14 @@ def test_group_advantages_equal_trls(tmp_path, scale, rewards):
     np.testing.assert_array_equal(corpus.rewards, values[order])
 
 
-def npy_base64(array: np.ndarray) -> str:
+def npy_bytes(array: np.ndarray) -> bytes:
     buffer = io.BytesIO()
     np.save(buffer, array, allow_pickle=False)
-    return base64.b64encode(buffer.getvalue()).decode()
+    return buffer.getvalue()
+
+
+def npy_base64(array: np.ndarray) -> str:
+    return base64.b64encode(npy_bytes(array)).decode()
 
 
 def route_forms(moe: np.ndarray, dtype) -> dict:
@@ -347,7 +351,29 @@ BAD = {
                     "'routed_experts' has shape [5, 4, 2]"),
     "top-k": (dict(GOOD, routed_experts=npy_base64(np.zeros((5, 2, 3), np.uint8))), "has shape [5, 2, 3]"),
     "int32 count": (dict(GOOD, routed_experts=base64.b64encode(np.zeros(7, "<i4").tobytes()).decode()),
-                    "holds 7 int32 values"),
+                    "base64 of 28 bytes that are neither a .npy file (no .npy header) nor raw int32 of its 5 routed "
+                    "tokens (tokens - 1 - routed_experts_start) x layers x top_k 2: 120 bytes (3 layers) or 80 "
+                    "bytes (2 layers); send vLLM's .npy or SGLang's raw little-endian int32"),
+    # issue 64: payloads that are neither form, read as what they are
+    "not npy, odd length": (dict(GOOD, routed_experts=base64.b64encode(b"hello").decode()),
+                            "base64 of 5 bytes that are neither a .npy file"),
+    "not npy, a multiple of 4": (dict(GOOD, routed_experts=base64.b64encode(b"PK\x03\x04" * 5).decode()),
+                                 "base64 of 20 bytes that are neither a .npy file"),
+    "npy cut short": (dict(GOOD, routed_experts=base64.b64encode(npy_bytes(routes(6, 0))[:-7]).decode()),
+                      "'routed_experts' is a .npy file that cannot be read, cut short or corrupt"),
+    "npy header cut": (dict(GOOD, routed_experts=base64.b64encode(npy_bytes(routes(6, 0))[:20]).decode()),
+                       "'routed_experts' is a .npy file that cannot be read, cut short or corrupt"),
+    "npy of floats": (dict(GOOD, routed_experts=npy_base64(routes(6, 0).astype(np.float32))),
+                      "is a .npy of float32, not of integer expert ids"),
+    "route start past the tokens": (dict(GOOD, routed_experts=[], routed_experts_start=6),
+                                    "'routed_experts_start' is not a token index of its 6 tokens (6)"),
+    "log-prob above 0": (dict(GOOD, sampling_logps=[-1.0, 0.7, -0.5]),
+                         "'sampling_logps' holds 0.7 for generated token 1: a log-probability is at most 0 "
+                         "(rounding allowed to 0.001)"),
+    "NaN log-prob": (dict(GOOD, sampling_logps=[-1.0, float("nan"), None]),
+                     "'sampling_logps' holds a non-finite value (nan); an unknown value is null"),
+    "infinite log-prob": (dict(GOOD, sampling_logps=[float("-inf"), -1.0, -1.0]),
+                          "'sampling_logps' holds a non-finite value (-inf)"),
     "infinite advantage": (dict(GOOD, advantage=float("inf")), "'advantage' is not finite"),
     "NaN advantage": (dict(GOOD, advantage=float("nan")), "'advantage' is not finite"),
     "NaN reward": ({**GOOD, "advantage": None, "reward": float("nan"), "group": "g"}, "'reward' is not a finite"),
@@ -359,6 +385,24 @@ BAD = {
     "reward without group": ({"prompt_ids": [1], "completion_ids": [2], "reward": 1.0}, "neither an 'advantage'"),
     "no generated token": (dict(GOOD, completion_mask=[0, 0, 0]), "no generated token"),
 }
+
+
+def test_sampling_log_probs_a_rounding_above_zero_and_null_are_read(tmp_path):
+    row = dict(GOOD, sampling_logps=[-0.5, 1e-3, None])  # a near-certain token's fp32 rounding, one unknown
+    corpus = corpus_of(write_rows(tmp_path / "r.jsonl", [row]))
+    np.testing.assert_array_equal(corpus.sampling[corpus.targets], np.array([-0.5, 1e-3, np.nan], np.float32))
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_a_group_of_one_has_zero_std_as_trls_one_generation(tmp_path, scale):
+    values = np.array([1.0, 0.0, 2.0, np.nan])
+    want, want_zero = trl_advantages(torch.tensor(values, dtype=torch.float32), 1, scale)
+    got, got_zero = group_advantages(values, ["a", "b", "c", "d"], scale)
+    np.testing.assert_allclose(got, want, atol=0)
+    np.testing.assert_array_equal(got_zero, want_zero)
+    assert got_zero.all() or scale == "batch"
+    rows = [{"prompt_ids": [1], "completion_ids": [2], "reward": 1.0, "group": g} for g in ("p", "p", "q", "r", "p")]
+    assert corpus_of(write_rows(tmp_path / "r.jsonl", rows), scale=scale).lone_groups == ("q", "r")
 
 
 @pytest.mark.parametrize("name", list(BAD))
@@ -410,3 +454,24 @@ def test_overlong_rollout_is_dropped_and_counted(tmp_path):
     assert sum(int(s["rollout_starts"].sum()) for s in sequences) == 2
     with pytest.raises(DataError, match=r"no rollout fits data.seq_len = 3 \(3 dropped"):
         dataset_of(write_rows(tmp_path / "s.jsonl", rows), seq_len=3)
+
+
+@pytest.mark.parametrize("routed", [False, True], ids=["no-routes", "routes"])
+def test_a_run_warns_once_of_a_group_of_one_and_records_the_replay_chosen(tmp_path, capfd, routed):
+    from mop.cli import main
+    from mop.metrics import read_metrics
+    from test_train import TINY
+
+    recorded = {"routed_experts": [[[0, 1], [2, 3]]] * 4} if routed else {}  # TINY: 2 MoE layers, top-2 of 4
+    rows = [{"prompt_ids": [1, 2], "completion_ids": [3, 4, 5], "reward": reward, "group": group, **recorded}
+            for reward, group in ((1.0, "p"), (0.0, "p"), (1.0, "lonely"))]
+    source, run_dir = write_rows(tmp_path / "r.jsonl", rows), tmp_path / "run"
+    assert main(["train", *TINY, "--train.steps=1", "--data.format=rollouts", f"--data.source={source}",
+                 f"--log.run_dir={run_dir}"]) == 0
+    warned = [line for line in capfd.readouterr().err.splitlines() if "hold one rollout" in line]
+    assert warned == ["mop: warning: 1 group(s) of the rollouts hold one rollout (the first: group 'lonely'): its "
+                      "advantage is 0, so it trains nothing but the KL, and it counts in frac_reward_zero_std; "
+                      "sample 2 or more rollouts per prompt (TRL refuses fewer than 2 generations)"]
+    assert read_metrics(run_dir / "metrics.jsonl")[0]["frac_reward_zero_std"] == pytest.approx(1 / 3)
+    replay = json.loads((run_dir / "config.json").read_text())["rl"]["replay"]  # "auto", decided
+    assert replay == ("rollout" if routed else "off")

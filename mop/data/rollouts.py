@@ -27,14 +27,18 @@ known rewards; `scale_rewards` "group" divides by the group's unbiased standard 
 "batch" by that of every known reward of the source + 1e-4 (TRL takes the generation batch's: the
 source is mop's batch), "none" by nothing; an unscorable rollout, or one whose group has one known
 reward, gets 0. A rollout "has zero std" (`frac_reward_zero_std`) when the std it is scaled by is 0
-(for "none", its group's).
+(for "none", its group's; a group of one rollout has std 0, as TRL's for one generation). Such lone
+groups train nothing but the KL (TRL refuses fewer than 2 generations): the corpus names them
+(`lone_groups`) and a run warns once at its start.
 
 A bad row is a `ConversationError` the reader names by file and row (or counts and skips with
 `data.skip_invalid`): a missing or mistyped field, an empty prompt or completion, a completion
 without a target, lengths that disagree (`completion_mask`, `sampling_logps`, a per-token
-`advantage`, routes for another number of tokens), a non-finite advantage or reward, an expert id
-out of range, routes for another layer count or top-k, a row that mixes advantages and rewards with
-the rest of the source.
+`advantage`, routes for another number of tokens), a non-finite advantage or reward, a sampling
+log-prob that is NaN (null is "unknown"), infinite or above 0 (past `LOGP_ROUNDING`), route
+payloads that are not a readable `.npy` nor raw int32 of exactly the tokens' size, an expert id out
+of range, routes for another layer count or top-k, a row that mixes advantages and rewards with the
+rest of the source.
 
 Encoded (`RolloutCorpus`, held in memory: an RL step's rollouts are a file of one batch, not a
 pre-training corpus; `mop data prepare` does not take them): rollout k is `tokens[offsets[k]:
@@ -49,6 +53,7 @@ import base64
 import hashlib
 import io
 import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import Literal
 
@@ -123,7 +128,7 @@ class RolloutRows:
         ids, targets, prompt = self._sequence(row)
         sampling = np.full(len(ids), np.nan, dtype=np.float32)
         if row.get("sampling_logps") is not None:
-            sampling[targets] = _numbers(row["sampling_logps"], "sampling_logps", int(targets.sum()), allow_null=True)
+            sampling[targets] = _logps(row["sampling_logps"], int(targets.sum()))
         advantages, reward, group = _signal(row, targets)
         routes = None if row.get("routed_experts") is None else _routes(row, len(ids), self.shape)
         return Rollout(ids, targets, prompt, sampling, advantages, reward, group, routes)
@@ -174,10 +179,12 @@ def _ids(row: dict, field: str, vocab: int) -> np.ndarray:
 
 
 def _numbers(value, field: str, length: int | None, allow_null: bool = False) -> np.ndarray:
-    """A row's list of numbers (null entries NaN where allowed), of `length` where given."""
+    """A row's list of finite numbers (null entries NaN where allowed, a NaN refused: null is how a
+    row says a value is unknown), of `length` where given."""
     if not isinstance(value, (list, tuple, np.ndarray)):
         raise ConversationError(f"its {field!r} is a {type(value).__name__}, not a list of numbers")
-    if any(v is None for v in value) and not allow_null:
+    nulls = np.array([v is None for v in value], dtype=bool)
+    if nulls.any() and not allow_null:
         raise ConversationError(f"its {field!r} holds a null")
     try:
         array = np.array([np.nan if v is None else v for v in value], dtype=np.float64)
@@ -185,9 +192,30 @@ def _numbers(value, field: str, length: int | None, allow_null: bool = False) ->
         raise ConversationError(f"its {field!r} holds something that is not a number") from None
     if length is not None and len(array) != length:
         raise ConversationError(f"its {field!r} has {len(array)} values for {length} generated completion tokens")
-    if np.isinf(array).any() or (not allow_null and np.isnan(array).any()):
-        raise ConversationError(f"its {field!r} holds a non-finite value")
+    if not np.isfinite(array[~nulls]).all():
+        unknown = "; an unknown value is null" if allow_null else ""
+        raise ConversationError(f"its {field!r} holds a non-finite value "
+                                f"({array[~nulls][~np.isfinite(array[~nulls])][0]}){unknown}")
     return array
+
+
+LOGP_ROUNDING = 1e-3
+"""How far above 0 a sampling log-prob may be: the engines compute log-probs in fp32 from the logits
+(bf16 ones on GPUs), whose rounding puts a near-certain token at most ~1e-5 above 0; more is not a
+log-probability (a probability, a logit, a flipped sign)."""
+
+
+def _logps(value, generated: int) -> np.ndarray:
+    """A row's `sampling_logps`: one per generated token, null where unknown, none above 0 (past
+    `LOGP_ROUNDING`)."""
+    logps = _numbers(value, "sampling_logps", generated, allow_null=True)
+    above = np.flatnonzero(logps > LOGP_ROUNDING)
+    if len(above):
+        raise ConversationError(f"its 'sampling_logps' holds {logps[above[0]]:.6g} for generated token "
+                                f"{above[0]}: a log-probability is at most 0 (rounding allowed to "
+                                f"{LOGP_ROUNDING:g}); send the engine's log-probs of the sampled tokens, not "
+                                "probabilities or logits")
+    return logps
 
 
 def _signal(row: dict, targets: np.ndarray) -> tuple[np.ndarray | None, float, str | None]:
@@ -215,8 +243,8 @@ def _signal(row: dict, targets: np.ndarray) -> tuple[np.ndarray | None, float, s
 def _routes(row: dict, tokens: int, shape: RouteShape) -> np.ndarray:
     """`[tokens, moe_layers, top_k]` int16 (-1: none) from a row's `routed_experts` (module docstring)."""
     start = row.get("routed_experts_start") or 0
-    if not isinstance(start, int) or start < 0:
-        raise ConversationError(f"its 'routed_experts_start' is not a token index ({start!r})")
+    if not isinstance(start, int) or isinstance(start, bool) or not 0 <= start < tokens:
+        raise ConversationError(f"its 'routed_experts_start' is not a token index of its {tokens} tokens ({start!r})")
     recorded = _route_array(row["routed_experts"], shape, tokens - 1 - start)
     layers = (shape.layers, shape.moe_layers)
     if recorded.ndim != 3 or recorded.shape[1] not in layers or recorded.shape[2] != shape.top_k:
@@ -238,24 +266,13 @@ def _routes(row: dict, tokens: int, shape: RouteShape) -> np.ndarray:
 
 def _route_array(value, shape: RouteShape, rows: int) -> np.ndarray:
     """Nested lists, base64 of a `.npy` (vLLM) or base64 of raw int32 (SGLang) as an integer array; raw
-    int32 is shaped by the layer count that gives the `rows` the sequence needs (else the first that
-    divides it, for the caller's message)."""
+    int32 must hold the `rows` the sequence needs for either layer count, and is shaped by it."""
     if isinstance(value, str):
         try:
             raw = base64.b64decode(value, validate=True)
         except ValueError:
             raise ConversationError("its 'routed_experts' is a string but not base64") from None
-        if raw.startswith(b"\x93NUMPY"):
-            return np.load(io.BytesIO(raw), allow_pickle=False).astype(np.int64)
-        flat = np.frombuffer(raw, dtype="<i4").astype(np.int64)
-        for layers in (shape.layers, shape.moe_layers):
-            if len(flat) == rows * layers * shape.top_k:
-                return flat.reshape(rows, layers, shape.top_k)
-        for layers in (shape.layers, shape.moe_layers):
-            if len(flat) % (layers * shape.top_k) == 0:
-                return flat.reshape(-1, layers, shape.top_k)
-        raise ConversationError(f"its 'routed_experts' holds {len(flat)} int32 values, not a multiple of "
-                                f"{shape.layers} layers x top_k {shape.top_k}")
+        return _npy_routes(raw) if raw.startswith(_NPY_MAGIC) else _raw_routes(raw, shape, rows)
     try:
         array = np.asarray(value, dtype=np.float64)
     except (TypeError, ValueError):
@@ -266,6 +283,34 @@ def _route_array(value, shape: RouteShape, rows: int) -> np.ndarray:
     return array.astype(np.int64)
 
 
+_NPY_MAGIC = b"\x93NUMPY"
+
+
+def _npy_routes(raw: bytes) -> np.ndarray:
+    """vLLM's form: a whole `.npy` file of integer expert ids."""
+    try:
+        array = np.load(io.BytesIO(raw), allow_pickle=False)
+    except (ValueError, EOFError, OSError) as e:
+        raise ConversationError(f"its 'routed_experts' is a .npy file that cannot be read, cut short or corrupt "
+                                f"({e}); send the engine's whole .npy of expert ids") from None
+    if array.dtype.kind not in "iu":
+        raise ConversationError(f"its 'routed_experts' is a .npy of {array.dtype}, not of integer expert ids")
+    return array.astype(np.int64)
+
+
+def _raw_routes(raw: bytes, shape: RouteShape, rows: int) -> np.ndarray:
+    """SGLang's form: little-endian int32, exactly `rows` x layers x top_k of them (either layer count)."""
+    for layers in dict.fromkeys((shape.layers, shape.moe_layers)):
+        if len(raw) == 4 * rows * layers * shape.top_k:
+            return np.frombuffer(raw, dtype="<i4").astype(np.int64).reshape(rows, layers, shape.top_k)
+    needed = " or ".join(f"{4 * rows * layers * shape.top_k} bytes ({layers} layers)"
+                         for layers in dict.fromkeys((shape.layers, shape.moe_layers)))
+    raise ConversationError(f"its 'routed_experts' is base64 of {len(raw)} bytes that are neither a .npy file (no "
+                            f".npy header) nor raw int32 of its {rows} routed tokens (tokens - 1 - "
+                            f"routed_experts_start) x layers x top_k {shape.top_k}: {needed}; send vLLM's .npy or "
+                            "SGLang's raw little-endian int32")
+
+
 def group_advantages(rewards: np.ndarray, groups: list[str], scale: ScaleRewards) -> tuple[np.ndarray, np.ndarray]:
     """Each rollout's advantage and whether the std it is scaled by is 0 (module docstring)."""
     names, group_of = np.unique(np.asarray(groups), return_inverse=True)
@@ -274,8 +319,9 @@ def group_advantages(rewards: np.ndarray, groups: list[str], scale: ScaleRewards
     total = np.bincount(group_of, weights=np.where(known, rewards, 0.0), minlength=len(names))
     mean = total / np.maximum(count, 1)
     squares = np.bincount(group_of, weights=np.where(known, (rewards - mean[group_of]) ** 2, 0.0), minlength=len(names))
-    with np.errstate(invalid="ignore", divide="ignore"):
-        group_std = np.where(count > 1, np.sqrt(squares / (count - 1)), np.nan)[group_of]
+    size = np.bincount(group_of, minlength=len(names))
+    with np.errstate(invalid="ignore", divide="ignore"):  # a group of one rollout has std 0 (TRL's for 1 generation)
+        group_std = np.where(count > 1, np.sqrt(squares / (count - 1)), np.where(size == 1, 0.0, np.nan))[group_of]
         batch_std = np.nanstd(rewards, ddof=1) if known.sum() > 1 else np.nan
     std = np.full(len(rewards), batch_std) if scale == "batch" else group_std
     advantages = rewards - mean[group_of]
@@ -302,6 +348,8 @@ class RolloutCorpus:
     """bool `[n]`: its advantage's std was 0 (`frac_reward_zero_std`; False without rewards)."""
     fingerprint: str
     skipped: int = 0
+    lone_groups: tuple[str, ...] = ()
+    """The groups of one rollout, in order (advantage 0: they train nothing but the KL)."""
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -326,9 +374,12 @@ def read_rollouts(source: str, encoder: RolloutRows, scale: ScaleRewards, skip_i
     items = [item for _, item in rollouts if (item.advantages is None) == rewarded]
     rewards = np.array([item.reward for item in items], dtype=np.float64)
     lengths = np.array([len(item.ids) for item in items], dtype=np.int64)
+    lone = ()
     if rewarded:
-        values, zero_std = group_advantages(rewards, [item.group for item in items], scale)
+        groups = [item.group for item in items]
+        values, zero_std = group_advantages(rewards, groups, scale)
         advantages = np.concatenate([np.where(item.targets, value, 0.0) for item, value in zip(items, values)])
+        lone = tuple(group for group, count in Counter(groups).items() if count == 1)
     else:
         zero_std = np.zeros(len(items), dtype=bool)
         advantages = np.concatenate([item.advantages for item in items])
@@ -346,4 +397,4 @@ def read_rollouts(source: str, encoder: RolloutRows, scale: ScaleRewards, skip_i
                          np.array([item.prompt for item in items], dtype=np.int64),
                          np.concatenate([item.sampling for item in items]), advantages.astype(np.float32), routes,
                          rewards, zero_std, hashlib.blake2b(made.encode(), digest_size=8).hexdigest(),
-                         len(encoded) - len(items))
+                         len(encoded) - len(items), lone)

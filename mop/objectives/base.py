@@ -103,3 +103,8 @@ class Objective(ABC):
     def warnings(self) -> list[str]:
         """Lines to warn with at the start (its data's oddities)."""
         return []
+
+    def recorded(self, config: Config) -> Config:
+        """The run's settings as config.json records them: with what it decided from the data (its
+        `sections` only), where `decide` could not."""
+        return config

@@ -3,6 +3,7 @@ steps with under `data.format = "rollouts"` (the pieces: `loss`, `step`, `settin
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -73,12 +74,21 @@ class PolicyGradient(Objective):
         return step_counts(counts.targets, counts.own)
 
     def warnings(self) -> list[str]:
-        """A correction with no sampling log-probs to correct against."""
-        correction, corpus = self.run.config.rl.correction, self.run.data.dataset.corpus
-        if correction == "none" or not np.isnan(corpus.sampling[corpus.targets]).all():
-            return []
-        return [f"the rollouts carry no sampling_logps: rl.correction = '{correction}' corrects nothing (a ratio of 1 "
-                "on every token); record the engine's log-probs, or set rl.correction = 'none'"]
+        """A correction with no sampling log-probs to correct against; groups of one rollout."""
+        correction, corpus, out = self.run.config.rl.correction, self.run.data.dataset.corpus, []
+        if correction != "none" and np.isnan(corpus.sampling[corpus.targets]).all():
+            out.append(f"the rollouts carry no sampling_logps: rl.correction = '{correction}' corrects nothing (a "
+                       "ratio of 1 on every token); record the engine's log-probs, or set rl.correction = 'none'")
+        if corpus.lone_groups:
+            out.append(f"{len(corpus.lone_groups)} group(s) of the rollouts hold one rollout (the first: "
+                       f"group {corpus.lone_groups[0]!r}): its advantage is 0, so it trains nothing but the "
+                       "KL, and it counts in frac_reward_zero_std; sample 2 or more rollouts per prompt (TRL refuses "
+                       "fewer than 2 generations)")
+        return out
+
+    def recorded(self, config):
+        """rl.replay as chosen ("auto" decided by whether the rollouts carry routes)."""
+        return dataclasses.replace(config, rl=dataclasses.replace(config.rl, replay=self.replay))
 
     def describe(self) -> str:
         rl, data = self.run.config.rl, self.run.data

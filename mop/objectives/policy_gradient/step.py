@@ -29,7 +29,8 @@ sequences holding rollouts (`sequence_starts`: the load-balancing loss's mean is
 Records (`step_record`): TRL's names, each a mean over the whole step (TRL's are means over each
 process's micro-batch, or of per-process means: equal on one process and micro-batch),
 the rewards' mean and unbiased std over the step's rollouts, and per MoE layer the share of replayed
-tokens whose own top-k differs from the replayed one (`routing/replay_mismatch/layer_<i>`).
+tokens whose own top-k differs from the replayed one (`routing/replay_mismatch/layer_<i>`, `<i>` the MoE
+layer's index: model layer `dense_layers + i`).
 """
 
 from __future__ import annotations
