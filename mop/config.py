@@ -171,8 +171,10 @@ class TrainConfig:
     """Sequences per optimizer step, the same for every layout."""
     micro_batch: int = 0
     """Sequences per forward pass of one data-parallel group; gradients accumulate to global_batch.
-    0: automatic, the largest divisor of a group's share of the global batch up to 4 (or less, when
-    the run's layout is fitted to train.memory_budget)."""
+    0: automatic, the largest divisor of a group's share of the global batch up to 4, and up to as many
+    sequences as keep a rank's tokens per forward within 8192 (a forward of that many fills a GPU:
+    more only costs memory; one at least), or less when the run's layout is fitted to
+    train.memory_budget."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype: "bfloat16" runs forward/backward in bf16 (autocast) with fp32 gradient reductions.
     With the host optimizer (optim.offload) the device then holds bf16 working weights (2 bytes per

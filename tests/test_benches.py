@@ -17,6 +17,8 @@ TINY = {
             "--intermediate=32", "--vocab=512", "--layers=2", "--steps=1"],
     "grpo": ["--tokens=128", "--rollouts=2", "--prompt=16", "--hidden=32", "--heads=4", "--kv-heads=2", "--head-dim=8",
              "--experts=4", "--intermediate=32", "--vocab=512", "--layers=2", "--steps=1"],
+    "grpo-trl": ["--lengths=64", "--rollouts=2", "--prompt=16", "--hidden=32", "--heads=4", "--kv-heads=2",
+                 "--head-dim=8", "--experts=4", "--intermediate=32", "--vocab=512", "--layers=2", "--mop-budgets=auto"],
     "rl-sync": ["--preset=debug", "--buckets=0.01,1"],
     "data": ["--size-mb=0.3", "--baseline-mb=0.1", "--seq-lens=1024", "--workers=2", "--agent-calls=2,4"],
     "build": [f"--config={Path(__file__).resolve().parents[1] / 'configs/debug.toml'}", "--layers=1", "--nproc=2"],
@@ -102,3 +104,24 @@ def test_the_vocab_benchmark_reports_a_variant_whose_rank_was_killed_and_goes_on
     assert "killed (rank 1: signal 9; out of memory?)" in shown and "lower --max-logits-gib" in shown
     rows = json.loads(out.read_text())["rows"]
     assert [r["variant"] for r in rows] == ["full", "tiled", "ring", "ring-kept"] and rows[0]["killed"] == {"1": 9}
+
+
+@pytest.mark.slow
+def test_grpo_against_trl_gives_each_system_the_loss_of_the_same_step(tmp_path):
+    """The same rows and weights give mop's and TRL's step 1 the same loss, whatever budget mop is fitted
+    to: to the rounding of the sequence correction, the exp of a sum of 48 log-prob differences of
+    about 1e-6 each (a few fp32 ulps of log-probs near -6), so at most about 5e-5 relative."""
+    out = tmp_path / "grpo-trl.json"
+    assert main(["bench", "grpo-trl", *TINY["grpo-trl"], "--mop-budgets=auto,300MiB", f"--out={out}"]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["system"], r["tokens"]) for r in rows] == [("trl", 64), ("mop", 64), ("mop@300MiB", 64)]
+    assert all(r["s_per_step"] > 0 and r["peak_mib"] > 0 for r in rows)
+    assert rows[0]["loss"] != 0  # the correction weighs the rollouts unequally: a step's loss to compare
+    for mine in rows[1:]:
+        assert mine["loss"] == pytest.approx(rows[0]["loss"], rel=1e-4)
+
+
+def test_grpo_against_trl_names_a_bad_budget_in_one_line(capsys, tmp_path):
+    assert main(["bench", "grpo-trl", "--mop-budgets=lots", f"--out={tmp_path / 'g.json'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("mop: error: --mop-budgets: 'lots' is not a train.memory_budget") and "\n" not in err

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from contextlib import nullcontext
 from types import SimpleNamespace
 
 import pytest
 import torch
 from test_hf import hf_model
 
+from mop.bench.grpo_trl import OneProcessAccelerator
 from mop.config import RlConfig
 from mop.data import build_data, count_targets
 from mop.data.prepared import ChatSettings
@@ -48,21 +48,6 @@ COMPLETIONS = [[11, 12, 13, 14, 15, 16, 1], [21, 22, 23], [31, 32, 33, 34, 35]]
 REWARDS = [1.0, 0.0, 0.5]
 CLIP = (0.7, 1.6)  # the correction's bounds: the noise below puts rollouts on both sides
 SEQ_LEN = 3 * len(PROMPT) + sum(map(len, COMPLETIONS))  # one sequence, no padding (the byte pad id is past the vocab)
-
-
-class _Accelerator:
-    num_processes, is_main_process = 1, True
-
-    def gather(self, tensor):
-        return tensor
-
-    gather_for_metrics = gather
-
-    def reduce(self, tensor, reduction="sum"):
-        return tensor
-
-    def autocast(self):
-        return nullcontext()
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +125,7 @@ def trl_step(model_dir, rollouts_path, rl: RlConfig, advantages: torch.Tensor):
         beta=rl.beta, loss_type=rl.loss_type, epsilon_low=rl.epsilon, epsilon_high=rl.epsilon_high or rl.epsilon,
         use_vllm=True, vllm_importance_sampling_correction=True, model=SimpleNamespace(training=True),
         current_gradient_accumulation_steps=1, max_completion_length=rl.max_completion_length,
-        accelerator=_Accelerator(), _entropy_bonus_enabled=False, aux_loss_enabled=False,
+        accelerator=OneProcessAccelerator(), _entropy_bonus_enabled=False, aux_loss_enabled=False,
         _metrics=defaultdict(lambda: defaultdict(list)),
         args=SimpleNamespace(use_bias_correction_kl=rl.kl_bias_correction, delta=rl.delta or None,
                              steps_per_generation=1))

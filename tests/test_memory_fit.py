@@ -70,11 +70,18 @@ def test_offload_asked_for_turns_automatic_checkpointing_on():
     assert config.train.activation_checkpointing == "full" and config.train.offload_activations is True
 
 
-def test_the_plain_micro_batch_is_the_largest_divisor_up_to_four():
+def test_the_plain_micro_batch_is_the_largest_divisor_up_to_four_and_a_ranks_8192_tokens():
     assert _resolve("--data.seq_len=256", "--train.global_batch=8", "--train.memory_budget=off").train.micro_batch == 4
     assert _resolve("--data.seq_len=256", "--train.global_batch=6", "--train.memory_budget=off").train.micro_batch == 3
     assert _resolve("--data.seq_len=256", "--train.global_batch=2", "--parallel.sequence=1",
                     "--train.memory_budget=off").train.micro_batch == 1
+    # and no more than a rank's 8192 tokens per forward: a long sequence fills the device alone
+    assert _resolve("--data.seq_len=8192", "--train.global_batch=8", "--parallel.sequence=2",
+                    "--train.memory_budget=off").train.micro_batch == 2
+    assert _resolve("--data.seq_len=16384", "--train.global_batch=8", "--parallel.sequence=2",
+                    "--train.memory_budget=off").train.micro_batch == 1
+    assert _resolve("--data.seq_len=16384", "--train.global_batch=8", "--parallel.nproc=4", "--parallel.sequence=4",
+                    "--train.memory_budget=off").train.micro_batch == 2
 
 
 def test_a_long_context_is_fitted_to_the_budget_and_the_fit_is_recorded():

@@ -18,6 +18,7 @@ BENCHMARKS = {
     "e2e": "training throughput and per-rank memory of mop and of the best fsdp2 setup, against context",
     "gpu": "acceptance test of 1-8 GPUs: the CUDA tier and bf16 trainings sized to the GPUs and host (--dry-run: the plan)",
     "grpo": "GRPO on long recorded rollouts: per-rank memory and tokens/s with routing replay on against off",
+    "grpo-trl": "the GRPO step on long rollouts, mop's against TRL's: seconds, peak memory per process and loss",
     "lora": "per-rank device memory and step time of LoRA over an fp8 base against full fine-tuning",
     "moe": "the expert layer under skewed routing for EP, LLEP and chunked LLEP",
     "optimizer": "the host optimizer's update throughput and how much of it the step exposes",

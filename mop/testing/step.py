@@ -19,12 +19,11 @@ from torch.distributed.tensor import DTensor
 
 from mop.build import TrainingRun, build_run
 from mop.config import load_config
-from mop.objectives import objective_for
 from mop.parallel import DistLayout, Layout
 from mop.runtime import Runtime, set_host_heap
 from mop.settle import settle
 from mop.testing.memory import PeakMemory
-from mop.train import train_step, update
+from mop.train import resume, train_step, update
 
 
 def rank_batches(run: TrainingRun, documents: str) -> list[dict]:
@@ -84,14 +83,20 @@ class Trainer:
         self.offload_store = self.run.offload_store
         self.host_gradients = HostGradients(self.run.model) if p.fsdp_cpu_offload else None
         self.optimizer_on_device = not (config.optim.offload or p.fsdp_cpu_offload)
-        # what the objective needs before step 0 (not timed): a DPO run's precomputed reference
-        # log-probs in dpo.reference_dir (the ranks' shared folder; the caller sets it)
-        self.run.reference = objective_for(self.run).prepare(Path(config.dpo.reference_dir), None)
+        # the weights of checkpoint.init, if set, and what the objective needs before step 0, as `mop train`
+        # starts (`resume`; not in a step's time, `prepare_s` says how long it took): a DPO or RL run's
+        # precomputed reference log-probs (dpo.reference_dir, or rl.reference_dir: the ranks' shared
+        # folder; the caller sets it)
+        start = time.perf_counter()
+        resume(self.run, Path(config.dpo.reference_dir))
+        self.prepare_s = time.perf_counter() - start
         self.batches = rank_batches(self.run, documents)
+        self.record: dict = {}
+        """The last step's record (`train_step`'s: its loss and terms)."""
 
     def backward(self) -> None:
         self.run.optimizer.begin_step(self.run.config.optim.lr)  # constant: every step does the same work
-        train_step(self.run, self.batches)
+        self.record = train_step(self.run, self.batches)
 
     def update(self) -> None:
         update(self.run)
