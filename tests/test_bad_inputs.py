@@ -35,7 +35,6 @@ pytest's capture hides them), so that a rank's error is shown to reach the termi
 from __future__ import annotations
 
 import base64
-import io
 import json
 import os
 import shutil
@@ -57,6 +56,7 @@ import mop
 from mop.cli import main
 from test_data import _train_bpe
 from test_data_sources import write_bin
+from test_rollouts_data import npy_bytes
 from test_train import TINY, TINY_RUN
 
 TEXT = "A document long enough to fill a few sequences of the tiny model. " * 8
@@ -586,14 +586,8 @@ def rollouts(s: Scene, *settings: str, rows: list[dict] | None = None, ranks: in
                "--model.experts=8", "--model.top_k=2", *settings)
 
 
-def npy_base64(array: np.ndarray, keep: int | None = None) -> str:
-    """`array` as vLLM sends routes, base64 of a `.npy` file (its first `keep` bytes only, where given)."""
-    buffer = io.BytesIO()
-    np.save(buffer, array, allow_pickle=False)
-    return base64.b64encode(buffer.getvalue()[:keep]).decode()
-
-
 ROLLOUT = {"prompt_ids": [1, 2, 3], "completion_ids": [4, 5], "advantage": 1.0}
+CUT_NPY = base64.b64encode(npy_bytes(np.zeros((4, 4, 2), np.int64))[:-9]).decode()  # vLLM's routes, cut short
 RL = [
     case("rl-cispo-without-its-cap", lambda s: rollouts(s, "--rl.loss_type=cispo"), "rl.epsilon_high", "5.0"),
     case("rl-truncate-without-bounds", lambda s: rollouts(s, "--rl.correction=token_truncate",
@@ -608,9 +602,9 @@ RL = [
     case("rl-routes-neither-npy-nor-int32", lambda s: rollouts(
         s, rows=[{**ROLLOUT, "routed_experts": base64.b64encode(b"hello").decode()}]),
         "rollouts.jsonl row 1", "neither a .npy file", "raw int32"),
-    launched("rl-routes-npy-cut-short-launched", lambda s: rollouts(
-        s, rows=[{**ROLLOUT, "routed_experts": npy_base64(np.zeros((4, 4, 2), np.int64), keep=-9)}], ranks=2),
-        "rollouts.jsonl row 1", ".npy file that cannot be read"),
+    launched("rl-routes-npy-cut-short-launched",
+             lambda s: rollouts(s, rows=[{**ROLLOUT, "routed_experts": CUT_NPY}], ranks=2),
+             "rollouts.jsonl row 1", ".npy file that cannot be read"),
     case("rl-log-prob-above-zero", lambda s: rollouts(s, rows=[{**ROLLOUT, "sampling_logps": [-0.1, 0.7]}]),
          "rollouts.jsonl row 1", "'sampling_logps' holds 0.7", "at most 0"),
     case("rl-nan-log-prob", lambda s: rollouts(s, rows=[{**ROLLOUT, "sampling_logps": [float("nan"), -0.1]}]),

@@ -49,13 +49,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/bench/grpo.json"))
 
 
-def rollout_source(args, folder: Path) -> Path:
-    """The rollout rows (module docstring), `--tokens` tokens in all."""
+def corpus_byte_ids(count: int) -> np.ndarray:
+    """`count` byte-token ids of the shipped corpus's ASCII text (repeated where it is shorter)."""
     text = "\n".join(json.loads(line)["text"] for line in
                      (resources.files("mop.data") / "corpus" / "corpus.jsonl").read_text().splitlines())
     ids = np.frombuffer("".join(c for c in text if c.isascii()).encode(), dtype=np.uint8).astype(np.int64)
+    return np.resize(ids, count)
+
+
+def rollout_source(args, folder: Path) -> Path:
+    """The rollout rows (module docstring), `--tokens` tokens in all."""
     each = args.tokens // args.rollouts
-    ids = np.resize(ids, args.tokens)
+    ids = corpus_byte_ids(args.tokens)
     generator = np.random.default_rng(0)
     rows = []
     for k in range(args.rollouts):

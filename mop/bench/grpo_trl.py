@@ -48,13 +48,13 @@ import tempfile
 import time
 from collections import defaultdict
 from contextlib import nullcontext
-from importlib import resources
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import torch
 
+from mop.bench.grpo import corpus_byte_ids
 from mop.bench.report import table, write_json
 from mop.bench.shape import ANCHOR, add_shape_arguments, shape_overrides
 from mop.testing import run_distributed
@@ -95,13 +95,10 @@ def make_model(args, folder: Path) -> tuple[Path, Path]:
     return folder / "hf", folder / "mop"
 
 
-def rollout_rows(args, length: int, hf_dir: Path, path: Path) -> dict:
-    """The rows of one length (module docstring), written to `path`; returns their summary."""
-    text = "\n".join(json.loads(line)["text"] for line in
-                     (resources.files("mop.data") / "corpus" / "corpus.jsonl").read_text().splitlines())
-    ids = np.frombuffer("".join(c for c in text if c.isascii()).encode(), dtype=np.uint8).astype(np.int64)
+def rollout_rows(args, length: int, hf_dir: Path, path: Path) -> None:
+    """The rows of one length (module docstring), written to `path`."""
     completion = length - args.prompt
-    ids = np.resize(ids, args.prompt + args.rollouts * completion)
+    ids = corpus_byte_ids(args.prompt + args.rollouts * completion)
     model = _hf_model(hf_dir).eval()
     rows = []
     for k in range(args.rollouts):
@@ -112,7 +109,6 @@ def rollout_rows(args, length: int, hf_dir: Path, path: Path) -> dict:
         rows.append({"prompt_ids": tokens[:args.prompt].tolist(), "completion_ids": tokens[args.prompt:].tolist(),
                      "sampling_logps": (own - shift / completion).tolist(), "reward": float(k), "group": 0})
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return {"tokens": length, "rollouts": args.rollouts, "prompt": args.prompt}
 
 
 def _hf_model(hf_dir: Path):

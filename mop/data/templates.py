@@ -344,7 +344,7 @@ class ChatTemplate:
                 found = [at for at in (rest.find(_PROBE_REASONING), rest.find(probe[answer]["content"])) if at >= 0]
                 if found:
                     shown.append(rest[:min(found)])
-        return Headers.of(prompt, self.tokenizer.encode_with_offsets(prompt)[1][:, 1].tolist(), shown, trailer)
+        return Headers.of(prompt, self._token_ends(prompt), shown, trailer)
 
     def _prompt_and_trailer(self, plain: str, prompted: str) -> tuple[str, str]:
         """What `add_generation_prompt` adds after a user turn, and what the template writes after the
