@@ -97,9 +97,9 @@ def build_parser(benchmark: str | None = None) -> argparse.ArgumentParser:
     data_parser = commands.add_parser("data", help="prepare conversations or preference pairs once for fine-tuning, "
                                       "or look at what training sees of them")
     data_commands = data_parser.add_subparsers(dest="data_command", required=True, metavar="SUBCOMMAND")
-    from mop.data import prepared
+    from mop.data import kinds, prepared
 
-    prepared.add_arguments(data_commands.add_parser(
+    kinds.add_arguments(data_commands.add_parser(
         "prepare", help="render, tokenize and mask conversations (or preference pairs) into a memory-mapped "
         "prepared folder",
         description=prepared.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
@@ -164,9 +164,9 @@ def main(argv: list[str] | None = None) -> int:
         from mop import convert
 
         try:
-            from mop.data import inspection, prepared
+            from mop.data import inspection, kinds
 
-            data = {"prepare": prepared.run, "inspect": inspection.run}
+            data = {"prepare": kinds.run, "inspect": inspection.run}
             {"bench": run_bench, "convert": convert.run, "plan": run_plan,
              "data": lambda args: data[args.data_command](args)}[args.command](args)
         except USER_ERRORS as err:

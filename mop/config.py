@@ -135,7 +135,7 @@ class DataConfig:
     each packed whole into one sequence, the loss on data.loss_on (mop.data.templates); "preference":
     TRL's preference pairs (`prompt`/`chosen`/`rejected` message lists or strings; the prompt may be
     implicit), each pair packed whole, its prompt once (data.shared_prompt), the targets its responses'
-    (data.loss_on; mop.data.preferences, mop.data.preference_packing); "rollouts": recorded RL rollouts (prompt and
+    (data.loss_on; mop.data.preference); "rollouts": recorded RL rollouts (prompt and
     completion token ids or messages, the engine's sampling log-probs, advantages or rewards with groups, routed
     experts), each packed whole, the targets its generated tokens ([rl]; mop.data.rollouts)."""
     chat_template: str = ""

@@ -11,7 +11,7 @@ batches of rollout rows handed in instead of read from data.source.
     trainer.save(); trainer.load(path)        # checkpoints any layout reads
     trainer.sleep(); trainer.wake()           # device memory released and restored between phases
 
-Rows are `data.format = "rollouts"` rows (`mop.data.rollouts`: token ids or messages, sampling
+Rows are `data.format = "rollouts"` rows (`mop.data.rollouts.rows`: token ids or messages, sampling
 log-probs, an advantage or a reward with a group, routed experts), the same global batch on every
 rank; each rank keeps its share as a step does (`TrainingRun.rank_batches`). They are packed as
 recorded rollouts, padded to `train.global_batch` sequences (`mop.rl.feed.rollout_batch`); a row that

@@ -12,9 +12,11 @@ from torch.testing import assert_close
 
 from mop.config import load_config
 from mop.data import DataError, count_targets
-from mop.data.chat_packing import ChatDataset, best_fit_decreasing, fitted_lengths
+from mop.data.chat.packing import ChatDataset
 from mop.data.conversations import conversation
-from mop.data.prepared import ChatCorpus, ChatSettings, encode_source
+from mop.data.kinds import encode_source
+from mop.data.packing import best_fit_decreasing, fitted_lengths
+from mop.data.prepared import ChatSettings, Corpus
 from mop.data.templates import Conversation
 from mop.models.moe import MoE
 from mop.models.transformer import IGNORE_INDEX, build_model
@@ -117,7 +119,7 @@ def test_loss_on_all_makes_every_token_a_target_and_truncates_at_assistant_turn_
         assert ((masked["labels"] == IGNORE_INDEX) | (masked["labels"] == item["labels"])).all()
 
 
-def corpus_of(lengths: list[int], turn_ends: dict[int, list[int]] | None = None) -> ChatCorpus:
+def corpus_of(lengths: list[int], turn_ends: dict[int, list[int]] | None = None) -> Corpus:
     """Conversations of the given lengths with token k of each = k; targets end at `turn_ends`."""
     tokens = np.concatenate([np.arange(n) for n in lengths])
     targets = np.zeros(len(tokens), dtype=bool)
@@ -125,7 +127,7 @@ def corpus_of(lengths: list[int], turn_ends: dict[int, list[int]] | None = None)
     for k, ends in (turn_ends or {}).items():
         for end in ends:
             targets[offsets[k] + end - 2:offsets[k] + end] = True
-    return ChatCorpus(tokens, targets, offsets, "test")
+    return Corpus(tokens, targets, offsets, "test")
 
 
 def test_best_fit_decreasing_packs_every_conversation_whole_and_deterministically():
@@ -212,7 +214,7 @@ def chat_source(tmp_path) -> str:
     return str(path)
 
 
-def alone_batch(corpus: ChatCorpus, k: int, seq_len: int, pad_id: int) -> dict:
+def alone_batch(corpus: Corpus, k: int, seq_len: int, pad_id: int) -> dict:
     """Conversation k by itself in a sequence, padded and masked: the oracle's own construction."""
     start, end = corpus.offsets[k], corpus.offsets[k + 1]
     n = end - start

@@ -25,7 +25,8 @@ from mop.cli import main
 from mop.config import DataConfig
 from mop.data import ByteTokenizer, ChatDataset, DataError, load_dataset, load_tokenizer, source_options
 from mop.data.conversations import chat_files, conversation, iter_rows
-from mop.data.prepared import MANIFEST, ChatSettings, encode_source, open_prepared, prepare
+from mop.data.kinds import encode_source, open_prepared, prepare
+from mop.data.prepared import MANIFEST, ChatSettings
 
 ASSETS = Path(mop.__file__).parent / "data" / "assets"
 QWEN3, GPT_OSS = str(ASSETS / "qwen3"), str(ASSETS / "gpt-oss")

@@ -1,6 +1,6 @@
 """mop's DPO equals TRL 1.16's at the first step (issue 39, item 7), on a tiny transformers Qwen3-MoE.
 
-Why: mop packs each pair with its prompt once (`mop.data.preference_packing`) and sums response
+Why: mop packs each pair with its prompt once (`mop.data.preference.packing`) and sums response
 log-probs per slot (`MoETransformer.preference_terms`); TRL runs every prompt + response as its own
 padded row. The numbers a user compares across the two (loss, rewards, log-probs) must not depend on
 that, nor on how each side splits a row into prompt and response tokens.

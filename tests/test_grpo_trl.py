@@ -28,7 +28,8 @@ from mop.bench.grpo_trl import OneProcessAccelerator
 from mop.config import RlConfig
 from mop.data import build_data, count_targets
 from mop.data.prepared import ChatSettings
-from mop.data.rollouts import RolloutSettings, RouteShape
+from mop.data.rollouts.corpus import RolloutSettings
+from mop.data.rollouts.rows import RouteShape
 from mop.models.hf import load_hf
 from mop.models.transformer import IGNORE_INDEX
 from mop.objectives.policy_gradient.step import (

@@ -1,6 +1,6 @@
 """Preference data (issue 39): TRL's rows read and encoded (message lists and strings, explicit and
 implicit prompts, tools as a list or a JSON string), bad rows named or counted, prepared folders, and
-the packing contract the model side relies on (`mop.data.preference_packing`).
+the packing contract the model side relies on (`mop.data.preference.packing`).
 
 Oracles: TRL 1.16's tokenization written with transformers (the prompt rendered with the generation
 prompt, prompt + response rendered, the response the tokens after the prompt; plain rows through the
@@ -33,15 +33,10 @@ from mop.data import (
     load_tokenizer,
 )
 from mop.data.loader import source_options
-from mop.data.preferences import extract_prompt
-from mop.data.prepared import (
-    MANIFEST,
-    ChatSettings,
-    PreferenceCorpus,
-    encode_source,
-    open_prepared,
-    prepare,
-)
+from mop.data.kinds import encode_source, open_prepared, prepare
+from mop.data.preference.corpus import PreferenceCorpus
+from mop.data.preference.rows import extract_prompt
+from mop.data.prepared import MANIFEST, ChatSettings
 from mop.data.templates import Conversation
 
 ASSETS = Path(mop.__file__).parent / "data" / "assets"
@@ -320,7 +315,7 @@ def kept_prompt(p: int, c: int, r: int, seq_len: int, shared: bool, overlong: st
 
 
 def expected_row(corpus, items, seq_len: int, shared: bool, loss_on: str, overlong: str, pad_id: int) -> dict:
-    """A packed row rebuilt token by token from the contract (the module docstring of preference_packing)."""
+    """A packed row rebuilt token by token from the contract (the module docstring of mop.data.preference.packing)."""
     row = {key: [] for key in ("input_ids", "labels", "position_ids", "document_ids", "prefix_lengths",
                                "response_ids", "pair_starts")}
     document = 0

@@ -12,7 +12,8 @@ import pytest
 import torch
 from test_hf import hf_model
 
-from mop.data.rollouts import RolloutRows, RouteShape, read_rollouts
+from mop.data.rollouts.corpus import read_rollouts
+from mop.data.rollouts.rows import RolloutRows, RouteShape
 from mop.data.tokenizer import ByteTokenizer
 from mop.models.hf import load_hf
 from mop.rl.engine import TransformersEngine

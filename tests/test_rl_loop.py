@@ -145,7 +145,7 @@ def test_a_run_starts_from_another_runs_weights_at_step_0(tmp_path):
 
 
 def test_a_batch_is_padded_to_the_global_batch_with_sequences_that_train_nothing():
-    from mop.data.rollout_packing import padded_bounds
+    from mop.data.rollouts.packing import padded_bounds
 
     bounds = np.array([0, 3, 5])
     assert padded_bounds(bounds, 4, 64).tolist() == [0, 3, 5, 5, 5]

@@ -36,7 +36,8 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from servers import free_port, wait_until_serving
 
-from mop.data.rollouts import RolloutRows, RouteShape, read_rollouts
+from mop.data.rollouts.corpus import read_rollouts
+from mop.data.rollouts.rows import RolloutRows, RouteShape
 from mop.data.tokenizer import ByteTokenizer
 from mop.rl.engine import SGLangServer, VLLMServer
 from mop.rl.senders import EngineError, SGLangSender, VLLMFolderSender, VLLMSender, custom_group

@@ -1,5 +1,5 @@
-"""Recorded rollouts (issue 47): rows read into a `RolloutCorpus` (`mop.data.rollouts`) and packed whole
-into training sequences (`mop.data.rollout_packing`), through `load_dataset(..., rollouts=...)`.
+"""Recorded rollouts (issue 47): rows read into a `RolloutCorpus` (`mop.data.rollouts.corpus`) and packed whole
+into training sequences (`mop.data.rollouts.packing`), through `load_dataset(..., rollouts=...)`.
 
 Proven here:
 - token-id rows: the prompt is context, the completion's generated tokens (`completion_mask` 1) are the
@@ -38,13 +38,8 @@ import mop
 from mop.data.errors import DataError
 from mop.data.loader import load_dataset
 from mop.data.prepared import ChatSettings
-from mop.data.rollouts import (
-    RolloutRows,
-    RolloutSettings,
-    RouteShape,
-    group_advantages,
-    read_rollouts,
-)
+from mop.data.rollouts.corpus import RolloutSettings, group_advantages, read_rollouts
+from mop.data.rollouts.rows import RolloutRows, RouteShape
 from mop.data.templates import Conversation
 from mop.data.tokenizer import ByteTokenizer, load_tokenizer
 

@@ -29,7 +29,8 @@ from pathlib import Path
 from mop.bench import child
 from mop.bench.report import table, write_json
 from mop.data import load_dataset, load_tokenizer
-from mop.data.prepared import ChatSettings, encode_source
+from mop.data.kinds import encode_source
+from mop.data.prepared import ChatSettings
 from mop.testing.memory import ResidentGrowth
 
 MB = 1e6

@@ -1,6 +1,6 @@
 """Conversation sources: rows of messages from jsonl, parquet and Hugging Face `datasets` folders.
 
-A source (`data.source` with `data.format = "chat"`, or "preference": `mop.data.preferences` reads
+A source (`data.source` with `data.format = "chat"`, or "preference": `mop.data.preference.rows` reads
 its rows with `parse_row`, `message_list` and `row_tools`) is a `.jsonl` or `.parquet` file, a folder of
 them (sorted, hidden files skipped), or a folder written by `datasets`' `save_to_disk` (its
 `state.json` lists Arrow stream files, read with pyarrow; a `DatasetDict` folder, with

@@ -8,11 +8,11 @@ its token count, how many tokens are trained and their share, and whether it fit
 (and what `--overlong`, `data.overlong`, does with it when it does not), then its text with the
 trained tokens marked: green on a terminal, between ⟦ and ⟧ otherwise (`--color`). A token is
 trained when it is a target (`--loss-on`, `data.loss_on`), is not the conversation's first token
-(no label predicts it) and lies within the tokens kept: the labels `mop.data.chat_packing` builds.
+(no label predicts it) and lies within the tokens kept: the labels `mop.data.chat.packing` builds.
 A row that cannot be used is shown with its one-line reason.
 
-With `--format preference` each row is a preference pair (`mop.data.preferences`): a header with
-where it is, its prompt's length, its unit's (`mop.data.preference_packing`: with the prompt once, or
+With `--format preference` each row is a preference pair (`mop.data.preference.rows`): a header with
+where it is, its prompt's length, its unit's (`mop.data.preference.packing`: with the prompt once, or
 twice with `--no-shared-prompt`) and what `--overlong` does with it at `--seq-len`; then its prompt,
 once (its kept tokens only where it is cut from the left), and each response with its token count and
 its trained tokens marked: its targets, or every token with `--loss-on all` (none when the pair is
@@ -27,12 +27,14 @@ from itertools import islice
 
 import numpy as np
 
-from mop.data.chat_packing import trained_tokens, truncated_length
+from mop.data.chat.packing import trained_tokens
 from mop.data.conversations import chat_files, iter_rows
 from mop.data.errors import ConversationError
-from mop.data.preference_packing import fitted_prompts, trained_response, unit_lengths
-from mop.data.preferences import same_responses
-from mop.data.prepared import KINDS, ChatSettings, is_prepared, open_prepared
+from mop.data.kinds import KINDS, open_prepared
+from mop.data.packing import truncated_length
+from mop.data.preference.packing import fitted_prompts, trained_response, unit_lengths
+from mop.data.preference.rows import same_responses
+from mop.data.prepared import ChatSettings, is_prepared
 
 MARKS = {"color": ("\x1b[1;32m", "\x1b[0m"), "plain": ("⟦", "⟧")}
 
@@ -65,7 +67,7 @@ def _positive(text: str) -> int:
 
 def run(args) -> None:
     settings = ChatSettings(args.tokenizer, args.chat_template, kind=args.format)
-    encoder = settings.encoder()
+    encoder = KINDS[args.format].encoder(settings)
     marks = MARKS["color" if args.color == "always" or (args.color == "auto" and sys.stdout.isatty()) else "plain"]
     if encoder.template is not None:
         print(f"── {encoder.template.summary()}", end="\n\n")

@@ -21,13 +21,15 @@ from typing import NamedTuple
 
 import torch
 
-from mop.data.chat_packing import ChatDataset
+from mop.data.chat.packing import ChatDataset
 from mop.data.errors import DataError
+from mop.data.kinds import load_corpus, prepared_kind
 from mop.data.packing import IGNORE_INDEX, PackedDataset
-from mop.data.preference_packing import PreferenceDataset
-from mop.data.prepared import ChatSettings, is_prepared, load_corpus, other_format, prepared_kind
-from mop.data.rollout_packing import RolloutDataset
-from mop.data.rollouts import RolloutRows, RolloutSettings, read_rollouts
+from mop.data.preference.packing import PreferenceDataset
+from mop.data.prepared import ChatSettings, is_prepared, other_format
+from mop.data.rollouts.corpus import RolloutSettings, read_rollouts
+from mop.data.rollouts.packing import RolloutDataset
+from mop.data.rollouts.rows import RolloutRows
 from mop.data.sources import load_token_stream
 from mop.data.tokenizer import AnyTokenizer, load_tokenizer
 
@@ -203,7 +205,7 @@ def build_data(source: str, tokenizer: str, seq_len: int, seed: int, *,
     """Tokenizer, packed dataset and sequence stream from plain settings.
 
     ``source``: ``"builtin"`` or a local file/directory (see ``sources``; with ``chat``, a conversation
-    or preference source or a prepared folder, see ``conversations``, ``preferences`` and
+    or preference source or a prepared folder, see ``conversations``, ``preference.rows`` and
     ``prepared``); ``tokenizer``: ``"byte"`` or a local ``tokenizer.json`` (file or directory);
     ``seq_len``: tokens per training sequence;
     ``seed``: the data-order seed (and the packing's); ``text_field``: the JSONL field or parquet
@@ -212,7 +214,7 @@ def build_data(source: str, tokenizer: str, seq_len: int, seed: int, *,
     preference pairs, its kind "preference") become tokens and targets (None: text); ``overlong``:
     "drop" or "truncate" conversations or pairs longer than ``seq_len``; ``loss_on``: the targets of a
     conversation or response, "assistant" or "all"; ``shared_prompt``: pack a pair's prompt once
-    (``mop.data.preference_packing``); ``rollouts``: recorded rollouts' settings (``mop.data.rollouts``).
+    (``mop.data.preference.packing``); ``rollouts``: recorded rollouts' settings (``mop.data.rollouts.corpus``).
     """
     tok = load_tokenizer(tokenizer, eos_token)
     dataset = load_dataset(source, tok, seq_len, seed, text_field=text_field, bin_dtype=bin_dtype, chat=chat,

@@ -1,6 +1,8 @@
-"""Packing documents into fixed-length training sequences that keep document boundaries.
+"""Packing documents into fixed-length training sequences that keep document boundaries: a text
+stream cut into windows (`PackedDataset`), or whole items (conversations, preference pairs, rollouts:
+each format package's dataset) packed by best-fit decreasing (`pack`, `PackedRow`).
 
-The token stream is every document followed by the eos token, concatenated; ``doc_starts`` is
+Text. The token stream is every document followed by the eos token, concatenated; ``doc_starts`` is
 the sorted int64 array of offsets at which documents begin (``doc_starts[0] == 0``). The eos
 token belongs to the document it ends.
 
@@ -23,10 +25,27 @@ Per sequence, besides ``input_ids`` and ``labels`` (int64 ``[S]``):
 A sequence is a pure slice of the stream and its boundaries come from a binary search in
 ``doc_starts``, so the stream may be an ``np.memmap`` of a pre-tokenised file (or several,
 through ``ConcatTokens``): an item reads only its S + 1 tokens.
+
+Whole items. An item of `n` tokens (a corpus's `tokens[offsets[k]:offsets[k + 1]]`, or a unit a
+format builds of it) is never split. One longer than `S` is overlong (`fitted_lengths`,
+`data.overlong`): "drop" leaves it out; "truncate" keeps its longest prefix that ends at a turn
+boundary (the end of a run of targets) within S tokens, and drops it when none ends within S. Both
+are counted (`Packing.dropped`, `Packing.truncated`).
+
+Packing (`best_fit_decreasing`): items in order of decreasing length (ties in an order drawn from
+the seed), each into the open sequence with the least room that still holds it, else a new one;
+the sequences are then put in an order drawn from the seed (`pack`). Sequences with room left
+are padded at the end: padding is its own document, its labels are ignored and its `padding`
+flag set (the router statistics and tokens/s leave it out; `PackedRow`). The open sequences are
+kept in buckets by remaining room, and the room values present in one sorted list (the smallest
+room >= n is a bisection); the list holds at most min(sequences, S) values, at most the square
+root of the corpus's tokens, so packing costs O(items x log) plus short list moves.
 """
 
 import hashlib
+from bisect import bisect_left, insort
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -144,3 +163,135 @@ class PackedDataset(Dataset):
             "position_ids": torch.from_numpy(np.arange(S, dtype=np.int64) - segment_start),
             "document_ids": torch.from_numpy(document_ids.astype(np.int32)),
         }
+
+
+@dataclass
+class Packing:
+    """Sequence i holds the items `items[bounds[i]:bounds[i+1]]`, their first `lengths` tokens."""
+
+    items: np.ndarray
+    lengths: np.ndarray
+    bounds: np.ndarray
+    dropped: int
+    truncated: int
+
+    def stats(self, unit: str, seq_len: int, skipped: int, **counts: int) -> dict:
+        """What a run reports of the packed data, in this order: `data_<unit>` (the items packed), the
+        overlong ones dropped and truncated, the invalid rows skipped, `counts` and the share of the
+        sequences' `seq_len` tokens that is padding."""
+        real = int(self.lengths.sum())
+        return {f"data_{unit}": len(self.items), "data_overlong_dropped": self.dropped,
+                "data_overlong_truncated": self.truncated, "data_skipped_invalid": skipped, **counts,
+                "data_padding_share": 1 - real / max(1, (len(self.bounds) - 1) * seq_len)}
+
+
+def describe_packed(stats: dict, unit: str, sequences: int) -> str:
+    """The start line's account of packed data from its `Packing.stats`."""
+    return (f"{stats[f'data_{unit}']} {unit} in {sequences} sequences, {stats['data_padding_share']:.1%} padding; "
+            f"overlong: {stats['data_overlong_dropped']} dropped, {stats['data_overlong_truncated']} truncated; "
+            f"{stats['data_skipped_invalid']} invalid skipped")
+
+
+def fitted_lengths(corpus, seq_len: int, overlong: str) -> tuple[np.ndarray, int, int]:
+    """Each item's length as trained (0: dropped; the module docstring) of a corpus's `offsets` and
+    `targets`, and the dropped and truncated counts."""
+    lengths = np.diff(corpus.offsets)
+    over = np.flatnonzero(lengths > seq_len)
+    kept = lengths.copy()
+    kept[over] = 0
+    if overlong == "truncate":
+        for k in over:  # overlong items are few: each looks at its first seq_len + 1 targets
+            start = int(corpus.offsets[k])
+            kept[k] = truncated_length(np.asarray(corpus.targets[start:start + seq_len + 1], dtype=bool))
+    truncated = int(np.count_nonzero(kept[over]))
+    return kept, len(over) - truncated, truncated
+
+
+def truncated_length(targets: np.ndarray) -> int:
+    """The longest prefix of an overlong item, given its first `seq_len + 1` targets, that
+    ends at a turn boundary (the end of a run of targets) within `seq_len` tokens; 0 where none does."""
+    ends = np.flatnonzero(targets[:-1] & ~targets[1:]) + 1  # a run of targets ends before position `end`
+    return int(ends[-1]) if len(ends) else 0
+
+
+def best_fit_decreasing(lengths: np.ndarray, capacity: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Items (indices into `lengths`, zeros left out) grouped into bins of `capacity`: `(items,
+    bounds)`, bin b holding `items[bounds[b]:bounds[b+1]]` (the module docstring)."""
+    order = np.random.default_rng(seed).permutation(len(lengths))
+    order = order[np.argsort(-lengths[order], kind="stable")]
+    order = order[lengths[order] > 0]
+    rooms: dict[int, list[int]] = {}  # room left -> the open sequences with that room
+    sizes: list[int] = []  # the room values present, sorted
+    bin_of = np.empty(len(order), dtype=np.int64)
+    bins = 0
+    for position, item in enumerate(order.tolist()):
+        size = int(lengths[item])
+        at = bisect_left(sizes, size)
+        if at < len(sizes):
+            room = sizes[at]
+            stack = rooms[room]
+            chosen = stack.pop()
+            if not stack:
+                del rooms[room], sizes[at]
+        else:
+            chosen, room = bins, capacity
+            bins += 1
+        bin_of[position] = chosen
+        left = room - size
+        if left:
+            if left not in rooms:
+                rooms[left] = []
+                insort(sizes, left)
+            rooms[left].append(chosen)
+    grouping = np.argsort(bin_of, kind="stable")
+    bounds = np.concatenate([[0], np.cumsum(np.bincount(bin_of, minlength=bins))]).astype(np.int64)
+    return order[grouping], bounds
+
+
+def pack(lengths: np.ndarray, seq_len: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Items of `lengths` (zeros left out) packed into sequences by `best_fit_decreasing`, `(items,
+    bounds)` in an order drawn from the seed: best fit numbers the sequences as it opens them, longest
+    items first, and a held-out split (the last sequences) or an evaluation (the first ones) must not
+    see only the shortest or the longest."""
+    items, bounds = best_fit_decreasing(lengths, seq_len, seed)
+    sizes = np.diff(bounds)
+    rank = np.random.default_rng([seed, 1]).permutation(len(sizes))  # sequence b becomes sequence rank[b]
+    items = items[np.argsort(np.repeat(rank, sizes), kind="stable")]
+    bounds = np.concatenate([[0], np.cumsum(sizes[np.argsort(rank)])]).astype(np.int64)
+    return items, bounds
+
+
+class PackedRow:
+    """One packed sequence being written: its [S] arrays, the documents written one after another
+    from its start (`number` of them, `at` tokens), and after them padding: pad tokens without labels,
+    made one more document with positions from 0 by `tensors`."""
+
+    def __init__(self, seq_len: int, pad_id: int):
+        self.ids = np.full(seq_len, pad_id, dtype=np.int64)
+        self.labels = np.full(seq_len, IGNORE_INDEX, dtype=np.int64)
+        self.positions = np.zeros(seq_len, dtype=np.int64)
+        self.documents = np.zeros(seq_len, dtype=np.int32)
+        self.at = self.number = 0
+
+    def document(self, tokens: np.ndarray, trained: np.ndarray, position: int = 0) -> int:
+        """Append a document, its positions from `position`: token t is the label of the token before
+        it where `trained[t]` (never the first token, which nothing of the document precedes); returns
+        where the document starts."""
+        start, n = self.at, len(tokens)
+        self.ids[start:start + n] = tokens
+        self.labels[start:start + n - 1] = np.where(trained[1:], self.ids[start + 1:start + n], IGNORE_INDEX)
+        self.positions[start:start + n] = np.arange(position, position + n)
+        self.documents[start:start + n] = self.number
+        self.at, self.number = start + n, self.number + 1
+        return start
+
+    def tensors(self, **more: np.ndarray) -> dict[str, torch.Tensor]:
+        """The row with its padding as tensors: `input_ids`, `labels`, `position_ids`, `document_ids`,
+        `more` and `padding` (bool)."""
+        padding = np.zeros(len(self.ids), dtype=bool)
+        padding[self.at:] = True
+        self.documents[self.at:] = self.number
+        self.positions[self.at:] = np.arange(len(self.ids) - self.at)
+        arrays = {"input_ids": self.ids, "labels": self.labels, "position_ids": self.positions,
+                  "document_ids": self.documents, **more, "padding": padding}
+        return {key: torch.from_numpy(value) for key, value in arrays.items()}

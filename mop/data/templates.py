@@ -32,7 +32,7 @@ turn's last target). A template that renders nothing between an assistant turn a
 turn is refused: its turns have no boundary.
 
 The targets kept are always the assistant's: `data.loss_on = "all"` is applied when sequences are
-built (`mop.data.chat_packing`), so one encoding serves both, and the assistant turns' ends are the
+built (`mop.data.chat.packing`), so one encoding serves both, and the assistant turns' ends are the
 turn boundaries that `data.overlong = "truncate"` cuts at either way. Every problem with a
 conversation is a `ConversationError` naming its row, which the readers turn into a one-line
 `DataError` (or count and skip with `data.skip_invalid`). `TARGETS_VERSION` numbers this

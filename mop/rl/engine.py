@@ -1,5 +1,5 @@
 """An inference engine behind one interface: it takes the trainer's weights and samples rollouts in
-the rows `data.format = "rollouts"` reads (`mop.data.rollouts`), with what routing replay and the
+the rows `data.format = "rollouts"` reads (`mop.data.rollouts.rows`), with what routing replay and the
 train-inference correction need (sampling log-probs, routed experts).
 
 `TransformersEngine` (the tests' engine, on the CPU): a Hugging Face model loaded from the folder

@@ -1,5 +1,5 @@
 """The RL loop's data: each batch's rollouts sampled by the inference engine with the trainer's
-weights, rewarded, and packed as recorded rollouts are (`mop.data.rollout_packing`), so the loop of
+weights, rewarded, and packed as recorded rollouts are (`mop.data.rollouts.packing`), so the loop of
 `mop train` (`mop.train`) trains on them unchanged.
 
 `RolloutFeed` stands where a run's `Data` does (`tokenizer`, `dataset`, `stream`). Drawing batch b

@@ -1,5 +1,5 @@
 """Rollouts sampled on this machine from a model, written as the rows `data.format = "rollouts"` reads
-(`mop.data.rollouts`): what the tests and the shipped debug rollouts are made with, standing in for
+(`mop.data.rollouts.rows`): what the tests and the shipped debug rollouts are made with, standing in for
 an inference engine (vLLM, SGLang) on a machine without one.
 
 For each prompt, `group` completions are drawn together (multinomial at temperature 1, from a seeded

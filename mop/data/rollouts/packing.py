@@ -1,7 +1,7 @@
 """Recorded rollouts packed into training sequences, each whole (issue 47).
 
-Each rollout of a `RolloutCorpus` (`mop.data.rollouts`) is one document, its prompt then its
-completion, packed as conversations are (`chat_packing.pack`: best-fit decreasing, sequences in an
+Each rollout of a `RolloutCorpus` (`mop.data.rollouts.corpus`) is one document, its prompt then its
+completion, packed as conversations are (`mop.data.packing.pack`: best-fit decreasing, sequences in an
 order drawn from the seed). A rollout longer than `data.seq_len` is dropped and counted: cutting it
 would train on a trajectory the engine never sampled (the settings refuse data.overlong =
 "truncate").
@@ -29,9 +29,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from mop.data.chat_packing import PackedRow, Packing, fitted_lengths, pack
 from mop.data.errors import DataError
-from mop.data.rollouts import RolloutCorpus
+from mop.data.packing import PackedRow, Packing, fitted_lengths, pack
+from mop.data.rollouts.corpus import RolloutCorpus
 
 
 def padded_bounds(bounds: np.ndarray, sequences: int, seq_len: int) -> np.ndarray:

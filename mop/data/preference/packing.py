@@ -1,6 +1,6 @@
 """Preference pairs packed into training sequences with each prompt computed once (issue 39).
 
-A pair of a `PreferenceCorpus` (`mop.data.preferences`) has a prompt P (p >= 1 tokens), a chosen
+A pair of a `PreferenceCorpus` (`mop.data.preference.corpus`) has a prompt P (p >= 1 tokens), a chosen
 response C (c >= 1) and a rejected one R (r >= 1). It is one unit, never split between sequences:
 - shared (`data.shared_prompt`, the default): `[P | C]` is one document, positions 0 .. p+c-1; then
   `[P[-1] | R]` is the next one, a branch: its tokens carry `prefix_lengths = p - 1`, so it also
@@ -21,9 +21,9 @@ Overlong units (longer than S = data.seq_len; data.overlong): "drop" leaves them
 cuts the prompt from the left, keeping its last p' tokens, the most that fit, the same for both
 responses (shared p' = S - (c + 1 + r), unshared floor((S - c - r) / 2)); a unit is dropped where
 p' < 1. Both are counted (`stats`), and so are the corpus's degenerate pairs (chosen and rejected the
-same tokens, `mop.data.preferences.same_responses`), which the trainer warns about.
+same tokens, `mop.data.preference.rows.same_responses`), which the trainer warns about.
 
-Units are packed as conversations are (`chat_packing.pack`: best-fit decreasing, sequences in an
+Units are packed as conversations are (`mop.data.packing.pack`: best-fit decreasing, sequences in an
 order drawn from the seed); one prepared folder serves every seq_len, overlong, loss_on and
 shared_prompt. `PreferenceDataset[i]` holds, as [S] tensors: `input_ids`, `labels`, `position_ids`,
 `prefix_lengths`, `response_ids` (int64), `document_ids` (int32: 0, 1, ... per document, the padding
@@ -41,9 +41,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from mop.data.chat_packing import PackedRow, Packing, pack
 from mop.data.errors import DataError
-from mop.data.prepared import PreferenceCorpus
+from mop.data.packing import PackedRow, Packing, pack
+from mop.data.preference.corpus import PreferenceCorpus
 
 
 def unit_lengths(parts: np.ndarray, prompts: np.ndarray, shared: bool) -> np.ndarray:

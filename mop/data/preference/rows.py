@@ -20,7 +20,7 @@ Encoding (TRL's `tokenize_fn`). Conversational, with the chat template (`mop.dat
 template.encode(prompt + response)`, the response is `ids[p:]` and its targets `targets[p:]`: the
 assistant targets (issue 36) of the response alone. TRL trains every token after the prompt (for
 Qwen3 also the newline after `<|im_end|>`): that is `data.loss_on = "all"`, applied when pairs are
-packed (`mop.data.preference_packing`), so one encoding serves both. Plain: `prompt_ids =
+packed (`mop.data.preference.packing`), so one encoding serves both. Plain: `prompt_ids =
 encode(prompt)` and `ids = encode(prompt + response + EOS)`, one text, the tokenizer's EOS token's
 text appended unless the response ends with it (the byte tokenizer, which reads no special token's
 text, gets its EOS id appended instead); every response token is a target. No special tokens are
