@@ -160,6 +160,10 @@ def bf16_agrees(logps, folder: Path, ids: list[int]) -> bool:
 def assert_engine_agrees(folder: Path, ids: list[int], logps) -> None:
     ours = mop_log_probs(folder, ids)
     assert float(ours.max() - ours.min()) > SPREAD  # the check can tell models apart
+    rounding = (mop_log_probs(folder, ids, torch.bfloat16) - ours).abs().max()
+    print(f"{folder.name}: vLLM's log-probs against mop's fp32 ones: max difference "
+          f"{(torch.tensor(logps, dtype=torch.float32) - ours[-len(logps):]).abs().max():.4f} nats "
+          f"(mop in bf16: {rounding:.4f}); shown with pytest -rP")
     assert bf16_agrees(logps, folder, ids), (logps, ours.tolist())
 
 

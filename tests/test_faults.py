@@ -32,7 +32,7 @@ from mop.launch import failed_launch
 from mop.metrics import read_metrics
 from mop.parallel.mesh import DistLayout, Layout
 from mop.testing import rank_device, run_distributed
-from mop.testing.distributed import free_port
+from servers import free_port
 from test_train import TINY, TINY_RUN
 
 STEPS = 12
@@ -289,8 +289,8 @@ SECOND_NODE_STOPS_IN_STEP_5 = """
 
 
 def torchrun_node(run_dir: Path, port: int) -> subprocess.Popen:
-    """One of two torchrun agents (2 ranks each) of a run, in its own session: the README's multi-node
-    command on this machine, with the fault above injected."""
+    """One of two torchrun agents (2 ranks each) of a run, in its own session: the multi-node command of
+    docs/multi-node-and-gpus.md on this machine, with the fault above injected."""
     hooks = run_dir.parent / "hooks"
     hooks.mkdir(exist_ok=True)
     (hooks / "sitecustomize.py").write_text(textwrap.dedent(SECOND_NODE_STOPS_IN_STEP_5))

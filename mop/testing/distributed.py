@@ -1,7 +1,9 @@
 """Run a function on W spawned ranks (gloo on CPU, NCCL on CUDA) and collect what each returns; never hang.
 
-Algorithm. The parent picks a free localhost port, pickles ``(fn, args, kwargs)`` once, and starts
-one process per rank as a fork of a fork server that has already imported torch and mop's training
+Algorithm. The parent hosts the job's TCP store on a localhost port the kernel picks as the store
+binds it (as torchrun's agent does: the ranks join it as clients, ``TORCHELASTIC_USE_AGENT_STORE``; a
+port chosen first and bound later by rank 0 could be taken in between by another test's connection),
+pickles ``(fn, args, kwargs)`` once, and starts one process per rank as a fork of a fork server that has already imported torch and mop's training
 stack (`FORK_SERVER_MODULES`). As with 'spawn', children share no state with the parent and get its
 sys.path and working directory; their environment is the fork server's (the parent's at the first
 call). Each child sets the torchrun variables for itself and joins through
@@ -30,7 +32,6 @@ import multiprocessing.connection
 import os
 import pickle
 import random
-import socket
 import sys
 import tempfile
 import time
@@ -96,11 +97,14 @@ def run_distributed(
     # mop per call). Forking is safe there because that process has run no torch ops and started
     # no thread (`FORK_SERVER_MODULES`).
     ctx.set_forkserver_preload(list(FORK_SERVER_MODULES))
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     with tempfile.TemporaryDirectory(prefix="mop-dist-") as tmp:
         paths = [Path(tmp) / f"rank{rank}.pkl" for rank in range(world_size)]
-        port = free_port()
         procs = [
-            ctx.Process(target=_child, args=(rank, world_size, port, payload, str(paths[rank]), device), daemon=True)
+            ctx.Process(target=_child, args=(rank, world_size, store.port, payload, str(paths[rank]), device),
+                        daemon=True)
             for rank in range(world_size)
         ]
         try:
@@ -161,13 +165,6 @@ def _wait(procs: list[mp.process.BaseProcess], timeout: float) -> list[int]:
     return exit_order
 
 
-def free_port() -> int:
-    # Port 0 lets the OS pick; the window before rank 0's store binds it is tiny.
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _read(path: Path) -> tuple[str, Any] | None:
     if not path.exists():
         return None
@@ -200,6 +197,7 @@ def _child(rank: int, world_size: int, port: int, payload: bytes, path: str, dev
         LOCAL_WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
+        TORCHELASTIC_USE_AGENT_STORE="True",  # the parent's store: every rank is its client
     )
     try:
         # Unpickled inside the try so an import error in fn's module is reported like any other.
