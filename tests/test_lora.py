@@ -47,6 +47,20 @@ def run(tmp_path, name, *extra):
     return read_metrics(tmp_path / name / "metrics.jsonl")
 
 
+@pytest.fixture(scope="module")
+def reference_of(tmp_path_factory):
+    """`reference_of(*settings)`: the single-process reference run's records, made once per worker for each
+    settings (a reference is deterministic, and every layout of a family compares with the same one)."""
+    made = {}
+
+    def reference(*settings):
+        if settings not in made:
+            made[settings] = run(tmp_path_factory.mktemp("reference"), "reference", *settings)
+        return made[settings]
+
+    return reference
+
+
 def assert_same_run(records, reference):
     assert losses(records) == pytest.approx(losses(reference), rel=1e-5)
     assert [r["grad_norm"] for r in records] == pytest.approx([r["grad_norm"] for r in reference], rel=1e-4)
@@ -228,10 +242,9 @@ def test_lora_in_every_technique_trains_like_the_reference_on_an_fp8_base(tmp_pa
     ["--parallel.strategy=fsdp2", "--parallel.nproc=2", "--parallel.sequence=2", "--parallel.expert=2",
      "--parallel.vocab=1", "--parallel.expert_balance=ep", "--optim.offload=false"],
 ], ids=["4-ranks-everything", "4-ranks-ep4-sp2", "fsdp2-baseline"])
-def test_lora_trains_like_the_reference_in_every_layout(tmp_path, family, fmt, layout):
+def test_lora_trains_like_the_reference_in_every_layout(tmp_path, reference_of, family, fmt, layout):
     args = [*LORA, *FAMILY_RUNS[family], f"--lora.base_format={fmt}"]
-    reference = run(tmp_path, "reference", *args)
-    assert_same_run(run(tmp_path, "layout", *args, *layout), reference)
+    assert_same_run(run(tmp_path, "layout", *args, *layout), reference_of(*args))
 
 
 @pytest.mark.slow
