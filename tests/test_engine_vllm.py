@@ -337,8 +337,9 @@ def test_a_server_of_a_published_fp8_checkpoint_takes_the_published_form(tmp_pat
         try:
             rows = engine.sample(PROMPTS[:1], group=2, max_new_tokens=8, seed=0)
             assert not all(agrees(row, folder) for row in rows)
-        except EngineError as err:  # or its worker dies of them
-            assert "EngineCore encountered an issue" in str(err)
+        except EngineError as err:  # or its worker dies of them, or their log-probs are not finite numbers
+            # (the unsent scales are uninitialised memory, so which of the three happens varies from run to run)
+            assert "EngineCore encountered an issue" in str(err) or "Out of range float values" in str(err)
     trainer.close()
 
 
