@@ -146,25 +146,33 @@ def mop_log_probs(folder: Path, ids: list[int], dtype: torch.dtype = torch.float
     return logits.log_softmax(-1)[0, :-1].gather(-1, tokens[0, 1:, None])[:, 0]
 
 
-def bf16_agrees(logps, folder: Path, ids: list[int]) -> bool:
-    """Whether an engine's log-probs of the last `len(logps)` tokens of `ids` are mop's (fp32, `folder`'s
-    weights) within the bf16 tolerance (`ROUNDING_FACTOR`)."""
+def bf16_errors(logps, folder: Path, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """An engine's errors on the last `len(logps)` tokens of `ids` against mop's log-probs (fp32, `folder`'s
+    weights), and the errors of mop's own bf16 forward of those weights: the tolerance's scale."""
     count = len(logps)
     exact = mop_log_probs(folder, ids)[-count:]
     rounding = (mop_log_probs(folder, ids, torch.bfloat16)[-count:] - exact).abs()
-    error = (torch.tensor(logps, dtype=torch.float32) - exact).abs()
+    return (torch.tensor(logps, dtype=torch.float32) - exact).abs(), rounding
+
+
+def within_bf16(error: torch.Tensor, rounding: torch.Tensor) -> bool:
+    """Whether `error` is within the bf16 tolerance (`ROUNDING_FACTOR`) of `rounding`, at the mean and the worst."""
     return bool(error.mean() <= ROUNDING_FACTOR * rounding.mean() + ROUNDING_SLACK
                 and error.max() <= ROUNDING_FACTOR * rounding.max() + ROUNDING_SLACK)
+
+
+def bf16_agrees(logps, folder: Path, ids: list[int]) -> bool:
+    """Whether an engine's log-probs of the last `len(logps)` tokens of `ids` are mop's within bf16's rounding."""
+    return within_bf16(*bf16_errors(logps, folder, ids))
 
 
 def assert_engine_agrees(folder: Path, ids: list[int], logps) -> None:
     ours = mop_log_probs(folder, ids)
     assert float(ours.max() - ours.min()) > SPREAD  # the check can tell models apart
-    rounding = (mop_log_probs(folder, ids, torch.bfloat16) - ours).abs().max()
-    print(f"{folder.name}: vLLM's log-probs against mop's fp32 ones: max difference "
-          f"{(torch.tensor(logps, dtype=torch.float32) - ours[-len(logps):]).abs().max():.4f} nats "
-          f"(mop in bf16: {rounding:.4f}); shown with pytest -rP")
-    assert bf16_agrees(logps, folder, ids), (logps, ours.tolist())
+    error, rounding = bf16_errors(logps, folder, ids)
+    print(f"{folder.name}: vLLM's log-probs against mop's fp32 ones: max difference {error.max():.4f} nats "
+          f"(mop in bf16: {rounding.max():.4f}); shown with pytest -rP")
+    assert within_bf16(error, rounding), (logps, ours.tolist())
 
 
 @pytest.fixture(scope="module")
